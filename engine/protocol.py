@@ -1,0 +1,262 @@
+"""Typed messages between gateway, router and engine workers.
+
+Everything that crosses a process boundary is one of these dataclasses, serialised as one JSON
+object per line (NDJSON) over HTTP. The same wire protocol is spoken by an engine worker and by a
+stand-alone router service, so a gateway talks to either through one client.
+
+Worker HTTP surface (all JSON):
+- ``POST /internal/generate``: body ``GenerateRequest.to_dict()``; answer: NDJSON stream of
+  ``TokenEvent.to_dict()``, the last one carrying ``finish_reason``.
+- ``POST /internal/abort``: body ``{"request_id": str}``.
+- ``GET /load``: ``LoadReport.to_dict()``.
+- ``GET /health``: 200 when accepting work, 503 while draining or starting.
+- ``GET /kv_events?since=N``: ``{"seq": int, "events": [KVEvent.to_dict(), ...]}``.
+- ``GET /metrics``: Prometheus text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+ConstraintKind = Literal["json", "regex", "ebnf", "tool_call", "tool_call_required"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+Role = Literal["prefill", "decode", "mixed"]
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """A grammar the sampled tokens must follow (xgrammar token masks).
+
+    ``spec``: JSON schema (compact JSON; ``""`` = any JSON value) for ``json``, the pattern for
+    ``regex``, the grammar for ``ebnf``, the Chat Completions tool list (JSON array) for the
+    ``tool_call*`` kinds. ``trigger_token_ids``: when non-empty, generation is free until one of
+    these tokens is sampled (the thinking-end token) and the grammar applies from then on.
+    """
+
+    kind: ConstraintKind
+    spec: str = ""
+    trigger_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OutputConstraint:
+        return cls(kind=d["kind"], spec=d.get("spec", ""), trigger_token_ids=tuple(d.get("trigger_token_ids", ())))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (vLLM/OpenAI semantics; 0 / 1.0 mean "off")."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    constraint: OutputConstraint | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError("top_logprobs must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.constraint is not None:
+            d["constraint"]["trigger_token_ids"] = list(self.constraint.trigger_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["stop_token_ids"] = tuple(kw.get("stop_token_ids", ()))
+        if kw.get("constraint") is not None:
+            kw["constraint"] = OutputConstraint.from_dict(kw["constraint"])
+        return cls(**kw)
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request as the engine sees it: token ids in, token events out.
+
+    ``output_token_ids``: tokens already produced elsewhere (a migrated request, or the first token
+    a prefill worker produced); the engine continues after them and does not emit them again.
+    ``prefill_only``: compute the prompt, persist its KV units to the store, emit the first token
+    and finish (a prefill-pool worker). ``dp_rank``: the data-parallel rank the router picked.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    prefill_only: bool = False
+    dp_rank: int | None = None
+    session_key: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "sampling": self.sampling.to_dict(),
+            "priority": self.priority,
+            "output_token_ids": list(self.output_token_ids),
+            "prefill_only": self.prefill_only,
+            "dp_rank": self.dp_rank,
+            "session_key": self.session_key,
+            "arrival_time": self.arrival_time,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GenerateRequest:
+        return cls(
+            request_id=str(d["request_id"]),
+            prompt_token_ids=[int(t) for t in d["prompt_token_ids"]],
+            sampling=SamplingParams.from_dict(d.get("sampling") or {}),
+            priority=int(d.get("priority", 0)),
+            output_token_ids=[int(t) for t in d.get("output_token_ids", [])],
+            prefill_only=bool(d.get("prefill_only", False)),
+            dp_rank=d.get("dp_rank"),
+            session_key=d.get("session_key"),
+            arrival_time=float(d.get("arrival_time", time.time())),
+        )
+
+
+@dataclass
+class TokenLogprob:
+    """Log probability of one sampled token and its top alternatives ``[(token_id, logprob)]``."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class TokenEvent:
+    """New output tokens of one request (usually one per engine step)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    worker_id: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"request_id": self.request_id, "token_ids": self.token_ids}
+        if self.logprobs is not None:
+            d["logprobs"] = [[lp.logprob, lp.top] for lp in self.logprobs]
+        if self.finish_reason is not None:
+            d["finish_reason"] = self.finish_reason
+        if self.num_prompt_tokens:
+            d["num_prompt_tokens"] = self.num_prompt_tokens
+        if self.num_cached_tokens:
+            d["num_cached_tokens"] = self.num_cached_tokens
+        if self.error is not None:
+            d["error"] = self.error
+        if self.worker_id is not None:
+            d["worker_id"] = self.worker_id
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TokenEvent:
+        lps = d.get("logprobs")
+        return cls(
+            request_id=d["request_id"],
+            token_ids=list(d.get("token_ids", [])),
+            logprobs=None if lps is None else [TokenLogprob(lp, [(int(t), float(v)) for t, v in top]) for lp, top in lps],
+            finish_reason=d.get("finish_reason"),
+            num_prompt_tokens=int(d.get("num_prompt_tokens", 0)),
+            num_cached_tokens=int(d.get("num_cached_tokens", 0)),
+            error=d.get("error"),
+            worker_id=d.get("worker_id"),
+        )
+
+
+@dataclass
+class RankLoad:
+    """Load of one data-parallel rank of a worker."""
+
+    dp_rank: int
+    running: int = 0
+    waiting: int = 0
+    queued_tokens: int = 0
+    state_usage: float = 0.0
+
+
+@dataclass
+class LoadReport:
+    """What ``GET /load`` answers: the worker's identity, role and per-rank load."""
+
+    worker_id: str
+    role: Role
+    ranks: list[RankLoad]
+    draining: bool = False
+    block_size: int = 128
+    model: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoadReport:
+        return cls(
+            worker_id=d["worker_id"],
+            role=d["role"],
+            ranks=[RankLoad(**r) for r in d.get("ranks", [])],
+            draining=bool(d.get("draining", False)),
+            block_size=int(d.get("block_size", 128)),
+            model=d.get("model", ""),
+        )
+
+
+@dataclass
+class KVEvent:
+    """A KV unit stored in or removed from a worker's reachable cache (for cache-aware routing).
+
+    ``keys``: hex chained-hash keys of 128-token-aligned prefix units (kvstore.keys).
+    ``tier``: where the unit lives (``"memory"``, ``"host"``, ``"ssd"``, ``"redis"``, ``"fs"``).
+    """
+
+    kind: Literal["stored", "removed"]
+    keys: list[str]
+    tier: str = "memory"
+    dp_rank: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVEvent:
+        return cls(kind=d["kind"], keys=list(d["keys"]), tier=d.get("tier", "memory"), dp_rank=int(d.get("dp_rank", 0)))

@@ -1,0 +1,205 @@
+"""Load a DeepSeek-V4 checkpoint: ``config.json`` + (sharded) safetensors, two naming schemes.
+
+Names: ``transformers``' (``model.layers.0.self_attn.q_a_proj.weight``, stacked experts) or
+DeepSeek's original (``layers.0.attn.wq_a.weight``, one tensor per expert). Precision: fp32 /
+bf16 / fp16 as stored, FP8 e4m3 with block scales (``*.scale`` or ``*.weight_scale_inv``, the
+block size read off the scale grid, 128×128 in practice) and FP4 e2m1 experts (two values per
+int8 byte, low nibble first, one scale per 32 inputs) dequantized on load. Every problem raises
+one ``CheckpointError`` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.errors import CheckpointError
+from engine.model.config import ModelConfig
+from engine.model.model import DeepseekV4ForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Original DeepSeek names -> transformers names, applied in order to the part after "layers.N.".
+_LAYER_RENAMES: list[tuple[str, str]] = [
+    (r"^attn\.indexer\.compressor\.", "self_attn.compressor.indexer."),
+    (r"^attn\.indexer\.wq_b\.", "self_attn.compressor.indexer.q_b_proj."),
+    (r"^attn\.indexer\.weights_proj\.", "self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"^attn\.", "self_attn."),
+    (r"^ffn\.", "mlp."),
+    (r"^attn_norm\.", "input_layernorm."),
+    (r"^ffn_norm\.", "post_attention_layernorm."),
+    (r"^hc_attn_(fn|base|scale)$", r"attn_hc.\1"),
+    (r"^hc_ffn_(fn|base|scale)$", r"ffn_hc.\1"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.ape$", ".position_bias"),
+    (r"(compressor(\.indexer)?)\.norm\.", r"\1.kv_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]
+_TOP_RENAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_SCALE_SUFFIXES = (".scale", "_scale_inv", ".weight_scale_inv")
+_FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def to_hf_name(name: str) -> str:
+    """Map an original DeepSeek tensor name to transformers' name (HF names pass through)."""
+    if name.startswith(("model.", "lm_head.")):
+        return name
+    if name in _TOP_RENAMES:
+        return _TOP_RENAMES[name]
+    m = re.match(r"^layers\.(\d+)\.(.*)$", name)
+    if not m:
+        return name
+    rest = m.group(2)
+    for pattern, repl in _LAYER_RENAMES:
+        rest = re.sub(pattern, repl, rest)
+    return f"model.layers.{m.group(1)}.{rest}"
+
+
+def _scale_name(weight_name: str, keys: set[str]) -> str | None:
+    base = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    for cand in (base + ".scale", weight_name + "_scale_inv", base + ".weight_scale_inv"):
+        if cand in keys:
+            return cand
+    return None
+
+
+def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    u8 = packed.contiguous().view(torch.uint8)
+    low, high = (u8 & 0xF).long(), (u8 >> 4).long()
+    return torch.stack([_FP4_LUT[low], _FP4_LUT[high]], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3 (or int8-packed FP4) weight × its block-scale grid → float32."""
+    w = _unpack_fp4(weight) if weight.dtype in (torch.int8, torch.uint8) else weight.to(torch.float32)
+    if scale.dtype == torch.uint8:  # e8m0 exponents stored as bytes
+        s = (scale.to(torch.float32) - 127.0).exp2()
+    else:
+        s = scale.to(torch.float32)
+    s = s.reshape(w.shape[:-2] + s.shape[-2:]) if s.dim() >= 2 else s.reshape(1, 1)
+    rows, cols = w.shape[-2:]
+    bm, bn = -(-rows // s.shape[-2]), -(-cols // s.shape[-1])
+    full = s.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
+    return w * full
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: malformed index ({exc})") from exc
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> DeepseekV4ForCausalLM:
+    """Build the model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    cfg = ModelConfig.from_dir(model_dir)
+    if dtype == "auto":
+        dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "bfloat16"
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    files = _shard_files(model_dir)
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(cfg, torch_dtype)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    loaded: set[str] = set()
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+
+    def assign(name: str, tensor: torch.Tensor, file: Path) -> None:
+        if name not in params:
+            raise CheckpointError(f"{file}: unexpected tensor {name!r}")
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        loaded.add(name)
+
+    bar = tqdm(files, desc="loading shards", unit="shard", disable=not progress, file=sys.stderr)
+    for file in bar:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            scale_keys = {k for k in keys if k.endswith(_SCALE_SUFFIXES) and _is_scale_of_some(k, keys)}
+            for key in sorted(keys - scale_keys):
+                tensor = f.get_tensor(key)
+                scale_key = _scale_name(key, keys)
+                if scale_key is not None and (tensor.dtype.itemsize == 1):
+                    tensor = dequantize(tensor, f.get_tensor(scale_key))
+                if key.startswith(("mtp.", "model.mtp.")):
+                    model.mtp[key] = tensor
+                    continue
+                name = to_hf_name(key)
+                m = _EXPERT_RE.match(name)
+                if m:
+                    experts[m.group(1)][int(m.group(2))][m.group(3)] = tensor
+                    continue
+                try:
+                    assign(name, tensor, file)
+                except RuntimeError as exc:
+                    raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
+    for prefix, per_expert in experts.items():
+        n = cfg.n_routed_experts
+        if sorted(per_expert) != list(range(n)) or any(set(w) != {"w1", "w2", "w3"} for w in per_expert.values()):
+            raise CheckpointError(f"{model_dir}: experts of {prefix!r} incomplete (need w1/w2/w3 for {n} experts)")
+        gate_up = torch.stack([torch.cat([per_expert[e]["w1"], per_expert[e]["w3"]]) for e in range(n)])
+        down = torch.stack([per_expert[e]["w2"] for e in range(n)])
+        assign(f"{prefix}.gate_up_proj", gate_up, model_dir)
+        assign(f"{prefix}.down_proj", down, model_dir)
+    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return model.eval()
+
+
+def _is_scale_of_some(key: str, keys: set[str]) -> bool:
+    """Whether ``key`` is the quantization scale of another tensor in the same file."""
+    for suffix, weight_suffix in ((".weight_scale_inv", ".weight"), ("_scale_inv", ""), (".scale", ".weight")):
+        if key.endswith(suffix) and key[: -len(suffix)] + weight_suffix in keys:
+            return True
+    return False

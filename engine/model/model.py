@@ -1,0 +1,130 @@
+"""The DeepSeek-V4 causal LM over a batch of variable-length sequence chunks.
+
+``forward(chunks)`` takes ``(SequenceState, new token ids)`` pairs — a prefill chunk, a whole
+prompt or one decode token each — flattens all tokens into one ``(N, ...)`` axis for the
+token-wise parts (projections, MoE, mHC) and lets attention walk each sequence's own state. No
+padding, so mixed lengths batch exactly. States are updated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from engine.model.attention import Attention, SeqSlice
+from engine.model.config import ModelConfig
+from engine.model.layers import HyperConnection, HyperHead, RMSNorm, hc_merge
+from engine.model.moe import MoE
+from engine.model.rope import Rotary
+from engine.model.state import SequenceState
+
+
+class DecoderLayer(nn.Module):
+    """Attention and MoE blocks, each wrapped in a hyper-connection over ``hc`` streams."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, dtype)
+        self.mlp = MoE(cfg, layer_idx, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: Rotary,
+        seqs: list[SeqSlice],
+    ) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)  # streams (N, hc, H)
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, rotary, seqs)
+        streams = hc_merge(post, comb, attn, streams)
+        post, comb, x = self.ffn_hc(streams)
+        return hc_merge(post, comb, self.mlp(self.post_attention_layernorm(x), token_ids), streams)
+
+
+class DeepseekV4Model(nn.Module):
+    """Embedding, decoder layers, final hyper-head and norm (transformers' ``model.*`` names)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The whole model. ``mtp`` holds the multi-token-prediction weights (kept, not yet used)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.model = DeepseekV4Model(cfg, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.rotary = {
+            "main": Rotary(cfg.rope_main, cfg.qk_rope_head_dim, cfg.max_position_embeddings),
+            "compress": Rotary(cfg.rope_compress, cfg.qk_rope_head_dim, cfg.max_position_embeddings),
+        }
+        self.mtp: dict[str, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_state(self) -> SequenceState:
+        """An empty state for a new sequence, on the model's device and dtype."""
+        layers = [layer.self_attn.empty_state(self.dtype, self.device) for layer in self.model.layers]
+        return SequenceState(layers=layers)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        chunks: Sequence[tuple[SequenceState, Sequence[int]]],
+        logits: Literal["last", "all"] = "last",
+    ) -> torch.Tensor:
+        """Run every chunk's new tokens through the model, updating each state.
+
+        Returns float32 logits: ``(B, V)`` of each chunk's last token, or ``(N, V)`` of every
+        token (chunks concatenated in order) with ``logits="all"``.
+        """
+        device = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        seq_slices: list[tuple[SequenceState, int, int]] = []
+        for state, new_ids in chunks:
+            if len(new_ids) == 0:
+                raise ValueError("every chunk needs at least one token")
+            start = len(ids)
+            ids.extend(new_ids)
+            pos.extend(range(state.num_tokens, state.num_tokens + len(new_ids)))
+            seq_slices.append((state, start, len(ids)))
+        token_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (N,)
+        positions = torch.tensor(pos, dtype=torch.long, device=device)  # (N,)
+        cfg = self.config
+        if int(token_ids.max()) >= cfg.vocab_size or int(token_ids.min()) < 0:
+            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+
+        embeds = self.model.embed_tokens(token_ids)  # (N, H)
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (N, hc, H)
+        ropes = {kind: rot.cos_sin(positions, embeds.dtype) for kind, rot in self.rotary.items()}
+        for li, layer in enumerate(self.model.layers):
+            seqs = [SeqSlice(st.layers[li], a, b, st.num_tokens) for st, a, b in seq_slices]
+            kind = layer.self_attn.rope_kind
+            streams = layer(streams, token_ids, positions, ropes[kind], self.rotary["compress"], seqs)
+
+        for state, a, b in seq_slices:
+            state.num_tokens += b - a
+            state.token_ids.extend(ids[a:b])
+        if logits == "last":
+            streams = streams[torch.tensor([b - 1 for _, _, b in seq_slices], device=device)]
+        hidden = self.model.norm(self.model.hc_head(streams))  # (B or N, H)
+        return self.lm_head(hidden).float()

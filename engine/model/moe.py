@@ -1,0 +1,100 @@
+"""DeepSeek-V4 mixture of experts: score-routed or hash-routed top-k experts plus a shared expert.
+
+Score routing: ``scores = sqrtsoftplus(x Wᵀ)``; experts chosen by ``top-k(scores + bias)``;
+weights = chosen scores normalised to sum 1, times ``routed_scaling_factor``.
+Hash routing (the first layers): the experts come from a frozen ``tid2eid[token_id]`` table;
+the weights are computed the same way from the learned gate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.layers import SharedMLP, swiglu
+
+
+def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"unknown scoring_func {scoring_func!r}")
+
+
+class Router(nn.Module):
+    """The gate of one MoE layer (``hash=True``: experts looked up from ``tid2eid``)."""
+
+    def __init__(self, cfg: ModelConfig, hash_routed: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.scoring_func = cfg.scoring_func
+        self.scaling = cfg.routed_scaling_factor
+        self.hash_routed = hash_routed
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x (N, H)`` → expert weights ``(N, k)`` and indices ``(N, k)``."""
+        scores = _score(F.linear(x, self.weight), self.scoring_func)  # (N, E)
+        if self.hash_routed:
+            indices = self.tid2eid[token_ids].long()
+        else:
+            indices = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, indices
+
+
+class Experts(nn.Module):
+    """Routed experts stored as stacked tensors (transformers' layout).
+
+    ``gate_up_proj (E, 2I, H)``: rows ``[:I]`` gate, ``[I:]`` up. ``down_proj (E, H, I)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts, grouping tokens by expert (ascending expert id)."""
+        out = torch.zeros_like(x)  # (N, H)
+        flat_experts = indices.reshape(-1)  # (N*k,)
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // indices.shape[1]  # (N*k,) token index per sorted slot
+        slot_weights = weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tok = token_of[start : start + count]
+            gate, up = F.linear(x[tok], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(swiglu(gate, up, self.limit), self.down_proj[expert])  # (count, H)
+            out.index_add_(0, tok, (y * slot_weights[start : start + count, None]).to(out.dtype))
+            start += count
+        return out
+
+
+class MoE(nn.Module):
+    """One MoE block: routed experts + the shared expert on the same input."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate = Router(cfg, cfg.mlp_layer_types[layer_idx] == "hash_moe", dtype)
+        self.experts = Experts(cfg, dtype)
+        self.shared_experts = SharedMLP(cfg, dtype)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.gate(x, token_ids)
+        return self.experts(x, weights, indices) + self.shared_experts(x)

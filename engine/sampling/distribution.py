@@ -1,0 +1,123 @@
+"""Truncating a distribution (min-p, top-k, top-p) and drawing from it, batched over rows.
+
+All functions work on temperature-scaled logits ``x`` (R, V) float32, in place where they say so;
+a removed token gets -inf. Order (vLLM's): min-p, then top-k, then top-p over what top-k kept.
+
+Batch invariance. Every reduction here is row-local and ordered the same whatever R is (max,
+blocked sums, cumsum), so a row's result does not depend on its neighbours — the property the
+seeded-sampling guarantee rests on. (A plain ``sum`` over a (1, V) row is split across threads and
+rounds differently from the same row inside a larger batch, so it is avoided.)
+
+Cost. A full sort of a 129k vocabulary costs ~6 ms per row on CPU, so top-p first looks for the
+nucleus inside the ``candidates`` largest logits (``topk``) and sorts the whole row only when the
+nucleus is wider than that (flat distributions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+# Drawing uses blocks of this many tokens: one float32 sum per block, float64 prefix sums over
+# blocks, then a float64 cumsum inside the chosen block only.
+BLOCK = 128
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Remove tokens with p < min_p * p_max, i.e. x < x_max + log(min_p); min_p (R,)."""
+    thresh = x.amax(-1, keepdim=True) + torch.log(min_p).unsqueeze(1)  # (R, 1)
+    x.masked_fill_(x < thresh, NEG_INF)
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = 1024) -> None:
+    """Keep each row's top_k largest logits (0 = all), then the smallest prefix of those whose
+    probability mass (renormalised over the top-k) reaches top_p (1 = all). In place.
+
+    Ties at the cut-off are kept. top_k (R,) int64, top_p (R,) float32.
+    """
+    rows, vocab = x.shape
+    k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # (R,)
+    thresh, resolved = _cutoffs(x, k_eff, top_p, candidates)
+    if not bool(resolved.all()):  # nucleus wider than the candidates: sort those rows fully
+        todo = (~resolved).nonzero().squeeze(1)
+        t2, _ = _cutoffs(x.index_select(0, todo), k_eff[todo], top_p[todo], vocab)
+        thresh[todo] = t2
+    x.masked_fill_(x < thresh.unsqueeze(1), NEG_INF)
+
+
+def _cutoffs(x: torch.Tensor, k_eff: torch.Tensor, top_p: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row logit threshold (R,) and whether it could be decided from the top ``K`` logits."""
+    rows, vocab = x.shape
+    use_p = top_p < 1.0  # (R,)
+    need = torch.where(use_p, k_eff.clamp(max=candidates), k_eff)  # (R,)
+    K = int(need.max())
+    vals = torch.topk(x, K, dim=-1, sorted=True).values if K < vocab else torch.sort(x, -1, descending=True).values  # (R, K)
+    k_in = k_eff.clamp(max=K)  # (R,) top-k cut inside the candidates
+    thresh = vals.gather(1, (k_in - 1).unsqueeze(1)).squeeze(1)  # (R,) top-k threshold
+    resolved = (k_eff <= K) | use_p  # top-k only rows need their k-th value
+    if bool(use_p.any()):
+        cum = torch.cumsum(torch.exp(vals - vals[:, :1]), -1, dtype=torch.float64)  # (R, K)
+        if K < vocab:
+            full = _row_mass(x, vals[:, 0])  # (R,) mass of the whole row, same shift
+        else:
+            full = cum[:, -1]
+        top_k_mass = cum.gather(1, (k_in - 1).unsqueeze(1)).squeeze(1)  # (R,)
+        mass = torch.where(k_eff <= K, top_k_mass, full)  # (R,) denominator of top-p
+        target = (top_p.double() * mass).unsqueeze(1)  # (R, 1)
+        cut = torch.searchsorted(cum, target).squeeze(1)  # (R,) first index reaching the target
+        # Decided if the top-k lies inside the candidates (then the cut is inside it too), or if
+        # there is no top-k and the nucleus ends inside the candidates.
+        ok = (k_eff <= K) | ((k_eff == vocab) & (cut < K))
+        cut = torch.minimum(cut, k_in - 1)
+        p_thresh = vals.gather(1, cut.unsqueeze(1)).squeeze(1)  # (R,)
+        thresh = torch.where(use_p, p_thresh, thresh)
+        resolved = torch.where(use_p, ok, resolved)
+    return thresh, resolved
+
+
+def _row_mass(x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """sum(exp(x - row_max)) per row in float64, (R,), with a batch-independent order."""
+    w = torch.exp(x - row_max.unsqueeze(1))  # (R, V)
+    return _block_sums(w).sum(-1, dtype=torch.float64)
+
+
+def _block_sums(w: torch.Tensor) -> torch.Tensor:
+    """(R, V) -> (R, ceil(V / BLOCK)) float32 sums of consecutive blocks (zero-padded)."""
+    rows, vocab = w.shape
+    pad = (-vocab) % BLOCK
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    return w.view(rows, -1, BLOCK).sum(-1)
+
+
+def draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample from softmax(x) per row with uniforms u (R,) float64 -> (R,) int64.
+
+    Index = first token whose cumulative weight exceeds u * total, so a token of zero weight
+    (-inf logit) is never drawn. Every row must have at least one finite logit.
+    """
+    rows, vocab = x.shape
+    w = torch.exp(x - x.amax(-1, keepdim=True))  # (R, V) in [0, 1]
+    pad = (-vocab) % BLOCK
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    wb = w.view(rows, -1, BLOCK)  # (R, NB, BLOCK)
+    bsum = wb.sum(-1, dtype=torch.float64)  # (R, NB)
+    bcdf = torch.cumsum(bsum, -1)  # (R, NB)
+    target = u.unsqueeze(1) * bcdf[:, -1:]  # (R, 1)
+    blk = torch.searchsorted(bcdf, target, right=True)  # (R, 1)
+    # Rounding can put the target at or past the total: take the last block with any weight.
+    blk = torch.minimum(blk, _last_true(bsum > 0))
+    before = torch.where(blk > 0, bcdf.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(target))  # (R, 1)
+    inner = wb.gather(1, blk.unsqueeze(2).expand(rows, 1, BLOCK)).squeeze(1)  # (R, BLOCK)
+    icdf = torch.cumsum(inner, -1, dtype=torch.float64)  # (R, BLOCK)
+    pos = torch.searchsorted(icdf, target - before, right=True)  # (R, 1)
+    pos = torch.minimum(pos, _last_true(inner > 0))  # same rounding guard inside the block
+    return (blk * BLOCK + pos).squeeze(1)
+
+
+def _last_true(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last True per row, (R, C) bool -> (R, 1) int64 (0 if none)."""
+    width = mask.shape[1]
+    return width - 1 - torch.argmax(mask.flip(1).to(torch.int8), dim=1, keepdim=True)

@@ -1,0 +1,56 @@
+"""Repetition, frequency and presence penalties, batched over the rows that ask for any.
+
+Semantics (the order vLLM applies them in):
+- repetition (vLLM / CTRL): for every token in prompt + output so far, a logit ``l > 0`` becomes
+  ``l / r`` and ``l <= 0`` becomes ``l * r``;
+- frequency and presence (OpenAI): over output tokens only,
+  ``l -= frequency * count + presence * (count > 0)``.
+Each row costs one ``torch.unique`` of its tokens; the updates of all rows are one gather and one
+scatter over the flat logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling.state import SamplingState
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[int], states: Sequence[SamplingState]) -> None:
+    """Penalise ``logits[rows]`` in place; ``states[j]`` belongs to ``rows[j]``.
+
+    Works on the sparse set of (row, token) pairs that occur, as flat indices ``row * V + token``
+    into ``logits.view(-1)``: one ``unique`` (with counts) over all rows' tokens, one gather, one
+    scatter. The cost grows with the tokens seen, not with B * V.
+    """
+    B, vocab = logits.shape
+    flat_logits = logits.view(-1)  # (B * V,)
+
+    rep = [j for j, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+    if rep:
+        r_of_row = torch.ones(B, dtype=logits.dtype)  # (B,)
+        parts = []
+        for j in rep:
+            s, base = states[j], rows[j] * vocab
+            r_of_row[rows[j]] = s.params.repetition_penalty
+            parts.append(s.output_ids() + base)
+            if s.prompt_ids is not None:
+                parts.append(s.prompt_ids + base)
+        idx = torch.unique(torch.cat(parts))  # (N,) distinct (row, token) in prompt or output
+        r = r_of_row[idx // vocab]  # (N,)
+        v = flat_logits[idx]
+        flat_logits[idx] = torch.where(v > 0, v / r, v * r)
+
+    fp = [j for j, s in enumerate(states) if s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0]
+    if fp:
+        freq = torch.zeros(B, dtype=logits.dtype)  # (B,)
+        pres = torch.zeros(B, dtype=logits.dtype)  # (B,)
+        for j in fp:
+            freq[rows[j]] = states[j].params.frequency_penalty
+            pres[rows[j]] = states[j].params.presence_penalty
+        flat = torch.cat([states[j].output_ids() + rows[j] * vocab for j in fp])  # (N,)
+        idx, counts = torch.unique(flat, return_counts=True)  # (U,) distinct, so -= is well defined
+        row = idx // vocab
+        flat_logits[idx] -= freq[row] * counts.to(logits.dtype) + pres[row]

@@ -1,0 +1,224 @@
+"""The sampler: one call per engine step turns a batch of last-position logits into tokens.
+
+Per step, for the (B, V) float32 logits of the scheduled sequences, in this order:
+1. logprobs source, if any row asks and ``logprobs_mode == "raw"``: log_softmax of the model's
+   logits as given (vLLM v1's default, and OpenAI's: independent of temperature, penalties,
+   truncation and grammar);
+2. penalties (``penalties.py``) on the rows that set any;
+3. grammar masks (``structured.py``) of rows whose grammar is active, one batched apply;
+4. greedy rows (temperature < 1e-5): argmax;
+5. other rows: divide by temperature, min-p, top-k, top-p (``distribution.py``), then an
+   inverse-CDF draw with the row's own uniform for ``(seed, step)`` (``state.py``);
+6. logprobs: the sampled token's and the ``top_logprobs`` best, from step 1 (raw) or, with
+   ``logprobs_mode == "processed"``, from the distribution actually sampled (after 2, 3 and 5;
+   for greedy rows after 2 and 3);
+7. each state records its token (output ids, grammar, step) and gets its finish reason
+   (``finish.py``).
+The logits tensor is consumed: steps 2-3 modify it in place.
+
+Fast paths: a batch of greedy rows with nothing else is one argmax; plain temperature rows skip
+truncation entirely. Everything per row is vectorised across rows; the Python loop over the batch
+only reads parameters and writes results.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.protocol import FinishReason, SamplingParams, TokenLogprob
+from engine.sampling.distribution import NEG_INF, apply_min_p, apply_top_k_top_p, draw
+from engine.sampling.finish import check_finish
+from engine.sampling.penalties import apply_penalties
+from engine.sampling.state import SamplingState
+from engine.sampling.structured import GrammarCompilerCache, allocate_bitmask, apply_bitmask
+
+LogprobsMode = Literal["raw", "processed"]
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Settings of one engine's sampler.
+
+    ``vocab_size``: the model's (lm_head) vocabulary, the width of the logits.
+    ``eos_token_ids``: the model's end-of-sequence ids (the checkpoint's ``eos_token_id``).
+    ``logprobs_mode``: "raw" = log_softmax of the model's logits; "processed" = of the distribution
+    sampled from. ``seed``: seeds the seeds drawn for requests that bring none (so a whole engine
+    run is reproducible in tests). ``top_p_candidates``: how many largest logits top-p searches
+    before sorting the whole row.
+    """
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    logprobs_mode: LogprobsMode = "raw"
+    seed: int | None = None
+    top_p_candidates: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1:
+            raise ValueError("vocab_size must be >= 1")
+        if not self.eos_token_ids or not all(0 <= e < self.vocab_size for e in self.eos_token_ids):
+            raise ValueError("eos_token_ids must be non-empty ids inside the vocabulary")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError("logprobs_mode must be 'raw' or 'processed'")
+
+
+@dataclass
+class SampleOutput:
+    """One step's result; entry i belongs to ``states[i]``."""
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: list[TokenLogprob | None]  # None where the request did not ask
+    finish_reasons: list[FinishReason | None]  # None = still running
+
+
+class Sampler:
+    """Samples one token per request per step; stateless apart from reusable buffers."""
+
+    def __init__(self, config: SamplerConfig, grammars: GrammarCompilerCache | None = None) -> None:
+        if grammars is not None and grammars.vocab_size != config.vocab_size:
+            raise ValueError(f"grammar vocab {grammars.vocab_size} != model vocab {config.vocab_size}")
+        self.config = config
+        self.grammars = grammars
+        self.eos = frozenset(config.eos_token_ids)
+        self._seeds = random.Random(config.seed)
+        self._bitmask = allocate_bitmask(1, config.vocab_size)  # grown on demand, (B, ceil(V/32))
+
+    # -- per request --------------------------------------------------------------------------
+
+    def new_state(
+        self, params: SamplingParams, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = ()
+    ) -> SamplingState:
+        """The state of a new request, or of one resumed after ``output_token_ids`` (migration,
+        prefill handoff): penalties, grammar and the seeded stream continue where they were.
+
+        Compiles the request's grammar (cached); raises ``InvalidConstraintError`` for a bad one.
+        """
+        grammar = None
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise ValueError("this sampler has no grammar compiler; structured output is off")
+            grammar = self.grammars.new_state(params.constraint)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        prompt_ids = SamplingState.distinct_ids(prompt_token_ids) if params.repetition_penalty != 1.0 else None
+        state = SamplingState(params=params, seed=seed, grammar=grammar, prompt_ids=prompt_ids)
+        for t in output_token_ids:
+            if not state.record(int(t)):
+                raise ValueError(f"output token {t} violates the request's grammar")
+        return state
+
+    # -- per step -----------------------------------------------------------------------------
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
+        """Sample one token for each row of ``logits`` (B, V) float32, row i for ``states[i]``.
+
+        Modifies ``logits`` in place. Advances every state by one token and sets its
+        ``finish_reason`` when it ends; finished states must not be passed again.
+        """
+        B, V = logits.shape
+        assert B == len(states), f"{B} logit rows for {len(states)} states"
+        assert V == self.config.vocab_size, f"logits width {V} != vocab_size {self.config.vocab_size}"
+        assert not any(s.finished for s in states), "a finished request was scheduled for sampling"
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        raw_mode = self.config.logprobs_mode == "raw"
+
+        lp_rows = [i for i, s in enumerate(states) if s.params.logprobs]
+        lp_src: torch.Tensor | None = None  # (L, V) log-probabilities of the lp_rows
+        if lp_rows and raw_mode:
+            lp_src = torch.log_softmax(_rows(logits, lp_rows), dim=-1)
+
+        pen_rows = [i for i, s in enumerate(states) if s.has_penalties]
+        if pen_rows:
+            apply_penalties(logits, pen_rows, [states[i] for i in pen_rows])
+        self._apply_grammars(logits, states)
+
+        tokens = torch.empty(B, dtype=torch.int64)
+        greedy = [i for i, s in enumerate(states) if s.greedy]
+        rand = [i for i, s in enumerate(states) if not s.greedy]
+        if greedy:
+            tokens[greedy] = _rows(logits, greedy).argmax(-1) if len(greedy) < B else logits.argmax(-1)
+        x: torch.Tensor | None = None  # (R, V) truncated, temperature-scaled logits of rand rows
+        if rand:
+            x = self._truncate(logits, rand, [states[i] for i in rand])
+            u = torch.tensor([states[i].uniform() for i in rand], dtype=torch.float64)
+            tokens[rand] = draw(x, u)
+
+        if lp_rows and not raw_mode:
+            lp_src = self._processed_logprobs(logits, x, lp_rows, rand)
+        logprobs = self._gather_logprobs(lp_src, lp_rows, tokens, states) if lp_rows else [None] * B
+
+        reasons: list[FinishReason | None] = []
+        for s, t in zip(states, tokens.tolist()):
+            accepted = s.record(t)
+            s.finish_reason = check_finish(
+                s.params,
+                t,
+                s.step,
+                self.eos,
+                grammar_terminated=s.grammar is not None and s.grammar.is_terminated(),
+                grammar_rejected=not accepted,
+            )
+            reasons.append(s.finish_reason)
+        return SampleOutput(tokens, logprobs, reasons)
+
+    def _apply_grammars(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+        """Mask the rows whose grammar is active; a row left with no token gets EOS only."""
+        B = len(states)
+        if self._bitmask.shape[0] < B:
+            self._bitmask = allocate_bitmask(B, self.config.vocab_size)
+        rows = [i for i, s in enumerate(states) if s.grammar is not None and s.grammar.fill_mask(self._bitmask, i)]
+        if not rows:
+            return
+        apply_bitmask(logits, self._bitmask, rows)
+        dead = [i for i in rows if not torch.isfinite(logits[i]).any()]
+        for i in dead:  # cannot happen with a sound grammar; end the request rather than crash
+            logits[i, self.config.eos_token_ids[0]] = 0.0
+
+    def _truncate(self, logits: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, min-p, top-k, top-p for ``rows``: a new (R, V) tensor."""
+        temp = torch.tensor([s.params.temperature for s in states], dtype=torch.float32).unsqueeze(1)  # (R, 1)
+        x = _rows(logits, rows).div_(temp) if len(rows) < logits.shape[0] else logits / temp  # (R, V)
+        if any(s.params.min_p > 0.0 for s in states):
+            apply_min_p(x, torch.tensor([s.params.min_p for s in states], dtype=torch.float32))
+        trunc = [j for j, s in enumerate(states) if s.params.top_k > 0 or s.params.top_p < 1.0]
+        if trunc:
+            sub = x if len(trunc) == len(rows) else x[trunc]  # (T, V)
+            top_k = torch.tensor([states[j].params.top_k for j in trunc], dtype=torch.int64)
+            top_p = torch.tensor([states[j].params.top_p for j in trunc], dtype=torch.float32)
+            apply_top_k_top_p(sub, top_k, top_p, self.config.top_p_candidates)
+            if sub is not x:
+                x[trunc] = sub
+        return x
+
+    def _processed_logprobs(
+        self, logits: torch.Tensor, x: torch.Tensor | None, lp_rows: list[int], rand: list[int]
+    ) -> torch.Tensor:
+        """log_softmax of what each lp row was sampled from: (L, V)."""
+        pos_in_rand = {r: j for j, r in enumerate(rand)}
+        src = torch.stack([x[pos_in_rand[i]] if i in pos_in_rand else logits[i] for i in lp_rows])  # (L, V)
+        return torch.log_softmax(src, dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(
+        lp: torch.Tensor, lp_rows: list[int], tokens: torch.Tensor, states: Sequence[SamplingState]
+    ) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(states)
+        chosen = lp.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()  # (L,)
+        n_top = max(states[i].params.top_logprobs for i in lp_rows)
+        top_v, top_i = (lp.topk(n_top, dim=-1) if n_top else (lp[:, :0], lp[:, :0].long()))  # (L, n_top)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(lp_rows):
+            n = states[i].params.top_logprobs
+            top = [(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n]) if v != NEG_INF]
+            out[i] = TokenLogprob(logprob=chosen[j], top=top)
+        return out
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of ``x[rows]``."""
+    return x.index_select(0, torch.as_tensor(rows, dtype=torch.int64))

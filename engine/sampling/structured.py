@@ -1,0 +1,197 @@
+"""Structured output: xgrammar token masks for the constraint kinds deepseek-recipe emits.
+
+One ``GrammarCompilerCache`` per tokenizer (per engine worker) turns an ``OutputConstraint`` into a
+compiled grammar, cached by ``(kind, spec)``; one ``GrammarState`` per request walks it.
+
+Kinds (``engine.protocol.OutputConstraint``):
+- ``json``: ``spec`` is a JSON schema (compact JSON), or ``""`` for any JSON value.
+- ``regex``: ``spec`` is the pattern (the whole output matches it).
+- ``ebnf``: ``spec`` is an xgrammar EBNF grammar with a ``root`` rule.
+- ``tool_call`` / ``tool_call_required``: ``spec`` is the Chat Completions tool list; the output is
+  DSML tool-call markup (see ``engine.sampling.dsml``).
+
+Vocabulary. The mask covers the *model's* vocabulary (``vocab_size``, the lm_head rows), which may
+exceed the tokenizer's: ids past the tokenizer are never allowed. The tokenizer's added tokens
+(chat markers, ``<think>``, FIM, placeholders, ...) are never allowed inside constrained output
+either: a ``<｜User｜>`` token inside a JSON string would corrupt the next turn. Only the DSML
+token is kept (the model writes tool calls with it), and the EOS ids, which end the grammar.
+
+Trigger tokens. With ``trigger_token_ids`` (thinking mode: the ``</think>`` id) the grammar is
+inactive, and the output unconstrained, until one of them is sampled; from the next token on the
+grammar applies. Once the grammar is complete the mask allows only EOS, so the request ends with
+EOS; ``is_terminated()`` turns true when that EOS is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+import xgrammar as xgr
+
+from engine.protocol import OutputConstraint
+from engine.sampling.dsml import DsmlVersion, tool_call_structural_tag
+from engine.sampling.errors import InvalidConstraintError
+
+GrammarKey = tuple[str, str]
+
+DSML_TOKEN = "｜DSML｜"
+
+
+def load_tokenizer_info(
+    tokenizer_json: str | Path,
+    vocab_size: int,
+    eos_token_ids: Sequence[int],
+    *,
+    keep_added_tokens: Iterable[str] = (DSML_TOKEN,),
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of a Hugging Face ``tokenizer.json``, padded to the model's vocabulary.
+
+    Added tokens other than ``keep_added_tokens`` get an empty spelling, which xgrammar treats as
+    never matchable; EOS ids stay usable as xgrammar's stop tokens.
+    """
+    data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    vocab: dict[str, int] = dict(data["model"]["vocab"])
+    added = {int(t["id"]): t["content"] for t in data.get("added_tokens", [])}
+    keep = set(keep_added_tokens)
+    assert all(0 <= e < vocab_size for e in eos_token_ids), "EOS ids must be inside the vocabulary"
+    encoded: list[str] = [""] * vocab_size  # ids past the tokenizer (lm_head padding) stay empty
+    for tok, i in vocab.items():
+        if i < vocab_size:
+            encoded[i] = tok
+    for i, content in added.items():
+        if i < vocab_size:
+            encoded[i] = content if content in keep else ""
+    vocab_type, prefix_space = _vocab_type(data)
+    return xgr.TokenizerInfo(
+        encoded, vocab_type, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids), add_prefix_space=prefix_space
+    )
+
+
+def _vocab_type(data: dict) -> tuple[xgr.VocabType, bool]:
+    """(vocab type, add_prefix_space) from a tokenizer.json's decoder."""
+    dec = json.dumps(data.get("decoder") or {})
+    if '"ByteLevel"' in dec:
+        return xgr.VocabType.BYTE_LEVEL, False
+    if '"ByteFallback"' in dec:
+        return xgr.VocabType.BYTE_FALLBACK, '"Metaspace"' in json.dumps(data.get("pre_tokenizer") or {})
+    return xgr.VocabType.RAW, False
+
+
+class GrammarState:
+    """One request's walk through its grammar (not thread-safe; the engine loop owns it)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, trigger_token_ids: Sequence[int] = ()) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.trigger_token_ids = frozenset(trigger_token_ids)
+        self.active = not self.trigger_token_ids
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
+        """Write the allowed-token bits into ``bitmask[row]`` (int32, (B, ceil(V/32))).
+
+        Returns False, writing nothing, while the grammar is inactive (before a trigger token).
+        """
+        if not self.active:
+            return False
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar rejects it."""
+        if not self.active:
+            if token_id in self.trigger_token_ids:
+                self.active = True
+            return True
+        return self._matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and has accepted its EOS."""
+        return self.active and self._matcher.is_terminated()
+
+
+class GrammarCompilerCache:
+    """Compiles ``OutputConstraint``s for one tokenizer and caches them by ``(kind, spec)``.
+
+    Thread-safe: ``compile`` may be called from a helper thread (e.g. when a request arrives)
+    while the engine loop samples; a grammar is compiled at most once at a time per key.
+    ``json_max_whitespace`` caps runs of whitespace between JSON tokens (models under a grammar
+    sometimes emit whitespace forever); None means unbounded.
+    """
+
+    def __init__(
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        *,
+        dsml_version: DsmlVersion = "v4",
+        max_threads: int = 2,
+        max_entries: int = 256,
+        json_max_whitespace: int | None = 64,
+    ) -> None:
+        self.tokenizer_info = tokenizer_info
+        self.vocab_size = tokenizer_info.vocab_size
+        self.dsml_version = dsml_version
+        self.json_max_whitespace = json_max_whitespace
+        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads)
+        self._cache: OrderedDict[GrammarKey, xgr.CompiledGrammar] = OrderedDict()
+        self._max_entries = max_entries
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_tokenizer_json(
+        cls, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: Sequence[int], **kw
+    ) -> GrammarCompilerCache:
+        """Build from a checkpoint's ``tokenizer.json`` and the model's vocab size and EOS ids."""
+        keep = kw.pop("keep_added_tokens", (DSML_TOKEN,))
+        return cls(load_tokenizer_info(tokenizer_json, vocab_size, eos_token_ids, keep_added_tokens=keep), **kw)
+
+    def compile(self, constraint: OutputConstraint) -> xgr.CompiledGrammar:
+        """The compiled grammar of a constraint (raises ``InvalidConstraintError``)."""
+        key = (constraint.kind, constraint.spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            compiled = self._compile(*key)
+            self._cache[key] = compiled
+            if len(self._cache) > self._max_entries:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def new_state(self, constraint: OutputConstraint) -> GrammarState:
+        return GrammarState(self.compile(constraint), constraint.trigger_token_ids)
+
+    def _compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+        c = self._compiler
+        try:
+            if kind == "json":
+                if not spec:
+                    return c.compile_builtin_json_grammar()
+                json.loads(spec)  # a clear error for malformed JSON before xgrammar sees it
+                return c.compile_json_schema(spec, max_whitespace_cnt=self.json_max_whitespace)
+            if kind == "regex":
+                return c.compile_regex(spec)
+            if kind == "ebnf":
+                return c.compile_grammar(spec)
+            if kind in ("tool_call", "tool_call_required"):
+                tag = tool_call_structural_tag(spec, required=kind == "tool_call_required", version=self.dsml_version)
+                return c.compile_structural_tag(tag)
+        except InvalidConstraintError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse/compile errors
+            raise InvalidConstraintError(f"invalid {kind} constraint: {e}") from e
+        raise InvalidConstraintError(f"unknown constraint kind {kind!r}")
+
+
+def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed bitmask, (B, ceil(V/32)) int32."""
+    return xgr.allocate_token_bitmask(batch_size, vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the disallowed logits of ``rows`` to -inf in place, in one batched call."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

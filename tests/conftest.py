@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny checkpoints made on the spot (once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["tests.conftest_redis"] if (Path(__file__).parent / "conftest_redis.py").exists() else []
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny checkpoint (4 layers: sliding, CSA, HCA(128), CSA; hidden 128)."""
+    from engine.model.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def small_windows_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint with window 16 and HCA ratio 8, so short runs cross every boundary."""
+    from engine.model.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-sw") / "model", seed=1, preset="tiny-small-windows")

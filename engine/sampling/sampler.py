@@ -175,14 +175,17 @@ class Sampler:
         if not rows:
             return
         apply_bitmask(logits, self._bitmask, rows)
-        dead = [i for i in rows if not torch.isfinite(logits[i]).any()]
-        for i in dead:  # cannot happen with a sound grammar; end the request rather than crash
-            logits[i, self.config.eos_token_ids[0]] = 0.0
+        alive = self._bitmask[rows].ne(0).any(-1).tolist()  # (G,) any token allowed
+        for i, ok in zip(rows, alive):
+            if not ok:  # cannot happen with a sound grammar; end the request rather than crash
+                logits[i, self.config.eos_token_ids[0]] = 0.0
 
     def _truncate(self, logits: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p for ``rows``: a new (R, V) tensor."""
-        temp = torch.tensor([s.params.temperature for s in states], dtype=torch.float32).unsqueeze(1)  # (R, 1)
-        x = _rows(logits, rows).div_(temp) if len(rows) < logits.shape[0] else logits / temp  # (R, V)
+        temps = [s.params.temperature for s in states]
+        x = _rows(logits, rows) if len(rows) < logits.shape[0] else logits  # (R, V), logits is consumed
+        if any(t != 1.0 for t in temps):
+            x.div_(torch.tensor(temps, dtype=torch.float32).unsqueeze(1))
         if any(s.params.min_p > 0.0 for s in states):
             apply_min_p(x, torch.tensor([s.params.min_p for s in states], dtype=torch.float32))
         trunc = [j for j, s in enumerate(states) if s.params.top_k > 0 or s.params.top_p < 1.0]

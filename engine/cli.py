@@ -1,0 +1,124 @@
+"""Engine sub-commands: ``make-tiny-model``, ``generate``, ``engine`` (a worker process)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from engine.model.tiny import make_tiny_model
+
+    path = make_tiny_model(args.out, seed=args.seed, preset=args.preset)
+    print(path)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.errors import EngineError
+    from engine.generate import generate, load_prompts, write_results
+    from engine.protocol import SamplingParams
+    from engine.runtime.builder import tokenizer_path
+
+    if sum(x is not None for x in (args.prompt, args.prompt_ids, args.input)) != 1:
+        print("give exactly one of --prompt, --prompt-ids, --input", file=sys.stderr)
+        return 2
+    try:
+        prompts = load_prompts(args.prompt, args.prompt_ids, args.input, tokenizer_path(args.model))
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            logprobs=args.top_logprobs is not None,
+            top_logprobs=args.top_logprobs or 0,
+        )
+        rows = generate(args.model, prompts, sampling, dtype=args.dtype, device=args.device)
+        if args.output:
+            with open(args.output, "w") as f:
+                write_results(rows, f)
+        else:
+            write_results(rows)
+    except (EngineError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from engine.runtime.config import EngineConfig
+    from engine.worker.server import WorkerConfig, run_worker
+
+    engine_cfg = EngineConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        state_memory_bytes=args.state_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        role=args.role,
+        kv_cache=args.kv_cache,
+        snapshot_interval_units=args.snapshot_interval,
+    )
+    run_worker(
+        WorkerConfig(
+            model_dir=args.model,
+            host=args.host,
+            port=args.port,
+            role=args.role,
+            dp=args.dp,
+            dtype=args.dtype,
+            device=args.device,
+            served_model_name=args.served_model_name,
+            worker_id=args.worker_id or "",
+            engine=engine_cfg,
+        )
+    )
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a deterministic random tiny DeepSeek-V4 checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny", help="tiny | tiny-small-windows")
+    p.set_defaults(func=_make_tiny)
+
+    g = sub.add_parser("generate", help="offline generation, one JSON object per prompt")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--input", help="JSONL with {'prompt': text} or {'prompt_ids': [...]} per line")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-logprobs", type=int, default=None, help="report logprobs and K alternatives")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--output")
+    g.set_defaults(func=_generate)
+
+    e = sub.add_parser("engine", help="run one engine worker process (one DP replica group)")
+    env = os.environ.get
+    e.add_argument("--model", required=True)
+    e.add_argument("--role", default="mixed", choices=["prefill", "decode", "mixed"])
+    e.add_argument("--host", default=env("DEEPSERVE_ENGINE_HOST", "127.0.0.1"))
+    e.add_argument("--port", type=int, default=int(env("DEEPSERVE_ENGINE_PORT", "8200")))
+    e.add_argument("--dp", type=int, default=1)
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--served-model-name", default="deepseek-v4")
+    e.add_argument("--worker-id", default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-model-len", type=int, default=65536)
+    e.add_argument("--state-memory-bytes", type=int, default=2 << 30)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kv-cache", default=env("DEEPSERVE_KV_CACHE", "readwrite"), choices=["off", "read", "write", "readwrite"])
+    e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
+    e.set_defaults(func=_engine)

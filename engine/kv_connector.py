@@ -1,0 +1,205 @@
+"""Moves DeepSeek-V4 sequence state between an engine and the KV store, in cache units.
+
+Units are ``U = cfg.unit_tokens`` (128) tokens; unit ``i`` of a prompt is keyed by
+``kvstore.keys.chain_keys`` (prefix-chained, so equal prefixes share keys). Two record kinds:
+
+- **block** ``key_i``: for each compressing layer ``l`` the rows of tokens ``[iU, (i+1)U)``:
+  ``L{l}.comp`` ``(U/r, D)`` and, for CSA, ``L{l}.index`` ``(U/4, Di)``, in the model dtype.
+- **snapshot** ``snap(key_j)``: the boundary state after ``jU`` tokens: ``L{l}.swa`` ``(≤W-1, D)``,
+  and for compressing layers ``L{l}.{comp,index}.{buf_kv,buf_gate,overlap_kv,overlap_gate}``
+  (buffers are empty at aligned ends since every rate divides U; overlaps are ``(r, D)``).
+
+Saved at the prompt's last whole unit (the scheduler ends a chunk there), and at every unit
+boundary decode crosses (every ``snapshot_interval_units``; the last one is the output's end).
+Restored from the longest run of present blocks that ends in a snapshot strictly before the last
+prompt token (the engine must compute at least one token to sample). A hit is taken only when
+loading is predicted to be faster than recomputing: ``load = bytes / load_bw + units × latency``
+versus ``recompute = tokens / prefill_tps``, both rates measured online (EMA).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import torch
+
+from engine.model.model import DeepseekV4ForCausalLM
+from engine.runtime.sequence import Sequence
+from kvstore.keys import ROOT_KEY, chain_keys
+from kvstore.record import RecordHeader
+from kvstore.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+_COMP_FIELDS = ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate")
+
+
+def snapshot_key(unit_key: str) -> str:
+    """Key of the boundary snapshot taken right after the unit keyed ``unit_key``."""
+    return hashlib.blake2b(f"snapshot:{unit_key}".encode(), digest_size=16).hexdigest()
+
+
+class KVConnector:
+    """Saves and restores one engine's sequence state through a ``TieredStore``."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        model: DeepseekV4ForCausalLM,
+        read: bool = True,
+        write: bool = True,
+        snapshot_interval_units: int = 1,
+        metrics: object | None = None,
+    ) -> None:
+        cfg = model.config
+        self.store = store
+        self.read, self.write = read, write
+        self.unit = cfg.unit_tokens
+        self.dtype_name = str(model.dtype).replace("torch.", "")
+        self.fingerprint = f"{cfg.fingerprint()}-{self.dtype_name}"
+        self.interval = max(1, snapshot_interval_units)
+        self.metrics = metrics
+        self.rates = [cfg.layer_rate(i) for i in range(cfg.num_hidden_layers)]
+        # online cost model (EMA); conservative starting points
+        self.prefill_tps = 2000.0  # tokens/s this engine prefills
+        self.load_bw = 500e6  # bytes/s the store delivers
+        self.load_latency = 0.0005  # s per record
+
+    # ---- keys -------------------------------------------------------------------------
+    def keys(self, tokens: list[int]) -> list[str]:
+        return chain_keys(tokens, self.unit, self.fingerprint)
+
+    def snapshot_stop(self, seq: Sequence) -> int | None:
+        """Where the first prefill chunk should stop so the prompt's last whole unit is saved."""
+        if not self.write:
+            return None
+        end = (len(seq.tokens) // self.unit) * self.unit
+        return end if end > seq.num_computed else None
+
+    # ---- restore ----------------------------------------------------------------------
+    def restore(self, seq: Sequence, model: DeepseekV4ForCausalLM) -> None:
+        if not self.read:
+            return
+        seq.kv_checked = True
+        keys = self.keys(seq.tokens[: len(seq.tokens) - 1])  # leave >= 1 token to compute
+        if self.metrics is not None:
+            self.metrics.on_prefix_lookup(len(seq.tokens), 0)
+        if not keys:
+            return
+        present = self.store.longest_prefix(keys)
+        for j in range(present, 0, -1):  # largest snapshot within the present blocks
+            if self.store.contains(snapshot_key(keys[j - 1])):
+                break
+        else:
+            return
+        tokens = j * self.unit
+        est_bytes = j * self._block_bytes(model) + self._snapshot_bytes(model)
+        load_s = est_bytes / self.load_bw + (j + 1) * self.load_latency
+        if load_s >= tokens / self.prefill_tps:
+            return  # recomputing is predicted to be faster: treat as a miss
+        t0 = time.perf_counter()
+        records = self.store.get_many(keys[:j] + [snapshot_key(keys[j - 1])])
+        if any(r is None for r in records):
+            return  # evicted or corrupt in between: a miss, never a wrong state
+        state = model.new_state()
+        try:
+            self._apply(state, records[:-1], records[-1], model)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            log.warning("kv restore of %s failed (%s); recomputing", seq.request_id, exc)
+            return
+        state.num_tokens = tokens
+        state.token_ids = list(seq.tokens[:tokens])
+        elapsed = time.perf_counter() - t0
+        nbytes = sum(r.nbytes for r in records)
+        self.load_bw = 0.8 * self.load_bw + 0.2 * nbytes / max(elapsed, 1e-6)
+        seq.state = state
+        seq.num_computed = tokens
+        seq.num_cached = min(tokens, seq.num_prompt)
+        seq.saved_upto = tokens
+        if self.metrics is not None:
+            self.metrics.on_prefix_lookup(0, seq.num_cached)
+
+    def _apply(self, state, blocks, snap, model) -> None:
+        dev = model.device
+        for li, layer in enumerate(state.layers):
+            layer.swa = snap.tensors[f"L{li}.swa"].to(dev)
+            for part in ("comp", "index"):
+                comp = getattr(layer, part)
+                if comp is None:
+                    continue
+                comp.rows = torch.cat([b.tensors[f"L{li}.{part}"] for b in blocks]).to(dev)
+                comp.buf_kv = snap.tensors[f"L{li}.{part}.buf_kv"].to(dev)
+                comp.buf_gate = snap.tensors[f"L{li}.{part}.buf_gate"].to(dev)
+                if f"L{li}.{part}.overlap_kv" in snap.tensors:
+                    comp.overlap_kv = snap.tensors[f"L{li}.{part}.overlap_kv"].to(dev)
+                    comp.overlap_gate = snap.tensors[f"L{li}.{part}.overlap_gate"].to(dev)
+
+    # ---- save -------------------------------------------------------------------------
+    def save(self, seq: Sequence, model: DeepseekV4ForCausalLM) -> None:
+        """Store every whole unit up to ``seq.num_computed`` not yet saved, with a snapshot at its
+        end when ``num_computed`` sits exactly on a unit boundary (the only place it is exact)."""
+        if not self.write or seq.state is None:
+            return
+        n = seq.num_computed
+        if n % self.unit or n == 0 or n <= seq.saved_upto:
+            return
+        if (n // self.unit) % self.interval and n != seq.snapshot_at:
+            return
+        keys = self.keys(seq.tokens[:n])
+        first = seq.saved_upto // self.unit
+        items = []
+        for i in range(first, len(keys)):
+            if self.store.contains(keys[i]):
+                continue
+            tensors = self._block_tensors(seq.state, i)
+            header = RecordHeader("block", self.fingerprint, self.dtype_name, i * self.unit, (i + 1) * self.unit,
+                                  parent=keys[i - 1] if i else ROOT_KEY, key=keys[i])
+            items.append((keys[i], header, tensors))
+        snap_header = RecordHeader("snapshot", self.fingerprint, self.dtype_name, 0, n, parent=keys[-1], key=snapshot_key(keys[-1]))
+        items.append((snapshot_key(keys[-1]), snap_header, self._snapshot_tensors(seq.state)))
+        self.store.put_many(items)
+        seq.saved_upto = n
+
+    def _block_tensors(self, state, unit_idx: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for li, layer in enumerate(state.layers):
+            rate = self.rates[li]
+            if rate == 0:
+                continue
+            a, b = unit_idx * self.unit // rate, (unit_idx + 1) * self.unit // rate
+            out[f"L{li}.comp"] = layer.comp.rows[a:b].cpu()
+            if layer.index is not None:
+                out[f"L{li}.index"] = layer.index.rows[a:b].cpu()
+        return out
+
+    def _snapshot_tensors(self, state) -> dict[str, torch.Tensor]:
+        out = {}
+        for li, layer in enumerate(state.layers):
+            out[f"L{li}.swa"] = layer.swa.cpu()
+            for part in ("comp", "index"):
+                comp = getattr(layer, part)
+                if comp is None:
+                    continue
+                for name in _COMP_FIELDS:
+                    t = getattr(comp, name)
+                    if t is not None:
+                        out[f"L{li}.{part}.{name}"] = t.cpu()
+        return out
+
+    # ---- cost model -------------------------------------------------------------------
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Feed the recompute side of the cost model with a measured prefill step."""
+        if tokens >= 16 and seconds > 0:
+            self.prefill_tps = 0.8 * self.prefill_tps + 0.2 * tokens / seconds
+
+    def _block_bytes(self, model: DeepseekV4ForCausalLM) -> int:
+        from engine.runtime.state_pool import state_bytes
+
+        return state_bytes(model.config, model.dtype)[0]
+
+    def _snapshot_bytes(self, model: DeepseekV4ForCausalLM) -> int:
+        from engine.runtime.state_pool import state_bytes
+
+        return state_bytes(model.config, model.dtype)[1]

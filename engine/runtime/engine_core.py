@@ -1,0 +1,195 @@
+"""One engine: ``add_request`` / ``abort_request`` / ``step`` (DeepInfer's outer surface).
+
+``step()`` is three calls: schedule → run the model on the batch → make output (sample the
+sequences whose chunk reached their last token, finish them, emit token events).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.model.model import DeepseekV4ForCausalLM
+from engine.protocol import GenerateRequest, TokenEvent
+from engine.runtime.config import EngineConfig
+from engine.runtime.metrics import EngineMetrics
+from engine.runtime.scheduler import Scheduler, SchedulerOutput
+from engine.runtime.sequence import Sequence, Status
+from engine.runtime.state_pool import StatePool
+from engine.sampling import Sampler
+
+
+class KVConnector(Protocol):
+    """Moves prompt state between an engine and the KV store (engine/kv_connector.py)."""
+
+    def restore(self, seq: Sequence, model: DeepseekV4ForCausalLM) -> None:
+        """Load the longest cached prefix of ``seq.tokens`` into ``seq.state`` (sets num_computed)."""
+
+    def snapshot_stop(self, seq: Sequence) -> int | None:
+        """Token count at which the first prefill chunk must stop (the prompt's last whole unit)."""
+
+    def save(self, seq: Sequence, model: DeepseekV4ForCausalLM) -> None:
+        """Store ``seq``'s whole units and a boundary snapshot if ``num_computed`` ends a unit."""
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Feed the load-versus-recompute cost model with a measured step."""
+
+
+class EngineCore:
+    """Continuous batching over one model replica (one DP rank)."""
+
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        sampler: Sampler,
+        config: EngineConfig,
+        kv: KVConnector | None = None,
+        metrics: EngineMetrics | None = None,
+        dp_rank: int = 0,
+    ) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.config = config
+        self.kv = kv
+        self.metrics = metrics
+        self.dp_rank = dp_rank
+        self.pool = StatePool(model.config, model.dtype, config.state_memory_bytes, config.max_num_seqs)
+        self.scheduler = Scheduler(config, self.pool)
+        self.seqs: dict[str, Sequence] = {}
+        self._pending: list[TokenEvent] = []
+
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, req: GenerateRequest) -> None:
+        """Queue a request; raises ``InvalidRequestError`` for one the engine cannot serve."""
+        vocab = self.model.config.vocab_size
+        if not req.prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if req.request_id in self.seqs:
+            raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids) or any(not 0 <= t < vocab for t in req.output_token_ids):
+            raise InvalidRequestError(f"token id outside the vocabulary [0, {vocab})")
+        total = len(req.prompt_token_ids) + max(req.sampling.max_tokens, len(req.output_token_ids))
+        if total > self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) "
+                f"exceeds the context length {self.config.max_model_len}"
+            )
+        if len(self.seqs) >= self.config.max_queue:
+            from engine.errors import CapacityError
+
+            raise CapacityError("engine queue is full")
+        sampling = self.sampler.new_state(req.sampling, req.prompt_token_ids, req.output_token_ids)
+        seq = Sequence(req, sampling, list(req.prompt_token_ids) + list(req.output_token_ids), len(req.prompt_token_ids))
+        if sampling.finished or len(req.output_token_ids) >= req.sampling.max_tokens:
+            self._finish(seq, "length", emit=True)
+            return
+        self.seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+        if self.metrics:
+            self.metrics.on_arrival(len(req.prompt_token_ids))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; frees its state. False if unknown."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._pending.append(TokenEvent(request_id, finish_reason="abort", num_prompt_tokens=seq.num_prompt))
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        events, self._pending = self._pending, []
+        if self.kv is not None:
+            for seq in self.scheduler.waiting:
+                if not seq.kv_checked:
+                    self.kv.restore(seq, self.model)
+                    seq.kv_checked = True
+                    seq.snapshot_at = self.kv.snapshot_stop(seq)
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return events
+        t0 = time.perf_counter()
+        logits = self._run(out)
+        if self.kv is not None and out.num_tokens > 2 * len(out.scheduled):
+            self.kv.observe_prefill(out.num_tokens, time.perf_counter() - t0)
+        events.extend(self._make_output(out, logits))
+        if self.metrics:
+            self.metrics.on_step(self)
+        return events
+
+    def _run(self, out: SchedulerOutput) -> torch.Tensor:
+        chunks = []
+        now = time.monotonic()
+        for seq, n in out.scheduled:
+            if seq.state is None:
+                seq.state = self.model.new_state()
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+                if self.metrics:
+                    self.metrics.on_scheduled(now - seq.arrival)
+            chunks.append((seq.state, seq.tokens[seq.num_computed : seq.num_computed + n]))
+        return self.model(chunks)  # (B, V) float32
+
+    def _make_output(self, out: SchedulerOutput, logits: torch.Tensor) -> list[TokenEvent]:
+        rows, ready = [], []
+        for i, (seq, n) in enumerate(out.scheduled):
+            seq.num_computed += n
+            if self.kv is not None:
+                self.kv.save(seq, self.model)  # stores units only on whole-unit boundaries
+            if seq.remaining == 0:
+                rows.append(i)
+                ready.append(seq)
+        if not ready:
+            return []
+        sample = self.sampler.sample(logits[rows], [s.sampling for s in ready])
+        now = time.monotonic()
+        events = []
+        for j, seq in enumerate(ready):
+            token = int(sample.token_ids[j])
+            seq.tokens.append(token)
+            reason = sample.finish_reasons[j]
+            if seq.request.prefill_only and reason is None:
+                reason = "length"  # hand off to a decode worker
+            if self.metrics:
+                self.metrics.on_token(seq, now)
+            ev = TokenEvent(seq.request_id, [token], None if sample.logprobs[j] is None else [sample.logprobs[j]])
+            if seq.first_token is None:
+                seq.first_token = now
+                ev.num_prompt_tokens = seq.num_prompt
+                ev.num_cached_tokens = seq.num_cached
+            seq.last_token = now
+            if reason is not None:
+                ev.finish_reason = reason
+                ev.num_prompt_tokens = seq.num_prompt
+                ev.num_cached_tokens = seq.num_cached
+                self._finish(seq, reason, emit=False)
+            events.append(ev)
+        return events
+
+    def _finish(self, seq: Sequence, reason: str, emit: bool) -> None:
+        self.seqs.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        if self.metrics:
+            self.metrics.on_finish(seq, reason)
+        if emit:
+            self._pending.append(TokenEvent(seq.request_id, finish_reason=reason, num_prompt_tokens=seq.num_prompt))  # type: ignore[arg-type]
+
+    # ---- reporting --------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(s.remaining for s in self.scheduler.waiting + self.scheduler.running)

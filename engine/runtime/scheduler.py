@@ -1,0 +1,137 @@
+"""Continuous-batching scheduler.
+
+Scheduling model. There is no prefill or decode phase, only each sequence's ``num_computed``
+versus ``len(tokens)``. Every step has a token budget (``max_num_batched_tokens``) and a
+sequence limit (``max_num_seqs``):
+
+1. Running sequences go first, in (priority, arrival) order. Each gets
+   ``min(remaining, budget)`` tokens: 1 when decoding, a chunk when its prefill is unfinished
+   (chunked prefill, mixed in the same batch as decodes).
+2. If state memory cannot grow for a running sequence, the lowest-ranked running sequence not yet
+   scheduled this step is preempted (state dropped, back to the waiting queue front, to be
+   recomputed from its tokens later); if there is none, the sequence itself waits this step.
+3. Waiting sequences are admitted in (priority, arrival) order while budget, the sequence limit
+   and state memory allow. Admission never preempts.
+4. A chunk never runs past ``snapshot_at`` (the prompt's last whole KV unit), so the state at
+   that boundary exists once and can be stored exactly.
+
+The scheduler only decides; the engine core runs the batch and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.runtime.config import EngineConfig
+from engine.runtime.sequence import Sequence, Status
+from engine.runtime.state_pool import StatePool
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: ``(sequence, number of tokens to feed)``, and who was preempted."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting and running sets and the state pool's accounting."""
+
+    def __init__(self, config: EngineConfig, pool: StatePool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its state slots."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_ids, seq.has_boundary)
+        seq.has_boundary = False
+        seq.state = None
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key)
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget)
+            while not self._grow(seq, n):
+                victim = self._victim(exclude=scheduled | {id(seq)})
+                if victim is None:
+                    n = 0
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+            if n:
+                out.scheduled.append((seq, n))
+                scheduled.add(id(seq))
+                budget -= n
+        self.waiting.sort(key=lambda s: s.sort_key)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            if not self._grow(seq, n):
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """Tokens to feed this step: all that remain, within budget, stopping at a snapshot point."""
+        n = min(seq.remaining, budget)
+        if seq.snapshot_at is not None and seq.num_computed < seq.snapshot_at:
+            n = min(n, seq.snapshot_at - seq.num_computed)
+        return n
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        ok = self.pool.allocate(seq, seq.block_ids, seq.has_boundary, seq.num_computed + n)
+        if ok:
+            seq.has_boundary = True
+        return ok
+
+    def _victim(self, exclude: set[int]) -> Sequence | None:
+        candidates = [s for s in self.running if id(s) not in exclude]
+        return max(candidates, key=lambda s: s.sort_key) if candidates else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the state, keep the tokens, wait at the front."""
+        self.running.remove(seq)
+        self.pool.free(seq.block_ids, seq.has_boundary)
+        seq.has_boundary = False
+        seq.state = None
+        seq.num_computed = 0
+        seq.num_cached = 0
+        seq.kv_checked = False
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.insert(0, seq)
+
+    def check_integrity(self) -> None:
+        live = {s: (s.block_ids, s.has_boundary) for s in self.running + self.waiting}
+        assert all(not s.block_ids and not s.has_boundary for s in self.waiting), "waiting sequence holds state"
+        self.pool.check_integrity(live)

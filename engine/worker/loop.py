@@ -1,0 +1,143 @@
+"""The engine thread: steps every DP rank's ``EngineCore`` and hands events to asyncio.
+
+HTTP handlers never touch an engine directly. They post commands (add, abort) to an inbox; this
+thread applies them between steps, steps each rank that has work, and delivers each
+``TokenEvent`` to the request's asyncio queue with ``call_soon_threadsafe``. torch releases the
+GIL inside its kernels, so the event loop stays responsive while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from engine.errors import EngineError
+from engine.protocol import GenerateRequest, RankLoad, TokenEvent
+from engine.runtime.engine_core import EngineCore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    rank: int
+    request: GenerateRequest
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    """Owns the engine cores (one per DP rank) and the thread that steps them."""
+
+    def __init__(self, cores: list[EngineCore], worker_id: str) -> None:
+        self.cores = cores
+        self.worker_id = worker_id
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- called from the event loop ---------------------------------------------------
+    def pick_rank(self, requested: int | None) -> int:
+        """The requested DP rank if valid, else the least loaded one."""
+        if requested is not None and 0 <= requested < len(self.cores):
+            return requested
+        return min(range(len(self.cores)), key=lambda r: (self.cores[r].num_running + self.cores[r].num_waiting, self.cores[r].queued_tokens))
+
+    def submit(self, request: GenerateRequest, sink: asyncio.Queue) -> None:
+        rank = self.pick_rank(request.dp_rank)
+        self._inbox.put(_Add(rank, request, sink, asyncio.get_running_loop()))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    def in_flight(self) -> int:
+        return len(self._sinks)
+
+    def rank_loads(self) -> list[RankLoad]:
+        return [
+            RankLoad(dp_rank=r, running=c.num_running, waiting=c.num_waiting, queued_tokens=c.queued_tokens, state_usage=c.pool.usage)
+            for r, c in enumerate(self.cores)
+        ]
+
+    # ---- the thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            busy = False
+            for core in self.cores:
+                if not core.has_work():
+                    continue
+                busy = True
+                try:
+                    events = core.step()
+                except Exception as exc:  # a bug or device fault: fail the rank's requests, keep serving
+                    log.exception("engine step failed")
+                    events = self._fail_all(core, f"engine step failed: {exc}")
+                for ev in events:
+                    self._deliver(ev)
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                rid = cmd.request.request_id
+                try:
+                    if rid in self._sinks:
+                        raise EngineError(f"duplicate request id {rid!r}")
+                    self._sinks[rid] = (cmd.sink, cmd.loop, cmd.rank)
+                    self.cores[cmd.rank].add_request(cmd.request)
+                except (EngineError, ValueError) as exc:
+                    self._sinks.pop(rid, None)
+                    ev = TokenEvent(rid, finish_reason="error", error=str(exc), num_prompt_tokens=len(cmd.request.prompt_token_ids))
+                    cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, ev)
+            else:
+                entry = self._sinks.get(cmd.request_id)
+                if entry is not None:
+                    self.cores[entry[2]].abort_request(cmd.request_id)
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        entry = self._sinks.get(ev.request_id)
+        if entry is None:
+            return
+        if ev.finished:
+            del self._sinks[ev.request_id]
+        ev.worker_id = self.worker_id
+        sink, loop, _ = entry
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, ev)
+        except RuntimeError:  # event loop closed during shutdown
+            pass
+
+    def _fail_all(self, core: EngineCore, message: str) -> list[TokenEvent]:
+        events = []
+        for rid in list(core.seqs):
+            core.abort_request(rid)
+            events.append(TokenEvent(rid, finish_reason="error", error=message))
+        core.step()  # flush the abort events of the failed sequences
+        return events

@@ -1,0 +1,203 @@
+"""The engine worker's HTTP surface (engine/protocol.py), served with aiohttp.
+
+One process serves one replica group: ``dp`` engine cores over one loaded model. Routes:
+``POST /internal/generate`` (NDJSON token events), ``POST /internal/abort``, ``GET /load``,
+``GET /health``, ``GET /kv_events``, ``GET /metrics``. SIGTERM drains: ``/health`` turns 503, new
+requests are refused with 503, running ones finish (up to ``drain_timeout``), then the process
+exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from engine.kv_connector import KVConnector
+from engine.model.loader import load_model
+from engine.protocol import GenerateRequest, LoadReport, Role
+from engine.runtime.builder import build_sampler, default_state_budget
+from engine.runtime.config import EngineConfig
+from engine.runtime.engine_core import EngineCore
+from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
+from engine.worker.loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker process serves and how."""
+
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8200
+    role: Role = "mixed"
+    dp: int = 1
+    dtype: str = "auto"
+    device: str = "cpu"
+    served_model_name: str = "deepseek-v4"
+    worker_id: str = ""
+    drain_timeout: float = 30.0
+    engine: EngineConfig = EngineConfig()
+
+
+class Worker:
+    """A loaded model, its engine loop and KV connector, and the aiohttp app around them."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or f"{config.role}-{config.port}-{uuid.uuid4().hex[:6]}"
+        self.registry = CollectorRegistry()
+        self.draining = False
+        self.ready = False
+        model = load_model(config.model_dir, dtype=config.dtype, device=config.device, progress=True)
+        self.model = model
+        families = EngineMetricFamilies(self.registry)
+        engine_cfg = config.engine
+        budget = default_state_budget(model, engine_cfg) // max(config.dp, 1)
+        from dataclasses import replace
+
+        engine_cfg = replace(engine_cfg, state_memory_bytes=budget, role=config.role)
+        self.store = None
+        kv = None
+        if engine_cfg.kv_cache != "off":
+            from kvstore import KVStoreConfig, build_store
+
+            self.store = build_store(KVStoreConfig.from_env(), registry=self.registry)
+        cores = []
+        for rank in range(config.dp):
+            metrics = EngineMetrics(families, config.served_model_name, rank)
+            if self.store is not None:
+                kv = KVConnector(
+                    self.store,
+                    model,
+                    read=engine_cfg.kv_cache in ("read", "readwrite"),
+                    write=engine_cfg.kv_cache in ("write", "readwrite"),
+                    snapshot_interval_units=max(1, engine_cfg.snapshot_interval_units),
+                    metrics=metrics,
+                )
+            cores.append(EngineCore(model, build_sampler(model, config.model_dir), engine_cfg, kv=kv, metrics=metrics, dp_rank=rank))
+        self.fingerprint = cores[0].kv.fingerprint if cores[0].kv is not None else ""
+        self.loop = EngineLoop(cores, self.worker_id)
+
+    # ---- handlers ---------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if self.draining:
+            return web.json_response({"error": "worker is draining"}, status=503, headers={"Retry-After": "1"})
+        try:
+            req = GenerateRequest.from_dict(await request.json())
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"bad request: {exc}"}, status=400)
+        sink: asyncio.Queue = asyncio.Queue()
+        self.loop.submit(req, sink)
+        first = await sink.get()
+        if first.finish_reason == "error" and not first.token_ids:
+            status = 503 if "full" in (first.error or "") else 400
+            return web.json_response({"error": first.error}, status=status)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        event = first
+        try:
+            while True:
+                await resp.write((json.dumps(event.to_dict(), separators=(",", ":")) + "\n").encode())
+                if event.finished:
+                    break
+                event = await sink.get()
+                while not event.finished and not sink.empty():  # coalesce a backlog into one write
+                    nxt = sink.get_nowait()
+                    event.token_ids.extend(nxt.token_ids)
+                    if event.logprobs is not None and nxt.logprobs:
+                        event.logprobs.extend(nxt.logprobs)
+                    if nxt.finished:
+                        event.finish_reason, event.error = nxt.finish_reason, nxt.error
+                        event.num_prompt_tokens = nxt.num_prompt_tokens or event.num_prompt_tokens
+                        event.num_cached_tokens = nxt.num_cached_tokens or event.num_cached_tokens
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.loop.abort(req.request_id)  # the client went away: stop computing for it
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def abort(self, request: web.Request) -> web.Response:
+        try:
+            rid = str((await request.json())["request_id"])
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": "body must be {\"request_id\": ...}"}, status=400)
+        self.loop.abort(rid)
+        return web.json_response({"ok": True})
+
+    async def load(self, _: web.Request) -> web.Response:
+        report = LoadReport(
+            worker_id=self.worker_id,
+            role=self.config.role,
+            ranks=self.loop.rank_loads(),
+            draining=self.draining,
+            block_size=self.model.config.unit_tokens,
+            model=self.config.served_model_name,
+        ).to_dict()
+        report["fingerprint"] = self.fingerprint
+        return web.json_response(report)
+
+    async def health(self, _: web.Request) -> web.Response:
+        if self.draining or not self.ready:
+            return web.json_response({"status": "draining" if self.draining else "starting"}, status=503)
+        return web.json_response({"status": "ok", "worker_id": self.worker_id, "role": self.config.role})
+
+    async def kv_events(self, request: web.Request) -> web.Response:
+        since = int(request.query.get("since", "0"))
+        if self.store is None:
+            return web.json_response({"seq": 0, "events": [], "complete": True})
+        batch = self.store.events_since(since)
+        return web.json_response({"seq": batch.seq, "events": [e.to_dict() for e in batch.events], "complete": batch.complete})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/internal/generate", self.generate)
+        app.router.add_post("/internal/abort", self.abort)
+        app.router.add_get("/load", self.load)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/kv_events", self.kv_events)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def serve(self) -> None:
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        await site.start()
+        self.loop.start()
+        self.ready = True
+        log.info("worker %s (%s, dp=%d) on %s:%d", self.worker_id, self.config.role, self.config.dp, self.config.host, self.config.port)
+        stop = asyncio.Event()
+        aloop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aloop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        self.draining = True  # refuse new work, let running requests finish
+        deadline = aloop.time() + self.config.drain_timeout
+        while self.loop.in_flight() and aloop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
+        self.loop.stop()
+        if self.store is not None:
+            self.store.close()
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Load the model and serve until SIGTERM/SIGINT (then drain and exit)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not Path(config.model_dir).is_dir():
+        raise SystemExit(f"model directory {config.model_dir} does not exist")
+    asyncio.run(Worker(config).serve())

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+
+torch.set_num_threads(1)  # tiny CPU ops: spin-waiting threads cost more than they give (see builder)
 
 pytest_plugins = ["tests.conftest_redis"] if (Path(__file__).parent / "conftest_redis.py").exists() else []
 

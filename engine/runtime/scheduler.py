@@ -47,6 +47,7 @@ class Scheduler:
         self.pool = pool
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -128,6 +129,7 @@ class Scheduler:
         seq.num_cached = 0
         seq.kv_checked = False
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.insert(0, seq)
 

@@ -5,7 +5,9 @@ Per step, for the (B, V) float32 logits of the scheduled sequences, in this orde
    logits as given (vLLM v1's default, and OpenAI's: independent of temperature, penalties,
    truncation and grammar);
 2. penalties (``penalties.py``) on the rows that set any;
-3. grammar masks (``structured.py``) of rows whose grammar is active, one batched apply;
+3. grammar masks (``structured.py``) of rows whose grammar is active: a row allowing at most
+   ``grammar_sparse_max`` tokens (most grammar positions) is gathered down to those tokens and
+   sampled over them alone; wider rows get the bitmask applied in one batched call;
 4. greedy rows (temperature < 1e-5): argmax;
 5. other rows: divide by temperature, min-p, top-k, top-p (``distribution.py``), then an
    inverse-CDF draw with the row's own uniform for ``(seed, step)`` (``state.py``);
@@ -35,7 +37,13 @@ from engine.sampling.distribution import NEG_INF, apply_min_p, apply_top_k_top_p
 from engine.sampling.finish import check_finish
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.state import SamplingState
-from engine.sampling.structured import GrammarCompilerCache, allocate_bitmask, apply_bitmask
+from engine.sampling.structured import (
+    GrammarCompilerCache,
+    allocate_bitmask,
+    allowed_counts,
+    allowed_ids,
+    apply_bitmask,
+)
 
 LogprobsMode = Literal["raw", "processed"]
 
@@ -49,7 +57,8 @@ class SamplerConfig:
     ``logprobs_mode``: "raw" = log_softmax of the model's logits; "processed" = of the distribution
     sampled from. ``seed``: seeds the seeds drawn for requests that bring none (so a whole engine
     run is reproducible in tests). ``top_p_candidates``: how many largest logits top-p searches
-    before sorting the whole row.
+    before sorting the whole row. ``grammar_sparse_max``: a grammar row allowing at most this many
+    tokens is sampled over those tokens only, skipping the vocabulary-wide passes.
     """
 
     vocab_size: int
@@ -57,6 +66,7 @@ class SamplerConfig:
     logprobs_mode: LogprobsMode = "raw"
     seed: int | None = None
     top_p_candidates: int = 1024
+    grammar_sparse_max: int = 4096
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1:
@@ -135,21 +145,29 @@ class Sampler:
         pen_rows = [i for i, s in enumerate(states) if s.has_penalties]
         if pen_rows:
             apply_penalties(logits, pen_rows, [states[i] for i in pen_rows])
-        self._apply_grammars(logits, states)
+        sparse_rows, sparse_ids = self._apply_grammars(logits, states)
 
+        # Two groups, each sampled as one matrix: dense rows over the whole vocabulary, and
+        # grammar rows with few allowed tokens over just those (columns -> ids via sparse_ids).
         tokens = torch.empty(B, dtype=torch.int64)
-        greedy = [i for i, s in enumerate(states) if s.greedy]
-        rand = [i for i, s in enumerate(states) if not s.greedy]
-        if greedy:
-            tokens[greedy] = _rows(logits, greedy).argmax(-1) if len(greedy) < B else logits.argmax(-1)
-        x: torch.Tensor | None = None  # (R, V) truncated, temperature-scaled logits of rand rows
-        if rand:
-            x = self._truncate(logits, rand, [states[i] for i in rand])
-            u = torch.tensor([states[i].uniform() for i in rand], dtype=torch.float64)
-            tokens[rand] = draw(x, u)
+        processed: dict[int, torch.Tensor] = {}  # row -> (C,) final logits, for processed logprobs
+        want = set(lp_rows) if lp_rows and not raw_mode else set()
+        dense_rows = [i for i in range(B) if i not in set(sparse_rows)] if sparse_rows else list(range(B))
+        if dense_rows:
+            x = logits if len(dense_rows) == B else _rows(logits, dense_rows)  # (D, V)
+            tokens[dense_rows] = self._pick(x, dense_rows, states, want, processed)
+        if sparse_rows:
+            valid = sparse_ids >= 0  # (S, C)
+            row_idx = torch.as_tensor(sparse_rows, dtype=torch.int64).unsqueeze(1)  # (S, 1)
+            x = logits[row_idx, sparse_ids.clamp(min=0)].masked_fill_(~valid, NEG_INF)  # (S, C)
+            pos = self._pick(x, sparse_rows, states, want, processed)  # (S,)
+            tokens[sparse_rows] = sparse_ids.gather(1, pos.unsqueeze(1)).squeeze(1)
+            for j, i in enumerate(sparse_rows):  # back to full-vocabulary rows
+                if i in processed:
+                    processed[i] = torch.full((V,), NEG_INF).index_copy_(0, sparse_ids[j][valid[j]], processed[i][valid[j]])
 
-        if lp_rows and not raw_mode:
-            lp_src = self._processed_logprobs(logits, x, lp_rows, rand)
+        if want:
+            lp_src = torch.log_softmax(torch.stack([processed[i] for i in lp_rows]), dim=-1)
         logprobs = self._gather_logprobs(lp_src, lp_rows, tokens, states) if lp_rows else [None] * B
 
         reasons: list[FinishReason | None] = []
@@ -166,45 +184,77 @@ class Sampler:
             reasons.append(s.finish_reason)
         return SampleOutput(tokens, logprobs, reasons)
 
-    def _apply_grammars(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
-        """Mask the rows whose grammar is active; a row left with no token gets EOS only."""
+    def _pick(
+        self,
+        x: torch.Tensor,
+        rows: list[int],
+        states: Sequence[SamplingState],
+        want: set[int],
+        processed: dict[int, torch.Tensor],
+    ) -> torch.Tensor:
+        """Column picked for each row of ``x`` (R, C) (``rows[j]`` is its batch row), (R,) int64.
+
+        ``x`` may be modified in place. Rows in ``want`` leave their final logits in ``processed``.
+        """
+        out = torch.empty(len(rows), dtype=torch.int64)
+        greedy = [j for j, i in enumerate(rows) if states[i].greedy]
+        rand = [j for j, i in enumerate(rows) if not states[i].greedy]
+        if greedy:
+            g = x if len(greedy) == len(rows) else _rows(x, greedy)  # (G, C)
+            out[greedy] = g.argmax(-1)
+            for j, row in zip(greedy, g):
+                if rows[j] in want:
+                    processed[rows[j]] = row
+        if rand:
+            r = x if len(rand) == len(rows) else _rows(x, rand)  # (R', C)
+            rand_states = [states[rows[j]] for j in rand]
+            self._truncate(r, rand_states)
+            u = torch.tensor([s.uniform() for s in rand_states], dtype=torch.float64)
+            out[rand] = draw(r, u)
+            for j, row in zip(rand, r):
+                if rows[j] in want:
+                    processed[rows[j]] = row
+        return out
+
+    def _apply_grammars(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> tuple[list[int], torch.Tensor]:
+        """Fill the masks of rows with an active grammar. Rows allowing at most
+        ``grammar_sparse_max`` tokens are returned, with their allowed ids (S, C) padded with -1,
+        to be sampled over those columns only; the other rows are masked in ``logits`` in place.
+        A row allowing nothing (cannot happen with a sound grammar) gets EOS only.
+        """
         B = len(states)
         if self._bitmask.shape[0] < B:
             self._bitmask = allocate_bitmask(B, self.config.vocab_size)
         rows = [i for i, s in enumerate(states) if s.grammar is not None and s.grammar.fill_mask(self._bitmask, i)]
         if not rows:
-            return
-        apply_bitmask(logits, self._bitmask, rows)
-        alive = self._bitmask[rows].ne(0).any(-1).tolist()  # (G,) any token allowed
-        for i, ok in zip(rows, alive):
-            if not ok:  # cannot happen with a sound grammar; end the request rather than crash
-                logits[i, self.config.eos_token_ids[0]] = 0.0
+            return [], _NO_IDS
+        counts = allowed_counts(self._bitmask[rows]).tolist()  # (G,)
+        limit = self.config.grammar_sparse_max
+        dense = [i for i, n in zip(rows, counts) if n > limit]
+        if dense:
+            apply_bitmask(logits, self._bitmask, dense)
+        sparse = [i for i, n in zip(rows, counts) if n <= limit]
+        if not sparse:
+            return [], _NO_IDS
+        ids = allowed_ids(self._bitmask[sparse], self.config.vocab_size, max([1] + [n for n in counts if n <= limit]))
+        ids[ids[:, 0] < 0, 0] = self.config.eos_token_ids[0]  # rows allowing nothing
+        return sparse, ids
 
-    def _truncate(self, logits: torch.Tensor, rows: list[int], states: list[SamplingState]) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p for ``rows``: a new (R, V) tensor."""
+    def _truncate(self, x: torch.Tensor, states: list[SamplingState]) -> None:
+        """Temperature, min-p, top-k, top-p, in place on ``x`` (R, C), row j for ``states[j]``."""
         temps = [s.params.temperature for s in states]
-        x = _rows(logits, rows) if len(rows) < logits.shape[0] else logits  # (R, V), logits is consumed
         if any(t != 1.0 for t in temps):
             x.div_(torch.tensor(temps, dtype=torch.float32).unsqueeze(1))
         if any(s.params.min_p > 0.0 for s in states):
             apply_min_p(x, torch.tensor([s.params.min_p for s in states], dtype=torch.float32))
         trunc = [j for j, s in enumerate(states) if s.params.top_k > 0 or s.params.top_p < 1.0]
         if trunc:
-            sub = x if len(trunc) == len(rows) else x[trunc]  # (T, V)
+            sub = x if len(trunc) == len(states) else x[trunc]  # (T, C)
             top_k = torch.tensor([states[j].params.top_k for j in trunc], dtype=torch.int64)
             top_p = torch.tensor([states[j].params.top_p for j in trunc], dtype=torch.float32)
             apply_top_k_top_p(sub, top_k, top_p, self.config.top_p_candidates)
             if sub is not x:
                 x[trunc] = sub
-        return x
-
-    def _processed_logprobs(
-        self, logits: torch.Tensor, x: torch.Tensor | None, lp_rows: list[int], rand: list[int]
-    ) -> torch.Tensor:
-        """log_softmax of what each lp row was sampled from: (L, V)."""
-        pos_in_rand = {r: j for j, r in enumerate(rand)}
-        src = torch.stack([x[pos_in_rand[i]] if i in pos_in_rand else logits[i] for i in lp_rows])  # (L, V)
-        return torch.log_softmax(src, dim=-1)
 
     @staticmethod
     def _gather_logprobs(
@@ -220,6 +270,9 @@ class Sampler:
             top = [(t, v) for t, v in zip(top_i[j][:n], top_v[j][:n]) if v != NEG_INF]
             out[i] = TokenLogprob(logprob=chosen[j], top=top)
         return out
+
+
+_NO_IDS = torch.empty(0, 0, dtype=torch.int64)
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -195,3 +195,30 @@ def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set the disallowed logits of ``rows`` to -inf in place, in one batched call."""
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def allowed_counts(bitmask: torch.Tensor) -> torch.Tensor:
+    """Number of allowed tokens per row of a (G, W) int32 bitmask -> (G,) int64 (SWAR popcount)."""
+    x = bitmask.long() & 0xFFFFFFFF  # (G, W) the 32 bits, unsigned
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = ((x * 0x01010101) & 0xFFFFFFFF) >> 24  # (G, W) bits per word
+    return x.sum(-1)
+
+
+def allowed_ids(bitmask: torch.Tensor, vocab_size: int, width: int) -> torch.Tensor:
+    """The allowed token ids of each row of a (G, W) int32 bitmask, ascending, padded with -1
+    to ``width`` columns -> (G, width) int64. Costs O(W + allowed), not O(V)."""
+    rows, words = bitmask.nonzero(as_tuple=True)  # (K,) each: the nonzero 32-bit words
+    bits = (bitmask[rows, words].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1  # (K, 32)
+    hit = bits.bool()
+    ids = (words.unsqueeze(1) * 32 + torch.arange(32))[hit]  # (N,) row-major, so ascending per row
+    row_of = rows.unsqueeze(1).expand(-1, 32)[hit]  # (N,)
+    keep = ids < vocab_size
+    ids, row_of = ids[keep], row_of[keep]
+    out = torch.full((bitmask.shape[0], width), -1, dtype=torch.int64)
+    if ids.numel():
+        starts = torch.searchsorted(row_of, torch.arange(bitmask.shape[0]))  # (G,) first entry of each row
+        out[row_of, torch.arange(ids.numel()) - starts[row_of]] = ids
+    return out

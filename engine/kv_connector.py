@@ -12,7 +12,9 @@ Units are ``U = cfg.unit_tokens`` (128) tokens; unit ``i`` of a prompt is keyed 
 Saved at the prompt's last whole unit (the scheduler ends a chunk there), and at every unit
 boundary decode crosses (every ``snapshot_interval_units``; the last one is the output's end).
 Restored from the longest run of present blocks that ends in a snapshot strictly before the last
-prompt token (the engine must compute at least one token to sample). A hit is taken only when
+prompt token (the engine must compute at least one token to sample), exactly. Without any
+snapshot, blocks alone resume exactly by replaying ``layers × (W-1)`` tokens over the cached rows
+(see ``replay_start``), or approximately with a bounded replay when asked for. A hit is taken only when
 loading is predicted to be faster than recomputing: ``load = bytes / load_bw + units × latency``
 versus ``recompute = tokens / prefill_tps``, both rates measured online (EMA).
 """
@@ -52,6 +54,7 @@ class KVConnector:
         write: bool = True,
         snapshot_interval_units: int = 1,
         metrics: object | None = None,
+        bounded_replay_tokens: int = 0,
     ) -> None:
         cfg = model.config
         self.store = store
@@ -61,6 +64,7 @@ class KVConnector:
         self.fingerprint = f"{cfg.fingerprint()}-{self.dtype_name}"
         self.interval = max(1, snapshot_interval_units)
         self.metrics = metrics
+        self.bounded_replay = bounded_replay_tokens  # 0 = exact replay (layers × (W-1) tokens)
         self.rates = [cfg.layer_rate(i) for i in range(cfg.num_hidden_layers)]
         # online cost model (EMA); conservative starting points
         self.prefill_tps = 2000.0  # tokens/s this engine prefills
@@ -89,47 +93,71 @@ class KVConnector:
         if not keys:
             return
         present = self.store.longest_prefix(keys)
-        for j in range(present, 0, -1):  # largest snapshot within the present blocks
-            if self.store.contains(snapshot_key(keys[j - 1])):
-                break
-        else:
-            return
-        tokens = j * self.unit
-        est_bytes = j * self._block_bytes(model) + self._snapshot_bytes(model)
-        load_s = est_bytes / self.load_bw + (j + 1) * self.load_latency
-        if load_s >= tokens / self.prefill_tps:
+        snap = next((j for j in range(present, 0, -1) if self.store.contains(snapshot_key(keys[j - 1]))), 0)
+        if snap:
+            self._restore_units(seq, model, keys, snap, snapshot=True)
+        elif present:
+            self._restore_units(seq, model, keys, present, snapshot=False)
+
+    def replay_start(self, units: int, model: DeepseekV4ForCausalLM) -> int:
+        """First token to recompute when resuming from ``units`` blocks without a snapshot.
+
+        Exact mode: ``layers × (W-1)`` tokens back — layer ``l``'s window is exact again once
+        ``l+1`` windows of recomputed tokens have passed through it. Bounded mode (DeepInfer's
+        V4.1 style, approximate): only ``bounded_replay_tokens``. Rounded down to a whole unit so
+        every compressor restarts on a window boundary.
+        """
+        cfg = model.config
+        back = self.bounded_replay if self.bounded_replay else cfg.num_hidden_layers * (cfg.sliding_window - 1)
+        start = max(0, units * self.unit - back)
+        return (start // self.unit) * self.unit
+
+    def _restore_units(self, seq: Sequence, model: DeepseekV4ForCausalLM, keys: list[str], units: int, snapshot: bool) -> None:
+        """Load ``units`` blocks (+ the snapshot after them, or set up a replay) into ``seq``."""
+        start = units * self.unit if snapshot else self.replay_start(units, model)
+        if start == 0:
+            return  # a replay from token 0 saves nothing
+        est_bytes = units * self._block_bytes(model) + (self._snapshot_bytes(model) if snapshot else 0)
+        load_s = est_bytes / self.load_bw + (units + 1) * self.load_latency
+        if load_s >= start / self.prefill_tps:
             return  # recomputing is predicted to be faster: treat as a miss
         t0 = time.perf_counter()
-        records = self.store.get_many(keys[:j] + [snapshot_key(keys[j - 1])])
+        wanted = keys[:units] + ([snapshot_key(keys[units - 1])] if snapshot else [])
+        records = self.store.get_many(wanted)
         if any(r is None for r in records):
             return  # evicted or corrupt in between: a miss, never a wrong state
         state = model.new_state()
         try:
-            self._apply(state, records[:-1], records[-1], model)
+            self._apply(state, records[:units], records[units] if snapshot else None, model, start)
         except (KeyError, RuntimeError, ValueError) as exc:
             log.warning("kv restore of %s failed (%s); recomputing", seq.request_id, exc)
             return
-        state.num_tokens = tokens
-        state.token_ids = list(seq.tokens[:tokens])
-        elapsed = time.perf_counter() - t0
+        state.num_tokens = start
+        state.token_ids = list(seq.tokens[:start])
         nbytes = sum(r.nbytes for r in records)
-        self.load_bw = 0.8 * self.load_bw + 0.2 * nbytes / max(elapsed, 1e-6)
+        self.load_bw = 0.8 * self.load_bw + 0.2 * nbytes / max(time.perf_counter() - t0, 1e-6)
         seq.state = state
-        seq.num_computed = tokens
-        seq.num_cached = min(tokens, seq.num_prompt)
-        seq.saved_upto = tokens
+        seq.num_computed = start
+        seq.num_cached = min(start, seq.num_prompt)
+        seq.saved_upto = start
         if self.metrics is not None:
             self.metrics.on_prefix_lookup(0, seq.num_cached)
 
-    def _apply(self, state, blocks, snap, model) -> None:
+    def _apply(self, state, blocks, snap, model, start: int) -> None:
+        """Fill ``state`` from block records and the snapshot (``snap=None``: replay from ``start``,
+        compressors keep the cached rows and skip the windows before them)."""
         dev = model.device
         for li, layer in enumerate(state.layers):
-            layer.swa = snap.tensors[f"L{li}.swa"].to(dev)
+            if snap is not None:
+                layer.swa = snap.tensors[f"L{li}.swa"].to(dev)
             for part in ("comp", "index"):
                 comp = getattr(layer, part)
                 if comp is None:
                     continue
                 comp.rows = torch.cat([b.tensors[f"L{li}.{part}"] for b in blocks]).to(dev)
+                if snap is None:
+                    comp.windows = start // self.rates[li]
+                    continue
                 comp.buf_kv = snap.tensors[f"L{li}.{part}.buf_kv"].to(dev)
                 comp.buf_gate = snap.tensors[f"L{li}.{part}.buf_gate"].to(dev)
                 if f"L{li}.{part}.overlap_kv" in snap.tensors:

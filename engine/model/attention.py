@@ -60,7 +60,8 @@ class Compressor(nn.Module):
     def update(self, st: CompressorState, kv: torch.Tensor, gate: torch.Tensor, rotary: Rotary) -> None:
         """Append the rows of every window closed by the new tokens' ``kv, gate (S, proj)``."""
         r, d = self.rate, self.width
-        first_pos = st.rows.shape[0] * r
+        done = st.rows.shape[0] if st.windows is None else st.windows
+        first_pos = done * r
         kv = torch.cat([st.buf_kv, kv])
         gate = torch.cat([st.buf_gate, gate])
         usable = (kv.shape[0] // r) * r
@@ -88,7 +89,11 @@ class Compressor(nn.Module):
         rows = self.kv_norm(pooled)  # (n, d)
         positions = torch.arange(n, device=rows.device) * r + first_pos
         cos, sin = rotary.cos_sin(positions, rows.dtype)
-        st.rows = torch.cat([st.rows, apply_rope(rows, cos, sin)])
+        present = st.rows.shape[0] - done  # rows of these windows already stored (replay)
+        if present < n:
+            st.rows = torch.cat([st.rows, apply_rope(rows, cos, sin)[max(present, 0) :]])
+        done += n
+        st.windows = None if done >= st.rows.shape[0] else done
 
 
 class IndexerScorer(nn.Module):

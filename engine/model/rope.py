@@ -17,7 +17,7 @@ from engine.model.config import RopeParams
 def inv_freq(params: RopeParams, rope_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``(rope_dim // 2,)`` and the cos/sin scale for one RoPE variant."""
     base = params.theta
-    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim  # (rope_dim/2,)
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float, device="cpu") / rope_dim  # (rope_dim/2,)
     if params.rope_type == "default":
         return 1.0 / (base**exponents), 1.0
     factor = params.factor
@@ -46,7 +46,7 @@ def inv_freq(params: RopeParams, rope_dim: int, max_position_embeddings: int) ->
     high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     pos_freqs = base**exponents
     extrapolation = 1 - ramp
     freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
@@ -57,12 +57,16 @@ class Rotary:
     """cos/sin tables for one RoPE variant, computed per call from absolute positions."""
 
     def __init__(self, params: RopeParams, rope_dim: int, max_position_embeddings: int) -> None:
-        self.inv_freq, self.scale = inv_freq(params, rope_dim, max_position_embeddings)
+        self.inv_freq, self.scale = inv_freq(params, rope_dim, max_position_embeddings)  # on CPU
         self.rope_dim = rope_dim
+        self._on: dict[torch.device, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions (N,)`` → cos, sin ``(N, rope_dim/2)`` in ``dtype`` (as transformers casts them)."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)  # (N, rope_dim/2)
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * inv  # (N, rope_dim/2)
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
 

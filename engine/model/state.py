@@ -29,6 +29,10 @@ class CompressorState:
     buf_gate: torch.Tensor  # (n < r, width) projected gates (position bias not yet added)
     overlap_kv: torch.Tensor | None = None  # (r, D) CSA: Ca series of the last closed window
     overlap_gate: torch.Tensor | None = None  # (r, D) its gates, position bias included
+    # Windows consumed so far when fewer than ``len(rows)``: a replay over cached rows (resume
+    # from KV blocks without a snapshot) recomputes windows whose rows are already present;
+    # those are not appended again. ``None`` = ``len(rows)`` (the normal case).
+    windows: int | None = None
 
     def nbytes(self) -> int:
         tensors = [self.rows, self.buf_kv, self.buf_gate, self.overlap_kv, self.overlap_gate]
@@ -41,6 +45,7 @@ class CompressorState:
             self.buf_gate.clone(),
             None if self.overlap_kv is None else self.overlap_kv.clone(),
             None if self.overlap_gate is None else self.overlap_gate.clone(),
+            self.windows,
         )
 
 

@@ -9,8 +9,8 @@ seeded-sampling guarantee rests on. (A plain ``sum`` over a (1, V) row is split 
 rounds differently from the same row inside a larger batch, so it is avoided.)
 
 Cost. A full sort of a 129k vocabulary costs ~6 ms per row on CPU, so top-p first looks for the
-nucleus inside the ``candidates`` largest logits (``topk``) and sorts the whole row only when the
-nucleus is wider than that (flat distributions).
+nucleus inside the ``candidates`` largest logits (``topk``), then 16 times as many, and sorts the
+whole row only when the nucleus is wider still (flat distributions).
 """
 
 from __future__ import annotations
@@ -31,24 +31,39 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
     x.masked_fill_(x < thresh, NEG_INF)
 
 
-def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = 1024) -> None:
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int = 256) -> None:
     """Keep each row's top_k largest logits (0 = all), then the smallest prefix of those whose
     probability mass (renormalised over the top-k) reaches top_p (1 = all). In place.
 
-    Ties at the cut-off are kept. top_k (R,) int64, top_p (R,) float32.
+    Ties at the cut-off are kept. top_k (R,) int64, top_p (R,) float32. The nucleus is searched
+    among the ``candidates`` largest logits, then 16 times as many, then the whole sorted row.
     """
     rows, vocab = x.shape
     k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # (R,)
-    thresh, resolved = _cutoffs(x, k_eff, top_p, candidates)
-    if not bool(resolved.all()):  # nucleus wider than the candidates: sort those rows fully
-        todo = (~resolved).nonzero().squeeze(1)
-        t2, _ = _cutoffs(x.index_select(0, todo), k_eff[todo], top_p[todo], vocab)
-        thresh[todo] = t2
+    full_mass = torch.zeros(rows, dtype=torch.float64)  # (R,) only needed for top-p without top-k
+    needs_mass = ((top_p < 1.0) & (k_eff == vocab)).nonzero().squeeze(1)
+    if needs_mass.numel():
+        sub = x if needs_mass.numel() == rows else x.index_select(0, needs_mass)
+        full_mass[needs_mass] = _row_mass(sub, sub.amax(-1))
+    thresh = torch.empty(rows, dtype=x.dtype)  # (R,)
+    todo = torch.arange(rows)
+    while True:
+        sub = x if todo.numel() == rows else x.index_select(0, todo)
+        t, ok = _cutoffs(sub, k_eff[todo], top_p[todo], full_mass[todo], candidates)
+        thresh[todo] = t
+        if bool(ok.all()) or candidates >= vocab:
+            break
+        todo, candidates = todo[~ok], min(vocab, candidates * 16)
     x.masked_fill_(x < thresh.unsqueeze(1), NEG_INF)
 
 
-def _cutoffs(x: torch.Tensor, k_eff: torch.Tensor, top_p: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row logit threshold (R,) and whether it could be decided from the top ``K`` logits."""
+def _cutoffs(
+    x: torch.Tensor, k_eff: torch.Tensor, top_p: torch.Tensor, full_mass: torch.Tensor, candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row logit threshold (R,) and whether the top ``candidates`` logits decided it.
+
+    ``full_mass``: sum(exp(x - max)) of rows with top-p and no top-k.
+    """
     rows, vocab = x.shape
     use_p = top_p < 1.0  # (R,)
     need = torch.where(use_p, k_eff.clamp(max=candidates), k_eff)  # (R,)
@@ -59,12 +74,8 @@ def _cutoffs(x: torch.Tensor, k_eff: torch.Tensor, top_p: torch.Tensor, candidat
     resolved = (k_eff <= K) | use_p  # top-k only rows need their k-th value
     if bool(use_p.any()):
         cum = torch.cumsum(torch.exp(vals - vals[:, :1]), -1, dtype=torch.float64)  # (R, K)
-        if K < vocab:
-            full = _row_mass(x, vals[:, 0])  # (R,) mass of the whole row, same shift
-        else:
-            full = cum[:, -1]
         top_k_mass = cum.gather(1, (k_in - 1).unsqueeze(1)).squeeze(1)  # (R,)
-        mass = torch.where(k_eff <= K, top_k_mass, full)  # (R,) denominator of top-p
+        mass = torch.where(k_eff <= K, top_k_mass, full_mass)  # (R,) denominator of top-p
         target = (top_p.double() * mass).unsqueeze(1)  # (R, 1)
         cut = torch.searchsorted(cum, target).squeeze(1)  # (R,) first index reaching the target
         # Decided if the top-k lies inside the candidates (then the cut is inside it too), or if

@@ -57,7 +57,7 @@ class SamplerConfig:
     ``logprobs_mode``: "raw" = log_softmax of the model's logits; "processed" = of the distribution
     sampled from. ``seed``: seeds the seeds drawn for requests that bring none (so a whole engine
     run is reproducible in tests). ``top_p_candidates``: how many largest logits top-p searches
-    before sorting the whole row. ``grammar_sparse_max``: a grammar row allowing at most this many
+    first (then 16x as many, then the sorted row). ``grammar_sparse_max``: a grammar row allowing at most this many
     tokens is sampled over those tokens only, skipping the vocabulary-wide passes.
     """
 
@@ -65,7 +65,7 @@ class SamplerConfig:
     eos_token_ids: tuple[int, ...]
     logprobs_mode: LogprobsMode = "raw"
     seed: int | None = None
-    top_p_candidates: int = 1024
+    top_p_candidates: int = 256
     grammar_sparse_max: int = 4096
 
     def __post_init__(self) -> None:
@@ -152,7 +152,8 @@ class Sampler:
         tokens = torch.empty(B, dtype=torch.int64)
         processed: dict[int, torch.Tensor] = {}  # row -> (C,) final logits, for processed logprobs
         want = set(lp_rows) if lp_rows and not raw_mode else set()
-        dense_rows = [i for i in range(B) if i not in set(sparse_rows)] if sparse_rows else list(range(B))
+        in_sparse = set(sparse_rows)
+        dense_rows = [i for i in range(B) if i not in in_sparse]
         if dense_rows:
             x = logits if len(dense_rows) == B else _rows(logits, dense_rows)  # (D, V)
             tokens[dense_rows] = self._pick(x, dense_rows, states, want, processed)

@@ -4,7 +4,8 @@ One ``GrammarCompilerCache`` per tokenizer (per engine worker) turns an ``Output
 compiled grammar, cached by ``(kind, spec)``; one ``GrammarState`` per request walks it.
 
 Kinds (``engine.protocol.OutputConstraint``):
-- ``json``: ``spec`` is a JSON schema (compact JSON), or ``""`` for any JSON value.
+- ``json``: ``spec`` is a JSON schema (compact JSON), or ``""`` for free JSON: xgrammar's builtin
+  grammar, an object or an array (what a ``json_object`` response format asks for).
 - ``regex``: ``spec`` is the pattern (the whole output matches it).
 - ``ebnf``: ``spec`` is an xgrammar EBNF grammar with a ``root`` rule.
 - ``tool_call`` / ``tool_call_required``: ``spec`` is the Chat Completions tool list; the output is
@@ -55,10 +56,12 @@ def load_tokenizer_info(
     never matchable; EOS ids stay usable as xgrammar's stop tokens.
     """
     data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
-    vocab: dict[str, int] = dict(data["model"]["vocab"])
+    raw_vocab = data["model"]["vocab"]  # BPE / WordPiece: {piece: id}; Unigram: [[piece, score], ...]
+    vocab: dict[str, int] = dict(raw_vocab) if isinstance(raw_vocab, dict) else {p[0]: i for i, p in enumerate(raw_vocab)}
     added = {int(t["id"]): t["content"] for t in data.get("added_tokens", [])}
     keep = set(keep_added_tokens)
-    assert all(0 <= e < vocab_size for e in eos_token_ids), "EOS ids must be inside the vocabulary"
+    if not eos_token_ids or not all(0 <= e < vocab_size for e in eos_token_ids):
+        raise ValueError(f"EOS ids {list(eos_token_ids)} must be non-empty and inside the vocabulary")
     encoded: list[str] = [""] * vocab_size  # ids past the tokenizer (lm_head padding) stay empty
     for tok, i in vocab.items():
         if i < vocab_size:
@@ -195,6 +198,10 @@ def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set the disallowed logits of ``rows`` to -inf in place, in one batched call."""
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+# Most grammar positions allow few tokens. The sampler gathers such rows down to their allowed ids
+# and samples over those alone, instead of masking and scanning the whole vocabulary.
 
 
 def allowed_counts(bitmask: torch.Tensor) -> torch.Tensor:

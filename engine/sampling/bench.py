@@ -55,7 +55,9 @@ def model_like_logits(gen: torch.Generator, rows: int) -> torch.Tensor:
     return -1.5 * ranks.log() + 0.3 * torch.randn(rows, VOCAB, generator=gen)
 
 
-def bench(name: str, sampler: Sampler, make_params, batch: int, steps: int, gen: torch.Generator) -> tuple[float, float]:
+def bench(
+    name: str, sampler: Sampler, make_params, batch: int, steps: int, gen: torch.Generator
+) -> tuple[float, float]:
     """(median, p90) milliseconds per ``sample`` call."""
     history = list(range(1000, 1200))
     states = [sampler.new_state(make_params(i), [5, 6, 7], history if name == "mixed" else ()) for i in range(batch)]

@@ -19,8 +19,10 @@ Per step, for the (B, V) float32 logits of the scheduled sequences, in this orde
 The logits tensor is consumed: steps 2-3 modify it in place.
 
 Fast paths: a batch of greedy rows with nothing else is one argmax; plain temperature rows skip
-truncation entirely. Everything per row is vectorised across rows; the Python loop over the batch
-only reads parameters and writes results.
+truncation entirely; random rows are transformed inside the logits tensor rather than copied out
+when they are most of the batch. The draw is vectorised across rows; truncation loops over row
+views (no (B, V) temporaries). CPU ``exp`` is kept off its slow paths (-inf and denormal results,
+see ``distribution.exp_shifted_``), which otherwise cost 4-50x on masked or low-temperature rows.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from typing import Literal
 import torch
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
-from engine.sampling.distribution import NEG_INF, apply_min_p, apply_top_k_top_p, draw
+from engine.sampling.distribution import NEG_INF, apply_min_p, draw, log_softmax, mask_below, top_k_top_p_thresholds
+from engine.sampling.errors import InvalidConstraintError
 from engine.sampling.finish import check_finish
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.state import SamplingState
@@ -111,7 +114,7 @@ class Sampler:
         grammar = None
         if params.constraint is not None:
             if self.grammars is None:
-                raise ValueError("this sampler has no grammar compiler; structured output is off")
+                raise InvalidConstraintError("structured output is not enabled on this engine")
             grammar = self.grammars.new_state(params.constraint)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         prompt_ids = SamplingState.distinct_ids(prompt_token_ids) if params.repetition_penalty != 1.0 else None
@@ -124,23 +127,24 @@ class Sampler:
     # -- per step -----------------------------------------------------------------------------
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
-        """Sample one token for each row of ``logits`` (B, V) float32, row i for ``states[i]``.
+        """Sample one token for each row of ``logits`` (B, V), row i for ``states[i]``.
 
-        Modifies ``logits`` in place. Advances every state by one token and sets its
-        ``finish_reason`` when it ends; finished states must not be passed again.
+        Float32 CPU logits are modified in place (others are copied to that first). Advances
+        every state by one token and sets its ``finish_reason`` when it ends; finished states must
+        not be passed again.
         """
         B, V = logits.shape
         assert B == len(states), f"{B} logit rows for {len(states)} states"
         assert V == self.config.vocab_size, f"logits width {V} != vocab_size {self.config.vocab_size}"
         assert not any(s.finished for s in states), "a finished request was scheduled for sampling"
-        if logits.dtype != torch.float32:
-            logits = logits.float()
+        if logits.dtype != torch.float32 or logits.device.type != "cpu":
+            logits = logits.to("cpu", torch.float32)  # the sampler runs on CPU (one (B, V) copy)
         raw_mode = self.config.logprobs_mode == "raw"
 
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs]
         lp_src: torch.Tensor | None = None  # (L, V) log-probabilities of the lp_rows
         if lp_rows and raw_mode:
-            lp_src = torch.log_softmax(_rows(logits, lp_rows), dim=-1)
+            lp_src = log_softmax(_rows(logits, lp_rows))
 
         pen_rows = [i for i, s in enumerate(states) if s.has_penalties]
         if pen_rows:
@@ -165,10 +169,12 @@ class Sampler:
             tokens[sparse_rows] = sparse_ids.gather(1, pos.unsqueeze(1)).squeeze(1)
             for j, i in enumerate(sparse_rows):  # back to full-vocabulary rows
                 if i in processed:
-                    processed[i] = torch.full((V,), NEG_INF).index_copy_(0, sparse_ids[j][valid[j]], processed[i][valid[j]])
+                    processed[i] = torch.full((V,), NEG_INF).index_copy_(
+                        0, sparse_ids[j][valid[j]], processed[i][valid[j]]
+                    )
 
         if want:
-            lp_src = torch.log_softmax(torch.stack([processed[i] for i in lp_rows]), dim=-1)
+            lp_src = log_softmax(torch.stack([processed[i] for i in lp_rows]))
         logprobs = self._gather_logprobs(lp_src, lp_rows, tokens, states) if lp_rows else [None] * B
 
         reasons: list[FinishReason | None] = []
@@ -195,26 +201,38 @@ class Sampler:
     ) -> torch.Tensor:
         """Column picked for each row of ``x`` (R, C) (``rows[j]`` is its batch row), (R,) int64.
 
-        ``x`` may be modified in place. Rows in ``want`` leave their final logits in ``processed``.
+        ``x`` is consumed (modified in place). Rows in ``want`` leave their final logits in
+        ``processed``.
         """
-        out = torch.empty(len(rows), dtype=torch.int64)
+        R = len(rows)
+        out = torch.empty(R, dtype=torch.int64)
         greedy = [j for j, i in enumerate(rows) if states[i].greedy]
         rand = [j for j, i in enumerate(rows) if not states[i].greedy]
         if greedy:
-            g = x if len(greedy) == len(rows) else _rows(x, greedy)  # (G, C)
-            out[greedy] = g.argmax(-1)
-            for j, row in zip(greedy, g):
+            if len(greedy) == R:
+                out = x.argmax(-1)
+            else:  # row views: no copy of the greedy rows
+                out[greedy] = torch.stack([x[j].argmax() for j in greedy])
+            for j in greedy:
                 if rows[j] in want:
-                    processed[rows[j]] = row
+                    processed[rows[j]] = x[j].clone()
         if rand:
-            r = x if len(rand) == len(rows) else _rows(x, rand)  # (R', C)
-            rand_states = [states[rows[j]] for j in rand]
-            self._truncate(r, rand_states)
-            u = torch.tensor([s.uniform() for s in rand_states], dtype=torch.float64)
-            out[rand] = draw(r, u)
-            for j, row in zip(rand, r):
+            # Transform the random rows in place inside x when they are most of it (greedy rows
+            # ride along untouched and their draws are discarded); copy them out when few.
+            if len(rand) == R or 2 * len(greedy) <= len(rand):
+                r, picks = x, rand  # picks: the rows of r that hold the random requests
+            else:
+                r, picks = _rows(x, rand), list(range(len(rand)))  # (R', C)
+            settings: list[SamplingParams | None] = [None] * r.shape[0]
+            u = [0.5] * r.shape[0]
+            for j, jr in zip(rand, picks):
+                settings[jr] = states[rows[j]].params
+                u[jr] = states[rows[j]].uniform()
+            self._truncate(r, settings)
+            out[rand] = draw(r, torch.tensor(u, dtype=torch.float64))[picks]
+            for j, jr in zip(rand, picks):
                 if rows[j] in want:
-                    processed[rows[j]] = row
+                    processed[rows[j]] = r[jr]
         return out
 
     def _apply_grammars(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> tuple[list[int], torch.Tensor]:
@@ -241,21 +259,20 @@ class Sampler:
         ids[ids[:, 0] < 0, 0] = self.config.eos_token_ids[0]  # rows allowing nothing
         return sparse, ids
 
-    def _truncate(self, x: torch.Tensor, states: list[SamplingState]) -> None:
-        """Temperature, min-p, top-k, top-p, in place on ``x`` (R, C), row j for ``states[j]``."""
-        temps = [s.params.temperature for s in states]
+    def _truncate(self, x: torch.Tensor, settings: list[SamplingParams | None]) -> None:
+        """Temperature, min-p, top-k, top-p in place on the rows of ``x`` (R, C) whose settings
+        are given; rows with ``None`` are left as they are."""
+        temps = [1.0 if p is None else p.temperature for p in settings]
         if any(t != 1.0 for t in temps):
             x.div_(torch.tensor(temps, dtype=torch.float32).unsqueeze(1))
-        if any(s.params.min_p > 0.0 for s in states):
-            apply_min_p(x, torch.tensor([s.params.min_p for s in states], dtype=torch.float32))
-        trunc = [j for j, s in enumerate(states) if s.params.top_k > 0 or s.params.top_p < 1.0]
+        min_p = [j for j, p in enumerate(settings) if p is not None and p.min_p > 0.0]
+        if min_p:
+            apply_min_p(x, min_p, [settings[j].min_p for j in min_p])
+        trunc = [j for j, p in enumerate(settings) if p is not None and (p.top_k > 0 or p.top_p < 1.0)]
         if trunc:
-            sub = x if len(trunc) == len(states) else x[trunc]  # (T, C)
-            top_k = torch.tensor([states[j].params.top_k for j in trunc], dtype=torch.int64)
-            top_p = torch.tensor([states[j].params.top_p for j in trunc], dtype=torch.float32)
-            apply_top_k_top_p(sub, top_k, top_p, self.config.top_p_candidates)
-            if sub is not x:
-                x[trunc] = sub
+            top_k = torch.tensor([settings[j].top_k for j in trunc], dtype=torch.int64)
+            top_p = torch.tensor([settings[j].top_p for j in trunc], dtype=torch.float32)
+            mask_below(x, trunc, top_k_top_p_thresholds(x, trunc, top_k, top_p, self.config.top_p_candidates))
 
     @staticmethod
     def _gather_logprobs(
@@ -264,7 +281,7 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * len(states)
         chosen = lp.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()  # (L,)
         n_top = max(states[i].params.top_logprobs for i in lp_rows)
-        top_v, top_i = (lp.topk(n_top, dim=-1) if n_top else (lp[:, :0], lp[:, :0].long()))  # (L, n_top)
+        top_v, top_i = lp.topk(n_top, dim=-1) if n_top else (lp[:, :0], lp[:, :0].long())  # (L, n_top)
         top_v, top_i = top_v.tolist(), top_i.tolist()
         for j, i in enumerate(lp_rows):
             n = states[i].params.top_logprobs

@@ -57,7 +57,9 @@ def load_tokenizer_info(
     """
     data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
     raw_vocab = data["model"]["vocab"]  # BPE / WordPiece: {piece: id}; Unigram: [[piece, score], ...]
-    vocab: dict[str, int] = dict(raw_vocab) if isinstance(raw_vocab, dict) else {p[0]: i for i, p in enumerate(raw_vocab)}
+    vocab: dict[str, int] = (
+        dict(raw_vocab) if isinstance(raw_vocab, dict) else {p[0]: i for i, p in enumerate(raw_vocab)}
+    )
     added = {int(t["id"]): t["content"] for t in data.get("added_tokens", [])}
     keep = set(keep_added_tokens)
     if not eos_token_ids or not all(0 <= e < vocab_size for e in eos_token_ids):
@@ -122,7 +124,8 @@ class GrammarCompilerCache:
     Thread-safe: ``compile`` may be called from a helper thread (e.g. when a request arrives)
     while the engine loop samples; a grammar is compiled at most once at a time per key.
     ``json_max_whitespace`` caps runs of whitespace between JSON tokens (models under a grammar
-    sometimes emit whitespace forever); None means unbounded.
+    sometimes emit whitespace forever; 16 characters still allow indented output); None means
+    unbounded. An empty ``json`` spec (any JSON object or array) uses the same cap.
     """
 
     def __init__(
@@ -132,7 +135,7 @@ class GrammarCompilerCache:
         dsml_version: DsmlVersion = "v4",
         max_threads: int = 2,
         max_entries: int = 256,
-        json_max_whitespace: int | None = 64,
+        json_max_whitespace: int | None = 16,
     ) -> None:
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
@@ -173,7 +176,7 @@ class GrammarCompilerCache:
         try:
             if kind == "json":
                 if not spec:
-                    return c.compile_builtin_json_grammar()
+                    spec = '{"type": ["object", "array"]}'
                 json.loads(spec)  # a clear error for malformed JSON before xgrammar sees it
                 return c.compile_json_schema(spec, max_whitespace_cnt=self.json_max_whitespace)
             if kind == "regex":

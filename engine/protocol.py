@@ -225,6 +225,7 @@ class LoadReport:
     draining: bool = False
     block_size: int = 128
     model: str = ""
+    fingerprint: str = ""  # KV unit key fingerprint (kvstore.keys.chain_keys), "" if no store
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -238,6 +239,7 @@ class LoadReport:
             draining=bool(d.get("draining", False)),
             block_size=int(d.get("block_size", 128)),
             model=d.get("model", ""),
+            fingerprint=d.get("fingerprint", ""),
         )
 
 

@@ -144,8 +144,8 @@ class Worker:
             draining=self.draining,
             block_size=self.model.config.unit_tokens,
             model=self.config.served_model_name,
+            fingerprint=self.fingerprint,
         ).to_dict()
-        report["fingerprint"] = self.fingerprint
         return web.json_response(report)
 
     async def health(self, _: web.Request) -> web.Response:

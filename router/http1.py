@@ -1,0 +1,269 @@
+"""A minimal HTTP/1.1 client for the one hot call: ``POST /internal/generate``, NDJSON back.
+
+Why not aiohttp here: profiling the router service at concurrency 32 (py-spy, ``bench/router_bench.py``)
+put ~21% of its CPU in aiohttp's client machinery (request objects, payload registry, tracing
+hooks, stream readers) for a call whose shape never varies. This module does just that call on
+``asyncio.Protocol`` connections kept alive in a per-worker pool: one ``transport.write`` per
+request, the answer parsed in ``data_received`` straight into complete NDJSON lines, one await
+per batch of lines. Everything else the router says to a worker (``/load``, ``/health``,
+``/kv_events``, ``/internal/abort``) stays on aiohttp.
+
+Answers may be ``Content-Length`` or ``Transfer-Encoding: chunked``. A connection goes back to the
+pool only after a complete answer; a caller that stops early closes it (the worker sees the
+disconnect). A request on a *reused* connection that dies before any answer byte is sent again
+once on a fresh connection (the worker may have closed it as idle at the same moment).
+Errors: ``ConnectError`` (could not connect), ``ProtocolError`` (connection lost or malformed
+answer), ``StatusError`` (non-200, with the body); ``worker_client`` maps them to router errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+
+class HttpError(Exception):
+    pass
+
+
+class ConnectError(HttpError):
+    pass
+
+
+class ProtocolError(HttpError):
+    pass
+
+
+class StatusError(HttpError):
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:500].decode(errors='replace')}")
+        self.status = status
+        self.body = body
+
+
+_MAX_BUFFERED_LINES = 4096  # pause reading beyond this (a consumer slower than its worker)
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; parses one answer at a time into ``lines``."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buf = b""
+        self.lines: deque[bytes] = deque()
+        self.status = 0  # 0 until the head is parsed
+        self.got_bytes = False
+        self.chunked = False
+        self.remaining = -1  # Content-Length bytes still to come
+        self.chunk_left = -1  # bytes left in the current chunk (+2 for its CRLF); -1: size line next
+        self.partial = b""  # an NDJSON line cut by a packet boundary
+        self.done = False
+        self.keep_alive = True
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future | None = None
+        self.paused = False
+
+    # ---- protocol callbacks ---------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.done and self.error is None:
+            self.error = ProtocolError(f"connection lost: {exc}" if exc else "connection closed before the answer ended")
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        self.buf = self.buf + data if self.buf else data
+        try:
+            self._parse()
+        except (ValueError, IndexError) as exc:
+            self.error = ProtocolError(f"malformed answer: {exc}")
+            self.transport.close()
+        if len(self.lines) > _MAX_BUFFERED_LINES and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # ---- parsing -------------------------------------------------------------------------
+    def _parse(self) -> None:
+        if not self.status:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].decode("latin-1").split("\r\n")
+            self.buf = self.buf[end + 4 :]
+            self.status = int(head[0].split(" ", 2)[1])
+            for h in head[1:]:
+                name, _, value = h.partition(":")
+                name = name.strip().lower()
+                if name == "content-length":
+                    self.remaining = int(value)
+                elif name == "transfer-encoding" and "chunked" in value.lower():
+                    self.chunked = True
+                elif name == "connection" and value.strip().lower() == "close":
+                    self.keep_alive = False
+            if not self.chunked and self.remaining < 0:
+                self.keep_alive = False  # body ends at connection close
+        if self.chunked:
+            self._parse_chunked()
+        else:
+            self._body(self.buf)
+            if self.remaining >= 0:
+                self.remaining -= len(self.buf)
+                if self.remaining <= 0:
+                    self._finish()
+            self.buf = b""
+
+    def _parse_chunked(self) -> None:
+        buf, pos, n = self.buf, 0, len(self.buf)
+        while True:
+            if self.chunk_left < 0:  # a chunk-size line comes next
+                nl = buf.find(b"\r\n", pos)
+                if nl < 0:
+                    break
+                size = int(buf[pos:nl].split(b";", 1)[0], 16)
+                if size == 0:  # the last chunk, then one CRLF (we send no TE: no trailers)
+                    if n - (nl + 2) < 2:
+                        break  # keep the size line; parse again when the CRLF is here
+                    self.buf = buf[nl + 4 :]
+                    self._finish()
+                    return
+                pos = nl + 2
+                self.chunk_left = size + 2  # the chunk's data and its CRLF
+            if pos >= n:
+                break
+            take = min(self.chunk_left, n - pos)
+            content = min(take, self.chunk_left - 2)
+            if content > 0:
+                self._body(buf[pos : pos + content])
+            pos += take
+            self.chunk_left -= take
+            if self.chunk_left == 0:
+                self.chunk_left = -1
+        self.buf = buf[pos:]
+
+    def _body(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.status != 200:
+            self.partial += data
+            return
+        if self.partial:
+            data = self.partial + data
+        parts = data.split(b"\n")
+        self.partial = parts.pop()
+        for line in parts:
+            if line:
+                self.lines.append(line)
+
+    def _finish(self) -> None:
+        if self.status == 200 and self.partial.strip():
+            self.lines.append(self.partial)
+            self.partial = b""
+        self.done = True
+
+    # ---- caller side ---------------------------------------------------------------------
+    async def wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def resume(self) -> None:
+        if self.paused and len(self.lines) < _MAX_BUFFERED_LINES // 2:
+            self.paused = False
+            self.transport.resume_reading()
+
+
+class Http1Pool:
+    """Keep-alive connections to one ``http://host:port``; ``post_lines`` is the only call."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256) -> None:
+        u = urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"http1 pool needs an http://host:port URL, got {url!r}")
+        self.host, self.port = u.hostname, u.port or 80
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+        self._host_header = f"{self.host}:{self.port}".encode()
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port), self.connect_timeout_s)
+        except (TimeoutError, OSError) as exc:
+            raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
+        return conn
+
+    async def _acquire(self) -> _Conn:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                conn.reused = True
+                return conn
+        conn = await self._connect()
+        conn.reused = False
+        return conn
+
+    def _release(self, conn: _Conn) -> None:
+        if conn.done and conn.keep_alive and not conn.closed and conn.error is None and len(self._idle) < self.max_idle:
+            conn._reset()
+            self._idle.append(conn)
+        else:
+            conn.transport.close()
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.transport.close()
+        self._idle.clear()
+
+    async def post_lines(self, path: str, body: bytes) -> AsyncIterator[bytes]:
+        """POST ``body`` (JSON) to ``path``; yield the answer's NDJSON lines as they arrive."""
+        req = (
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            % (path.encode(), self._host_header, len(body))
+        ) + body
+        conn = await self._acquire()
+        conn.transport.write(req)
+        while not conn.status and conn.error is None:
+            await conn.wait()
+        if conn.error is not None and conn.reused and not conn.got_bytes:
+            conn.transport.close()  # a stale keep-alive connection: once more on a fresh one
+            conn = await self._connect()
+            conn.transport.write(req)
+            while not conn.status and conn.error is None:
+                await conn.wait()
+        try:
+            if conn.status and conn.status != 200:
+                while not conn.done and conn.error is None:
+                    await conn.wait()
+                raise StatusError(conn.status, conn.partial)
+            lines = conn.lines
+            while True:
+                while lines:
+                    yield lines.popleft()
+                if conn.paused:
+                    conn.resume()
+                if conn.done:
+                    return
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait()
+        finally:
+            self._release(conn)

@@ -1,0 +1,105 @@
+"""Cache-aware placement: the rank where this request costs least, without piling load.
+
+Cost of placing request R (P prompt tokens, prompt units k_1..k_n of ``block_size`` B) on rank r::
+
+    saved(r)    = B * L_r + B * max(0, S - L_r) * shared_hit_weight      (capped at P)
+    uncached(r) = P - saved(r)
+    cost(r)     = prefill_weight * (prefill_backlog(r) + uncached(r))
+                + decode_weight  * decode_tokens(r)
+
+``L_r``: leading units of the prompt in rank r's own tiers; ``S``: leading units in a shared tier
+(Redis, shared FS) that any rank can load, worth ``shared_hit_weight`` of a local hit because
+loading is cheaper than recomputing but not free. Both come from ``router.kv_index.KVIndex``
+(KV events polled from the workers, plus this router's own recent placements), at the engine's
+128-token units, so a hit counted here is one the engine can deliver. ``prefill_backlog`` is the
+prompt work queued ahead of R (our TTFT); ``decode_tokens`` the context of the sequences the rank
+decodes (its inter-token latency). All terms are in tokens, so the weights are dimensionless.
+
+Temperature 0 takes the argmin (ties: fewer requests, then candidate order); a temperature T > 0
+samples with probability ∝ exp(-z / T), z = (cost - min) / (max - min), which spreads a hot
+prefix instead of sending all of it to one rank.
+
+Guards, applied before the cost so cache affinity can never pile load on one rank:
+
+1. DP groups (a worker with dp > 1 whose ranks step together, see ``policies/dp.py``): each
+   group offers its *even* rank (``dp.pick_rank``, what keeps its sequences and tokens even),
+   plus any rank that holds more of this prompt than the even rank, provided it is inside the
+   group's band: at most ``dp_seq_slack`` more sequences than the least busy rank and at most
+   ``dp_token_slack`` more tokens than the lightest. Ranks are then scored jointly across all
+   workers, so the cost picks worker and rank together, but a prefix can pull a request off the
+   even rank only by a bounded amount and only to a rank that really holds more of it.
+2. Load guard: a rank whose request count exceeds the minimum by more than
+   ``balance_abs_threshold`` *and* by a factor ``balance_rel_threshold`` is dropped; the least
+   loaded ranks always stay, so under imbalance this degenerates to least load.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from router.policies.base import Policy, PrefixMatch, RankView, RouteRequest
+from router.policies.dp import even_band, group_by_worker, pick_rank
+
+_NO_MATCH = PrefixMatch(local={}, shared=0)
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+    needs_block_keys = True
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        self._rng = random.Random(self.config.seed)
+
+    def eligible(self, request: RouteRequest, candidates: Sequence[RankView]) -> list[RankView]:
+        """Candidates that pass the DP-group and load guards (never empty)."""
+        cfg = self.config
+        out: list[RankView] = []
+        keys = request.block_keys
+        for ranks in group_by_worker(candidates).values():
+            if len(ranks) == 1:
+                out.append(ranks[0])
+                continue
+            even = pick_rank(ranks, request.num_prompt_tokens, cfg.dp_seq_slack)
+            out.append(even)
+            if keys:
+                base = even.cached_blocks(keys)
+                lo_tok = min(v.token_load for v in ranks)
+                for v in even_band(ranks, cfg.dp_seq_slack):
+                    if v is not even and v.token_load <= lo_tok + cfg.dp_token_slack and v.cached_blocks(keys) > base:
+                        out.append(v)
+        lo = min(v.num_requests for v in out)
+        limit = max(lo + cfg.balance_abs_threshold, lo * cfg.balance_rel_threshold)
+        return [v for v in out if v.num_requests <= limit]
+
+    def costs(self, request: RouteRequest, ranks: Sequence[RankView]) -> list[float]:
+        """The cost of each rank (see module docstring), in tokens."""
+        cfg = self.config
+        cache = ranks[0].cache
+        m = cache.match(request.block_keys) if cache is not None and request.block_keys else _NO_MATCH
+        bs, p = request.block_size, request.num_prompt_tokens
+        out = []
+        for v in ranks:
+            local = m.local.get(v.key, 0)
+            saved = bs * local + (bs * (m.shared - local) * cfg.shared_hit_weight if m.shared > local else 0.0)
+            uncached = p - saved if saved < p else 0.0
+            out.append(cfg.prefill_weight * (v.prefill_backlog + uncached) + cfg.decode_weight * v.decode_tokens)
+        return out
+
+    def select(self, request: RouteRequest, candidates: Sequence[RankView]) -> RankView:
+        ranks = self.eligible(request, candidates)
+        if len(ranks) == 1:
+            return ranks[0]
+        costs = self.costs(request, ranks)
+        if self.config.temperature > 0:
+            return ranks[self._sample(costs)]
+        best = min(range(len(ranks)), key=lambda i: (costs[i], ranks[i].num_requests, i))
+        return ranks[best]
+
+    def _sample(self, costs: list[float]) -> int:
+        lo, hi = min(costs), max(costs)
+        span = hi - lo if hi > lo else 1.0
+        weights = [math.exp(-(c - lo) / span / self.config.temperature) for c in costs]
+        return self._rng.choices(range(len(costs)), weights=weights)[0]

@@ -1,0 +1,403 @@
+"""The router: places each request, sends it, and keeps its stream whole.
+
+``Router.generate(req)`` yields the request's ``TokenEvent``s exactly as one uninterrupted
+worker would, whatever happens underneath:
+
+1. **Place** (``placement.Placer``, pure): the first stage is ``prefill`` (disaggregated: prompt
+   long enough, prefill and decode pools present) or ``colocated``. The stage's policy picks a
+   rank among the available ones below the in-flight cap; if all are at the cap the request
+   waits in a bounded priority queue (``admission``), and a full queue or a long wait raises
+   ``Overloaded(retry_after)``; no available worker at all raises ``NoWorkerAvailable``.
+2. **Send** (``worker_client``): the request goes to the rank with ``dp_rank`` set. A prefill
+   stage is sent with ``prefill_only=True``; its first token is streamed to the caller at once,
+   then the request goes to a decode rank with ``output_token_ids=[first]``. A prefill worker
+   ends a prefill-only request with ``finish_reason="length"`` when it should continue there;
+   any other reason (``"stop"``: the first token ended it), or reaching ``max_tokens``, ends it.
+3. **Repair**: a worker that fails (cannot connect, 5xx, connection dropped, stream ended with
+   no finish event) is reported to the registry (circuit breaker, liveness) and the request is
+   re-sent to another rank of the same stage with ``output_token_ids`` = every token streamed so
+   far. Before the first token this is a *retry* (``max_retries``; immediate when another worker
+   is left, exponential backoff with jitter when only failed ones are); after it a *migration*
+   (``max_migrations``): the new worker continues after the streamed tokens, so the caller sees
+   no gap and no repeat. A prefill pool with no worker left degrades to colocated placement.
+   ``max_tokens`` is the total output length, tokens given in ``output_token_ids`` included.
+
+Errors before the first event are raised (``router.errors``); after it, an unrepairable failure
+ends the stream with ``finish_reason="error"``. ``abort(request_id)``, or closing the iterator
+(client disconnect), stops the request on whichever worker runs it. Prompt statistics
+(``num_prompt_tokens``, ``num_cached_tokens``) are those of the first worker that computed the
+prompt, also on events from later workers, so usage reports the cache hit the caller got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.protocol import GenerateRequest, LoadReport, RankLoad, TokenEvent
+from router.admission import AdmissionQueue
+from router.config import RouterConfig
+from router.errors import NoWorkerAvailable, Overloaded, RequestRejected, WorkerError
+from router.kv_index import PromptHasher
+from router.metrics import RouterMetrics
+from router.placement import Lease, Placer, Pools, Stage
+from router.policies.base import RankView, RouteRequest
+from router.policies.registry import create_policy
+from router.registry import Worker, WorkerRegistry
+from router.worker_client import encode_request, event_from_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request in progress."""
+
+    req: GenerateRequest
+    route: RouteRequest
+    out: list[int] = field(default_factory=list)  # tokens streamed to the caller (this router)
+    worker: Worker | None = None  # where it runs now
+    finished: bool = False
+    aborted: bool = False
+    stats: tuple[int, int] | None = None  # (num_prompt_tokens, num_cached_tokens) first seen
+    queue_entry: tuple | None = None
+
+
+class Router:
+    """Places requests on workers and streams their tokens back (see module docstring).
+
+    ``config``: the whole router config. ``metrics``: pass one built on the caller's Prometheus
+    registry to export ``deepserve_router_*`` there. ``registry``: a prepared worker registry
+    (tests); by default one is built from ``config``. Use ``async with Router(cfg) as r`` or
+    ``await start()`` / ``await stop()``.
+    """
+
+    def __init__(self, config: RouterConfig | None = None, *, metrics: RouterMetrics | None = None, registry: WorkerRegistry | None = None) -> None:
+        self.config = cfg = config or RouterConfig()
+        self.metrics = metrics or RouterMetrics()
+        pc = cfg.policy_config
+        self.placer = Placer(
+            create_policy(cfg.decode_policy_name, pc),
+            create_policy(cfg.prefill_policy_name, pc),
+            pd_min_prompt_tokens=cfg.pd_min_prompt_tokens,
+            max_inflight_per_rank=cfg.max_inflight_per_rank,
+        )
+        self.registry = registry or WorkerRegistry(cfg, metrics=self.metrics, poll_kv_events=self.placer.needs_block_keys)
+        self.registry.add_listener(self._wake_queue)
+        self.hasher = PromptHasher(cfg.block_size, cfg.fingerprint)
+        self._queue = AdmissionQueue(cfg.max_queue)
+        self._flights: dict[str, _Flight] = {}
+        self._pools_cache: tuple[int, Pools] | None = None
+        self._rng = random.Random()
+        self._ewma_s = 1.0  # request duration average, for Retry-After estimates
+        self._bg: set[asyncio.Task] = set()
+
+    # ---- lifecycle and membership ------------------------------------------------------------
+    async def start(self) -> None:
+        await self.registry.start()
+
+    async def stop(self) -> None:
+        for t in list(self._bg):
+            t.cancel()
+        await self.registry.stop()
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def add_worker(self, url: str, role=None) -> str:
+        """Register a worker (as ``POST /register`` does); returns its worker_id."""
+        return (await self.registry.add(url, role)).worker_id
+
+    async def remove_worker(self, worker_id: str, *, drain: bool = True) -> None:
+        await self.registry.remove(worker_id, drain=drain)
+
+    def drain(self, worker_id: str, draining: bool = True) -> None:
+        self.registry.drain(worker_id, draining)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._flights)
+
+    def healthy(self) -> bool:
+        return any(w.available for w in self.registry.workers())
+
+    def load_report(self, router_id: str = "router") -> LoadReport:
+        """The cluster as one worker (what the router service answers on ``/load``)."""
+        views = [v for w in self.registry.workers() for v in w.ranks]
+        rank = RankLoad(
+            dp_rank=0,
+            running=sum(v.running for v in views),
+            waiting=sum(v.waiting for v in views) + len(self._queue),
+            queued_tokens=sum(v.queued_tokens for v in views),
+            state_usage=max((v.state_usage for v in views), default=0.0),
+        )
+        return LoadReport(worker_id=router_id, role="mixed", ranks=[rank], draining=not self.healthy(), block_size=self.config.block_size)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def route_request(self, req: GenerateRequest) -> RouteRequest:
+        keys: tuple[str, ...] = ()
+        if self.placer.needs_block_keys and len(req.prompt_token_ids) >= self.config.block_size:
+            self.hasher.fingerprint = self.registry.fingerprint()
+            keys = self.hasher.keys(req.prompt_token_ids)
+        return RouteRequest(
+            request_id=req.request_id,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            block_keys=keys,
+            session_key=req.session_key,
+            priority=req.priority,
+            block_size=self.config.block_size,
+            max_tokens=req.sampling.max_tokens,
+        )
+
+    def _pools(self) -> Pools:
+        reg = self.registry
+        if self._pools_cache is None or self._pools_cache[0] != reg.version:
+            pools = Pools(prefill=reg.candidates(("prefill",)), decode=reg.candidates(("decode",)), mixed=reg.candidates(("mixed",)))
+            self._pools_cache = (reg.version, pools)
+        return self._pools_cache[1]
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Stream ``req``'s events (see module docstring for the guarantees)."""
+        t0 = time.perf_counter()
+        if req.request_id in self._flights:
+            raise RequestRejected(f"request {req.request_id!r} is already in flight")
+        flight = _Flight(req, self.route_request(req))
+        self._flights[req.request_id] = flight
+        try:
+            stage = self.placer.first_stage(flight.route, self._pools())
+            view, waited = await self._admit(flight, stage)
+            if view is None:  # aborted while queued
+                flight.finished = True
+                yield TokenEvent(req.request_id, finish_reason="abort")
+                return
+            self.metrics.added_latency.observe(time.perf_counter() - t0 - waited)
+            async with contextlib.aclosing(self._run(flight, stage, view)) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self._flights.pop(req.request_id, None)
+            if not flight.finished and flight.worker is not None:
+                self._background(flight.worker.client.abort(req.request_id))
+            self._ewma_s += 0.05 * ((time.perf_counter() - t0) - self._ewma_s)
+            self._wake_queue()
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it runs; False if the router does not know it."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            return False
+        flight.aborted = True
+        if flight.queue_entry is not None and not flight.queue_entry[2].done():
+            flight.queue_entry[2].set_result(False)
+        if flight.worker is not None:
+            await flight.worker.client.abort(request_id)
+        return True
+
+    # ---- admission -----------------------------------------------------------------------------
+    async def _admit(self, flight: _Flight, stage: Stage) -> tuple[RankView | None, float]:
+        """A rank for the first stage, waiting in the queue while all are full: (view, wait s)."""
+        if not len(self._queue):
+            view = self._pick(flight, stage, set())
+            if view is not None:
+                return view, 0.0
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        entry = self._queue.enter(flight.req.priority, self._retry_after())
+        self.metrics.queue_depth.set(len(self._queue))
+        try:
+            while True:
+                flight.queue_entry = entry
+                try:
+                    go = await asyncio.wait_for(entry[2], max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    self._queue.leave(entry)
+                    self.metrics.rejected.labels("queue_timeout").inc()
+                    raise Overloaded(f"no capacity within {self.config.queue_timeout_s:.0f}s", retry_after=self._retry_after()) from None
+                if not go or flight.aborted:
+                    return None, time.perf_counter() - t0
+                view = self._pick(flight, stage, set())
+                if view is not None:
+                    self.metrics.queue_wait.observe(time.perf_counter() - t0)
+                    self._wake_queue()  # there may be room for the next one too
+                    return view, time.perf_counter() - t0
+                entry = self._queue.requeue(entry)
+        finally:
+            flight.queue_entry = None
+            self.metrics.queue_depth.set(len(self._queue))
+
+    def _pick(self, flight: _Flight, stage: Stage, exclude: set[str], capped: bool = True) -> RankView | None:
+        try:
+            return self.placer.pick(stage, flight.route, self._pools(), exclude=exclude, capped=capped)
+        except NoWorkerAvailable:
+            self.metrics.rejected.labels("no_worker").inc()
+            raise
+
+    def _wake_queue(self) -> None:
+        if len(self._queue):
+            self._queue.wake_one()
+
+    def _retry_after(self) -> float:
+        slots = max(1, self.config.max_inflight_per_rank * sum(len(w.ranks) for w in self.registry.workers()))
+        return min(30.0, max(0.1, self._ewma_s * (len(self._queue) + 1) / slots))
+
+    # ---- sending and repair ------------------------------------------------------------------
+    async def _run(self, flight: _Flight, stage: Stage, view: RankView) -> AsyncIterator[TokenEvent]:
+        cfg, req = self.config, flight.req
+        retries = migrations = 0
+        failed: set[str] = set()
+        if stage == "prefill":
+            self.metrics.disaggregated.inc()
+        while True:
+            if flight.aborted:
+                flight.finished = True
+                yield TokenEvent(req.request_id, finish_reason="abort")
+                return
+            worker = self.registry.worker_of(view)
+            error: str | None = None
+            try:
+                async with contextlib.aclosing(self._attempt(flight, stage, view, worker)) as events:
+                    async for ev in events:
+                        yield ev
+                if flight.finished:
+                    return
+                # The prefill stage ended with a first token and the request goes on: decode.
+                stage = "decode"
+                view = self._pick(flight, stage, failed, capped=False)
+                continue
+            except WorkerError as exc:
+                if not exc.retryable:
+                    if not flight.out:
+                        raise RequestRejected(str(exc)) from exc
+                    error = str(exc)
+                else:
+                    self.registry.record_failure(worker, exc)
+                    if flight.aborted:
+                        continue
+                    failed.add(worker.worker_id)
+                    if flight.out:
+                        migrations += 1
+                        if migrations > cfg.max_migrations:
+                            error = f"gave up after {cfg.max_migrations} migrations: {exc}"
+                        else:
+                            self.metrics.migrations.inc()
+                            log.info("migrating %s after %d tokens: %s", req.request_id, len(flight.out), exc)
+                    else:
+                        retries += 1
+                        if retries > cfg.max_retries:
+                            raise NoWorkerAvailable(f"gave up after {cfg.max_retries} retries: {exc}") from exc
+                        self.metrics.retries.labels("connect" if exc.connect else "failure").inc()
+                    if error is None:
+                        try:
+                            view, stage = await self._repick(flight, stage, failed, retries)
+                            continue
+                        except NoWorkerAvailable as exc2:
+                            if not flight.out:
+                                raise
+                            error = str(exc2)
+            except NoWorkerAvailable as exc:  # no decode rank after the prefill stage
+                if not flight.out:
+                    raise
+                error = str(exc)
+            flight.finished = True
+            self.metrics.finished("error")
+            yield TokenEvent(req.request_id, finish_reason="error", error=error)
+            return
+
+    async def _repick(self, flight: _Flight, stage: Stage, failed: set[str], retries: int) -> tuple[RankView, Stage]:
+        """The next rank after a failure (another worker if any is left; backoff if not)."""
+        pools = self._pools()
+        if stage == "prefill" and not pools.prefill:
+            stage = "colocated"  # the prefill pool is gone: compute the prompt where it decodes
+        try:
+            view = self.placer.pick(stage, flight.route, pools, exclude=failed, capped=False)
+        except NoWorkerAvailable:
+            view = None
+        if view is None or view.worker_id in failed:
+            delay = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** max(0, retries - 1))
+            await asyncio.sleep(delay * (0.5 + self._rng.random()))
+            pools = self._pools()
+            if stage == "prefill" and not pools.prefill:
+                stage = "colocated"
+            view = self.placer.pick(stage, flight.route, pools, exclude=failed, capped=False)
+        assert view is not None
+        return view, stage
+
+    async def _attempt(self, flight: _Flight, stage: Stage, view: RankView, worker: Worker) -> AsyncIterator[TokenEvent]:
+        """One dispatch to one rank, yielding the caller's events.
+
+        Ends with ``flight.finished`` set, or (prefill stage) unset when the request goes on to
+        decode; raises ``WorkerError`` when the worker fails.
+        """
+        req, route = flight.req, flight.route
+        prior = req.output_token_ids + flight.out if flight.out else req.output_token_ids
+        sub = GenerateRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            priority=req.priority,
+            output_token_ids=prior,
+            prefill_only=stage == "prefill",
+            dp_rank=view.dp_rank,
+            session_key=req.session_key,
+            arrival_time=req.arrival_time,
+        )
+        policy = self.placer.policy_for(stage)
+        cached = view.cached_blocks(route.block_keys) * route.block_size if route.block_keys else 0
+        lease = Lease(view, route.num_prompt_tokens + len(prior), max(0, route.num_prompt_tokens - cached) if not prior or stage != "decode" else 0)
+        if route.block_keys:
+            self.registry.index.add_predicted(view.key, route.block_keys)
+        policy.on_dispatch(route, view)
+        self.registry.dispatched(worker)
+        self.metrics.decision(policy.name, stage)
+        flight.worker = worker
+        ok = False
+        try:
+            # generate_dicts + event_from_dict is WorkerClient.generate, one generator layer less.
+            async with contextlib.aclosing(worker.client.generate_dicts(encode_request(sub))) as events:
+                async for d in events:
+                    ev = event_from_dict(d)
+                    n = len(ev.token_ids)
+                    if n:
+                        if lease.pending:
+                            lease.first_token()
+                        lease.add_tokens(n)
+                        flight.out.extend(ev.token_ids)
+                    if ev.num_prompt_tokens:
+                        if flight.stats is None:
+                            flight.stats = (ev.num_prompt_tokens, ev.num_cached_tokens)
+                        else:
+                            ev.num_prompt_tokens, ev.num_cached_tokens = flight.stats
+                    reason = ev.finish_reason
+                    if reason is None:
+                        if n:
+                            yield ev
+                        continue
+                    ok = True
+                    if stage == "prefill" and reason == "length" and len(req.output_token_ids) + len(flight.out) < req.sampling.max_tokens:
+                        ev.finish_reason = None
+                        self.registry.record_success(worker)
+                        if n:
+                            yield ev
+                        return
+                    flight.finished = True
+                    self.registry.record_success(worker)
+                    self.metrics.finished(reason)
+                    yield ev
+                    return
+        finally:
+            lease.release()
+            policy.on_finish(route, view, ok)
+
+    def _background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)

@@ -1,0 +1,182 @@
+"""Async HTTP client for one engine worker (or a router service: same protocol).
+
+One ``aiohttp.ClientSession`` with a keep-alive connection pool is shared by every client of a
+process (pass ``session``), so a request costs no TCP handshake. ``generate`` streams the
+worker's NDJSON answer as ``TokenEvent``s: the body is read in whatever chunks arrive and split on
+newlines (one await per chunk, not per line), and the common event shape (token ids, no
+logprobs) is built directly instead of through ``TokenEvent.from_dict``.
+
+Transport failures are translated here into ``router.errors``: ``WorkerUnavailable`` (could not
+connect, connection dropped, 5xx, stream ended without a finish event; ``connect=True`` when the
+worker could not be reached at all) and ``WorkerRejected`` (4xx).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from engine.protocol import GenerateRequest, KVEvent, LoadReport, TokenEvent
+from router.errors import WorkerRejected, WorkerUnavailable
+from router.http1 import ConnectError, Http1Pool, HttpError, StatusError
+
+try:  # optional: several times faster than json for our small lines
+    import orjson
+
+    _loads = orjson.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    def encode_request(req: GenerateRequest) -> bytes:
+        """The request's JSON body. orjson serialises the dataclass itself, which equals
+        ``req.to_dict()`` (tests/router/test_worker_client.py checks) at a fraction of the cost of
+        ``dataclasses.asdict``."""
+        return orjson.dumps(req)
+
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    def encode_request(req: GenerateRequest) -> bytes:
+        return _dumps(req.to_dict())
+
+
+dumps = _dumps
+loads = _loads
+_JSON = {"Content-Type": "application/json"}
+
+
+def event_from_dict(d: dict[str, Any]) -> TokenEvent:
+    """``TokenEvent.from_dict`` with a fast path for the per-token case (no logprobs)."""
+    if "logprobs" in d:
+        return TokenEvent.from_dict(d)
+    return TokenEvent(
+        d["request_id"],
+        d.get("token_ids") or [],
+        None,
+        d.get("finish_reason"),
+        d.get("num_prompt_tokens", 0),
+        d.get("num_cached_tokens", 0),
+        d.get("error"),
+        d.get("worker_id"),
+    )
+
+
+def make_session(connect_timeout_s: float = 2.0) -> aiohttp.ClientSession:
+    """A session whose pool keeps connections to every worker open (no per-host limit)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+    # No cookie jar, no decompression: neither is used, both cost per request.
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+
+
+class WorkerClient:
+    """Client for the worker at ``url`` (``http://host:port``).
+
+    ``generate`` goes over ``router.http1`` (a pool of raw keep-alive connections: the hot path);
+    the control calls over the aiohttp session.
+    """
+
+    def __init__(self, url: str, *, session: aiohttp.ClientSession | None = None, connect_timeout_s: float = 2.0, control_timeout_s: float = 2.0) -> None:
+        self.url = url.rstrip("/")
+        self._session = session
+        self._owns_session = session is None
+        self._connect_timeout_s = connect_timeout_s
+        self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
+        self._pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = make_session(self._connect_timeout_s)
+        return self._session
+
+    async def close(self) -> None:
+        self._pool.close()
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the request's events; the last one has ``finish_reason`` set.
+
+        Raises ``WorkerUnavailable`` / ``WorkerRejected``. Closing the iterator early closes the
+        connection (the worker sees the disconnect); use ``abort`` to stop the request cleanly.
+        """
+        async for d in self.generate_dicts(encode_request(req)):
+            yield event_from_dict(d)
+
+    async def generate_dicts(self, body: bytes) -> AsyncIterator[dict[str, Any]]:
+        """``generate`` at the dict level: a JSON request body in, event dicts out."""
+        finished = False
+        try:
+            async for line in self._pool.post_lines("/internal/generate", body):
+                d = _loads(line)
+                if "finish_reason" in d:
+                    finished = True
+                yield d
+        except ConnectError as exc:
+            raise WorkerUnavailable(str(exc), self.url, connect=True) from exc
+        except StatusError as exc:
+            if 400 <= exc.status < 500 and exc.status not in (408, 429):
+                raise WorkerRejected(str(exc), self.url) from exc
+            raise WorkerUnavailable(str(exc), self.url) from exc
+        except (HttpError, ValueError) as exc:
+            raise WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url) from exc
+        if not finished:
+            raise WorkerUnavailable("stream ended without a finish event", self.url)
+
+    async def _raise_status(self, resp: aiohttp.ClientResponse) -> None:
+        text = (await resp.text())[:500]
+        if 400 <= resp.status < 500 and resp.status not in (408, 429):
+            raise WorkerRejected(f"worker answered {resp.status}: {text}", self.url)
+        raise WorkerUnavailable(f"worker answered {resp.status}: {text}", self.url)
+
+    async def _get_json(self, path: str) -> Any:
+        try:
+            async with self.session.get(self.url + path, timeout=self._control_timeout) as resp:
+                if resp.status != 200:
+                    await self._raise_status(resp)
+                return _loads(await resp.read())
+        except aiohttp.ClientConnectorError as exc:
+            raise WorkerUnavailable(f"cannot connect: {exc}", self.url, connect=True) from exc
+        except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError) as exc:
+            raise WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url) from exc
+
+    async def abort(self, request_id: str) -> bool:
+        """Ask the worker to stop ``request_id``; False when the worker could not be told."""
+        try:
+            async with self.session.post(
+                self.url + "/internal/abort", data=_dumps({"request_id": request_id}), headers=_JSON, timeout=self._control_timeout
+            ) as resp:
+                await resp.read()
+                return resp.status < 300
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            return False
+
+    async def load(self) -> LoadReport:
+        return LoadReport.from_dict(await self._get_json("/load"))
+
+    async def load_dict(self) -> dict[str, Any]:
+        """The raw ``/load`` answer (keeps fields newer than ``LoadReport``, e.g. a fingerprint)."""
+        return await self._get_json("/load")
+
+    async def health(self) -> bool:
+        """True when the worker answers 200 (accepting work); False on 503 or no answer."""
+        try:
+            async with self.session.get(self.url + "/health", timeout=self._control_timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            return False
+
+    async def kv_events(self, since: int = 0) -> tuple[int, list[KVEvent]]:
+        """``(seq, events after since)``; seq is the cursor for the next call."""
+        d = await self._get_json(f"/kv_events?since={since}")
+        return int(d.get("seq", 0)), [KVEvent.from_dict(e) for e in d.get("events", [])]

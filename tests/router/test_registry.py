@@ -1,0 +1,80 @@
+"""Registry health: active checks, request outcomes, static workers that come up late."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.config import RouterConfig
+from router.errors import WorkerUnavailable
+from router.registry import WorkerRegistry
+from tests.router.test_router_integration import free_port, until
+
+
+def cfg(**kw) -> RouterConfig:
+    return RouterConfig(load_interval_s=0.05, health_interval_s=0.1, breaker_failure_threshold=2, breaker_cooldown_s=0.2, **kw)
+
+
+def test_static_worker_polled_until_it_comes_up(spawn):
+    port = free_port()
+
+    async def main():
+        reg = WorkerRegistry(cfg(decode=(f"http://127.0.0.1:{port}",)))
+        await reg.start()
+        try:
+            (w,) = reg.workers()
+            assert not w.available and reg.candidates(("decode",)) == []
+            spawn("--port", str(port), "--worker-id", "late", "--role", "decode", "--dp", "2")
+            await until(lambda: reg.workers()[0].available)
+            (w,) = reg.workers()
+            assert w.worker_id == "late" and [v.key for v in reg.candidates(("decode",))] == [("late", 0), ("late", 1)]
+        finally:
+            await reg.stop()
+
+    asyncio.run(main())
+
+
+def test_outcomes_open_the_breaker_and_probes_close_it(spawn):
+    f = spawn("--worker-id", "w")
+
+    async def main():
+        reg = WorkerRegistry(cfg(worker=(f.url,)))
+        await reg.start()
+        try:
+            w = reg.get("w")
+            v0 = reg.version
+            reg.record_failure(w, WorkerUnavailable("boom", w.url))
+            assert w.available and reg.version > v0
+            reg.record_failure(w, WorkerUnavailable("boom", w.url))
+            assert w.breaker.state == "open" and not w.available and reg.candidates(("mixed",)) == []
+            await until(lambda: w.available)  # cooldown passed: half-open, a probe may go
+            reg.dispatched(w)
+            assert not w.available  # the probe slot is taken
+            reg.record_success(w)
+            assert w.breaker.state == "closed" and reg.candidates(("mixed",))
+            # a refused connection marks it dead at once; the next poll brings it back
+            reg.record_failure(w, WorkerUnavailable("refused", w.url, connect=True))
+            assert not w.alive
+            await until(lambda: w.alive)
+        finally:
+            await reg.stop()
+
+    asyncio.run(main())
+
+
+def test_deregister_with_drain_waits_for_in_flight(spawn):
+    f = spawn("--worker-id", "w", "--dp", "2")
+
+    async def main():
+        reg = WorkerRegistry(cfg())
+        await reg.add(f.url)
+        try:
+            w = reg.get("w")
+            w.ranks[1].in_flight = 1  # one of our requests still runs there
+            await reg.remove("w")
+            assert not w.available and reg.workers() == [w]
+            w.ranks[1].in_flight = 0
+            await until(lambda: reg.workers() == [])
+        finally:
+            await reg.stop()
+
+    asyncio.run(main())

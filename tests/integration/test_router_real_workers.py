@@ -1,0 +1,148 @@
+"""Router + real engine worker processes (tiny model, fp32 CPU, shared filesystem KV tier).
+
+Disaggregated prefill/decode gives the colocated tokens and logprobs; a decode worker killed with
+SIGKILL mid-stream is survived by migration with the undisturbed tokens; a dead prefill worker
+is retried around; a draining worker finishes its requests and gets no new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine.protocol import GenerateRequest, SamplingParams
+from router.config import RouterConfig
+from router.router import Router
+from tests.integration.workers import WorkerProcess, start_workers
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    kv = tmp_path_factory.mktemp("kv")
+    logs = tmp_path_factory.mktemp("logs")
+    workers = start_workers(tiny_model_dir, kv, ["prefill", "decode", "decode", "mixed"], logs)
+    yield {"prefill": workers[0], "decode": workers[1:3], "mixed": workers[3], "kv": kv, "logs": logs, "model": tiny_model_dir}
+    for w in workers:
+        w.terminate()
+
+
+def _config(**kw) -> RouterConfig:
+    base = dict(policy="least_load", load_interval_s=0.1, health_interval_s=0.2, kv_events_interval_s=0.2, backoff_base_s=0.01, pd_min_prompt_tokens=0)
+    base.update(kw)
+    return RouterConfig(**base)
+
+
+def _requests(n: int, seed: int, max_tokens: int = 24, lengths=(150, 300, 40, 260)) -> list[GenerateRequest]:
+    rng = random.Random(seed)
+    return [
+        GenerateRequest(
+            f"q{seed}-{i}",
+            [rng.randrange(2, 129280) for _ in range(lengths[i % len(lengths)])],
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2),
+        )
+        for i in range(n)
+    ]
+
+
+async def _collect(router: Router, req: GenerateRequest) -> tuple[list[int], list[float], set[str]]:
+    tokens, lps, workers = [], [], set()
+    async for ev in router.generate(GenerateRequest.from_dict(req.to_dict())):
+        assert ev.finish_reason != "error", ev.error
+        tokens += ev.token_ids
+        lps += [lp.logprob for lp in ev.logprobs or []]
+        if ev.worker_id:
+            workers.add(ev.worker_id)
+    return tokens, lps, workers
+
+
+async def _run_all(config: RouterConfig, reqs: list[GenerateRequest], during=None):
+    router = Router(config)
+    await router.start()
+    try:
+        tasks = [asyncio.create_task(_collect(router, r)) for r in reqs]
+        if during is not None:
+            await during(router)
+        return await asyncio.gather(*tasks)
+    finally:
+        await router.stop()
+
+
+def test_disaggregated_equals_colocated(cluster) -> None:
+    reqs = _requests(6, seed=1)
+    pd = asyncio.run(_run_all(_config(prefill=(cluster["prefill"].url,), decode=tuple(w.url for w in cluster["decode"])), reqs))
+    co = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), reqs))
+    for (t1, l1, w1), (t2, l2, _) in zip(pd, co):
+        assert t1 == t2
+        assert max(abs(a - b) for a, b in zip(l1, l2)) < 1e-4
+        assert any(w.startswith("prefill") for w in w1) and any(w.startswith("decode") for w in w1)
+
+
+def test_decode_worker_killed_mid_stream_migrates(cluster, tmp_path) -> None:
+    victim = start_workers(cluster["model"], cluster["kv"], ["decode"], cluster["logs"])[0]
+    survivor = cluster["decode"][0]
+    reqs = _requests(20, seed=2, max_tokens=30, lengths=(120, 60, 200, 90))
+    reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), reqs))
+
+    async def kill_when_streaming(router: Router) -> None:
+        await asyncio.sleep(0.5)
+        for _ in range(200):  # wait until the victim is generating for someone
+            if any(victim.url in str(getattr(w, "url", "")) and getattr(w, "in_flight", 0) for w in router.registry.workers()):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        victim.kill()
+
+    try:
+        out = asyncio.run(_run_all(_config(prefill=(cluster["prefill"].url,), decode=(victim.url, survivor.url)), reqs, during=kill_when_streaming))
+    finally:
+        victim.terminate()
+    assert victim.proc.returncode is not None
+    for (tokens, _, workers), (ref, _, _) in zip(out, reference):
+        assert tokens == ref
+    assert any(any(w.startswith("decode-0") for w in ws) and len(ws) >= 3 for _, _, ws in out), "no stream was migrated"
+
+
+def test_prefill_worker_killed_requests_retried(cluster) -> None:
+    dead = start_workers(cluster["model"], cluster["kv"], ["prefill"], cluster["logs"])[0]
+    dead.kill()
+    reqs = _requests(4, seed=3, max_tokens=8)
+    reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), reqs))
+    out = asyncio.run(_run_all(_config(prefill=(dead.url, cluster["prefill"].url), decode=(cluster["decode"][0].url,), policy="round_robin"), reqs))
+    for (tokens, _, workers), (ref, _, _) in zip(out, reference):
+        assert tokens == ref
+        assert not any(w.endswith(str(dead.port)) for w in workers)
+
+
+def test_draining_worker_finishes_and_gets_no_new_requests(cluster) -> None:
+    draining: WorkerProcess = start_workers(cluster["model"], cluster["kv"], ["mixed"], cluster["logs"])[0]
+    first = _requests(4, seed=4, max_tokens=40)
+    later = _requests(4, seed=5, max_tokens=6)
+    reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), first))
+
+    async def scenario():
+        router = Router(_config(worker=(draining.url,)))
+        await router.start()
+        try:
+            tasks = [asyncio.create_task(_collect(router, r)) for r in first]
+            await asyncio.sleep(1.0)
+            draining.proc.terminate()  # SIGTERM: drain
+            await router.add_worker(cluster["mixed"].url)
+            await asyncio.sleep(0.6)
+            done = await asyncio.gather(*tasks)
+            new = await asyncio.gather(*[_collect(router, r) for r in later])
+            return done, new
+        finally:
+            await router.stop()
+
+    try:
+        done, new = asyncio.run(scenario())
+    finally:
+        draining.terminate()
+    for (tokens, _, workers), (ref, _, _) in zip(done, reference):
+        assert tokens == ref
+    for _, _, workers in new:
+        assert workers and not any(w.endswith(str(draining.port)) for w in workers)

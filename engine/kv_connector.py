@@ -79,7 +79,10 @@ class KVConnector:
         """Where the first prefill chunk should stop so the prompt's last whole unit is saved."""
         if not self.write:
             return None
-        end = (len(seq.tokens) // self.unit) * self.unit
+        # the last whole unit strictly before the final token: an identical later prompt can
+        # resume there and still has a token to compute (a unit ending exactly at the prompt's
+        # end is saved too, when the prefill reaches it)
+        end = ((len(seq.tokens) - 1) // self.unit) * self.unit
         return end if end > seq.num_computed else None
 
     # ---- restore ----------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""One module per route group; each exposes ``router`` (a FastAPI ``APIRouter``)."""

@@ -1,0 +1,479 @@
+"""``POST /v1/completions`` (OpenAI legacy Completions; deepseek-recipe has no converter for it).
+
+``prompt``: a text, a list of texts, a list of token ids, or a list of token-id lists; several
+prompts run concurrently and answer one choice each (``index`` = prompt position). Text prompts
+are encoded with the full vocabulary and BOS prepended, as the DeepSeek tokenizer config asks.
+``n`` and ``best_of`` must be 1; ``suffix`` and ``logit_bias`` are refused (400).
+``logprobs: k`` returns the legacy format (``tokens``, ``token_logprobs``, ``top_logprobs``,
+``text_offset``); with ``echo`` the prompt tokens appear with ``null`` log probabilities (the
+engine computes none for prompts). ``max_tokens: 0`` with ``echo`` answers the prompt only.
+
+Decoding and stop strings reuse deepseek-recipe's ``StreamProcessor`` in plain-text mode (no
+thinking, no tool parsing): it decodes incrementally, matches ``stop`` strings across token
+boundaries, and reports per-token strings for log probabilities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import deepseek_recipe as dr
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from engine.protocol import GenerateRequest, SamplingParams
+from server.convert import extra_sampling, session_key
+from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest
+from server.generation import ClientDisconnected, Run, race_disconnect
+from server.handler import SSEResponse, check_model, parse_object, stream_error
+from server.model import ModelCatalog
+from server.schemas import COMPLETIONS, ERROR_RESPONSES, json_body
+from server.sse import DONE
+from server.state import Gateway
+
+router = APIRouter()
+ROUTE = "/v1/completions"
+MAX_PROMPTS = 64
+MAX_STOPS = 16
+
+
+@dataclass
+class CompletionParams:
+    prompts: list[tuple[list[int], str | None]]  # (token ids, original text or None for id prompts)
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    logprobs: int | None
+    echo: bool
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+def _number(body: dict[str, Any], key: str, low: float, high: float, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise InvalidRequest(f"Invalid {key} value, the valid range of {key} is [{low:g}, {high:g}]", param=key)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], key: str, low: int, high: int, default: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequest(f"Invalid {key} value, {key} must be an integer in [{low}, {high}]", param=key)
+    return value
+
+
+def _boolean(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"Invalid type for '{key}': expected a boolean.", param=key)
+    return value
+
+
+def _token_list(value: list[Any], vocab: int) -> list[int]:
+    if not value:
+        raise InvalidRequest("The prompt must not be empty.", param="prompt")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise InvalidRequest(f"Invalid token id in prompt: {t!r} (valid: 0..{vocab - 1}).", param="prompt")
+    return list(value)
+
+
+def _prompts(value: Any, catalog: ModelCatalog) -> list[tuple[list[int], str | None]]:
+    def text(s: str) -> tuple[list[int], str]:
+        ids = catalog.tokenizer.encode(s)
+        if catalog.bos_token_id is not None and (not ids or ids[0] != catalog.bos_token_id):
+            ids = [catalog.bos_token_id, *ids]
+        return ids, s
+
+    if isinstance(value, str):
+        return [text(value)]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'prompt' must be a string, a list of strings, or a (list of) token id list.", param="prompt")
+    if len(value) > MAX_PROMPTS:
+        raise InvalidRequest(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+    if all(isinstance(p, str) for p in value):
+        return [text(p) for p in value]
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+        return [(_token_list(value, catalog.vocab_size), None)]
+    if all(isinstance(p, list) for p in value):
+        return [(_token_list(p, catalog.vocab_size), None) for p in value]
+    raise InvalidRequest("'prompt' must be a string, a list of strings, or a (list of) token id list.", param="prompt")
+
+
+def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionParams:
+    """Validate a Completions body (400 with ``param`` on the first bad field)."""
+    if "prompt" not in body:
+        raise InvalidRequest("You must provide a prompt parameter.", param="prompt", code="missing_required_parameter")
+    for key in ("n", "best_of"):
+        if _integer(body, key, 1, 1 << 30, 1) != 1:
+            raise InvalidRequest(f"Invalid {key} value (currently only {key} = 1 is supported)", param=key)
+    if body.get("suffix") not in (None, ""):
+        raise InvalidRequest("suffix is not supported.", param="suffix")
+    if body.get("logit_bias"):
+        raise InvalidRequest("logit_bias is not supported.", param="logit_bias")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOPS:
+        stops = [s for s in stop if s]
+    else:
+        raise InvalidRequest(f"'stop' must be a string or a list of at most {MAX_STOPS} strings.", param="stop")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("Invalid type for 'stream_options': expected an object.", param="stream_options")
+    stream = _boolean(body, "stream")
+    include_usage = bool(options and options.get("include_usage") is True)
+    if options and not stream:
+        raise InvalidRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options")
+    return CompletionParams(
+        prompts=_prompts(body["prompt"], catalog),
+        max_tokens=int(_integer(body, "max_tokens", 0, 1 << 30, 16) or 0),
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
+        seed=_integer(body, "seed", 0, (1 << 63) - 1, None),
+        logprobs=_integer(body, "logprobs", 0, 20, None),
+        echo=_boolean(body, "echo"),
+        stop=stops,
+        stream=stream,
+        include_usage=include_usage,
+        extra=extra_sampling(body),
+    )
+
+
+# ---- decoding through a plain-text StreamProcessor -------------------------------------------------
+def text_processor(catalog: ModelCatalog, stop: list[str], rid: str) -> Any:
+    conv = dr.ConversationRequest(dr.Conversation([], thinking_mode=False), dr.ModelVersion.DeepseekV4Pro)
+    options = dr.ParsingOptions(parse_tool_calls=False, stop_sequences=stop)
+    return dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(conv, rid, ""), options, catalog.tokenizer)
+
+
+def decode_tokens(catalog: ModelCatalog, ids: list[int]) -> tuple[str, list[str]]:
+    """(text, one string per token) of ``ids``."""
+    proc = text_processor(catalog, [], "decode")
+    chunks = proc.push(dr.InferenceChunk.ready())
+    chunks += proc.push(dr.InferenceChunk.tokens(ids, [(0.0, ())] * len(ids)))
+    chunks += proc.finish()
+    text: list[str] = []
+    tokens: list[str] = []
+    for c in chunks:
+        choice = json.loads(c.to_json())["choices"][0]
+        text.append(choice["delta"].get("content") or "")
+        for entry in (choice.get("logprobs") or {}).get("content") or ():
+            tokens.append(entry["token"])
+    return "".join(text), tokens
+
+
+@dataclass
+class Choice:
+    """One prompt's answer, built from the plain-text processor's chat chunks."""
+
+    index: int
+    want_logprobs: bool
+    offset: int = 0  # characters of text so far (text_offset of the next token)
+    text: list[str] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add_echo(self, text: str, tokens: list[str]) -> dict[str, Any]:
+        delta = self._delta()
+        self.text.append(text)
+        if self.want_logprobs:
+            for tok in tokens:
+                self.tokens.append(tok)
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                self.text_offset.append(self.offset)
+                self.offset += len(tok)
+        self.offset = len(text)
+        return self._since(delta)
+
+    def feed(self, chunks: list[Any]) -> dict[str, Any]:
+        """Apply a batch of chat chunks; the delta (text, logprobs) this batch added."""
+        delta = self._delta()
+        for c in chunks:
+            choices = json.loads(c.to_json())["choices"]
+            if not choices:
+                continue
+            choice = choices[0]
+            content = choice["delta"].get("content")
+            entries = (choice.get("logprobs") or {}).get("content") if self.want_logprobs else None
+            if entries:
+                for entry in entries:
+                    self.tokens.append(entry["token"])
+                    self.token_logprobs.append(entry["logprob"])
+                    self.top_logprobs.append({t["token"]: t["logprob"] for t in entry.get("top_logprobs") or ()})
+                    self.text_offset.append(self.offset)
+                    self.offset += len(entry["token"])
+            if content:
+                self.text.append(content)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return self._since(delta)
+
+    def _delta(self) -> tuple[int, int]:
+        return len(self.text), len(self.tokens)
+
+    def _since(self, mark: tuple[int, int]) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "text": "".join(self.text[mark[0]:]),
+            "logprobs": self._logprobs(mark[1]) if self.want_logprobs else None,
+            "finish_reason": self.finish_reason,
+        }
+
+    def _logprobs(self, start: int) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
+
+    def full(self) -> dict[str, Any]:
+        return self._since((0, 0))
+
+
+@dataclass
+class Sub:
+    """One prompt of the request: its choice, and its engine run (None when max_tokens is 0)."""
+
+    choice: Choice
+    run: Run | None
+    prompt_tokens: int
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.run.cached_tokens if self.run else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.run.completion_tokens if self.run else 0
+
+
+def usage(subs: list[Sub]) -> dict[str, Any]:
+    prompt = sum(s.run.prompt_tokens if s.run else s.prompt_tokens for s in subs)
+    cached = sum(s.cached_tokens for s in subs)
+    completion = sum(s.completion_tokens for s in subs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_cache_hit_tokens": cached,
+        "prompt_cache_miss_tokens": prompt - cached,
+    }
+
+
+# ---- the endpoint ---------------------------------------------------------------------------------
+@router.post(ROUTE, openapi_extra=json_body(COMPLETIONS), responses=ERROR_RESPONSES)
+async def create_completion(request: Request) -> Response:
+    """Text completion for one or more prompts; ``stream: true`` answers SSE ending with ``[DONE]``."""
+    gw: Gateway = request.app.state.gateway
+    started = time.perf_counter()
+    route = gw.metrics.by_route[ROUTE]
+    key = gw.authenticate(request)
+    raw = await gw.read_body(request)
+    body = parse_object(raw)
+    model = check_model(gw, body)
+    if gw.limiter.enabled:
+        gw.limiter.admit(key)
+    catalog = gw.catalog
+    p = parse_completion(body, catalog)
+    rid = "cmpl-" + uuid.uuid4().hex
+    requests: list[GenerateRequest | None] = []
+    for ids, _ in p.prompts:
+        if len(ids) + max(p.max_tokens, 1) > catalog.context_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {catalog.context_len} tokens, however you requested "
+                f"{len(ids) + p.max_tokens} tokens ({len(ids)} in your prompt; {p.max_tokens} for the completion). "
+                "Please reduce your prompt; or completion length.",
+                param="prompt",
+            )
+        requests.append(None if p.max_tokens == 0 else _generate_request(f"{rid}-{len(requests)}", ids, p, catalog, body))
+
+    subs: list[Sub] = []
+    response: Response | None = None
+    try:
+        for i, greq in enumerate(requests):
+            run = None
+            if greq is not None:
+                await gw.admission.acquire()
+                gw.limiter.charge(key, len(greq.prompt_token_ids))
+                route.prompt.inc(len(greq.prompt_token_ids))
+                proc = text_processor(catalog, p.stop, greq.request_id)
+                proc.push(dr.InferenceChunk.ready())
+                run = Run(gw, route, key, greq, proc, started=started)
+            subs.append(Sub(Choice(i, p.logprobs is not None), run, len(p.prompts[i][0])))
+        heads = [_echo(s, p, catalog) for s in subs]
+        if p.stream:
+            response = await _stream(request, gw, subs, heads, p, rid, model)
+        else:
+            response = await _complete(request, subs, rid, model)
+        return response
+    except ClientDisconnected:
+        gw.metrics.reject("client_disconnect")
+        return Response(status_code=499)
+    finally:
+        if not isinstance(response, SSEResponse):  # a stream closes its runs when it ends
+            for s in subs:
+                if s.run:
+                    s.run.close()
+
+
+def _generate_request(request_id: str, ids: list[int], p: CompletionParams, catalog: ModelCatalog, body: dict[str, Any]) -> GenerateRequest:
+    sampling = SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=max(1e-6, p.top_p),
+        seed=p.seed,
+        stop_token_ids=(catalog.eos_token_id,),
+        logprobs=p.logprobs is not None,
+        top_logprobs=p.logprobs or 0,
+        **p.extra,
+    )
+    return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, session_key=session_key(body))
+
+
+def _echo(sub: Sub, p: CompletionParams, catalog: ModelCatalog) -> dict[str, Any] | None:
+    """The echoed prompt as the choice's first delta (None without ``echo``)."""
+    if not p.echo:
+        if sub.run is None:
+            sub.choice.finish_reason = "length"
+        return None
+    ids, text = p.prompts[sub.choice.index]
+    decoded, tokens = decode_tokens(catalog, ids) if (text is None or p.logprobs is not None) else ("", [])
+    if text is not None and catalog.bos_token_id is not None and ids and ids[0] == catalog.bos_token_id:
+        tokens = tokens[1:]  # the BOS we prepended is not part of the client's text
+    if sub.run is None:
+        sub.choice.finish_reason = "length"
+    return sub.choice.add_echo(decoded if text is None else text, tokens)
+
+
+def _chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
+    obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        obj["usage"] = usage_
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+async def _complete(request: Request, subs: list[Sub], rid: str, model: str) -> Response:
+    async def one(sub: Sub) -> None:
+        if sub.run is not None:
+            async for chunks in sub.run.chunks():
+                sub.choice.feed(chunks)
+
+    deadline = min((s.run.deadline for s in subs if s.run), default=time.perf_counter() + 600)
+    await race_disconnect(asyncio.gather(*(one(s) for s in subs)), request.receive, deadline)
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [s.choice.full() for s in subs],
+        "usage": usage(subs),
+    }
+    return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
+
+
+async def _stream(
+    request: Request, gw: Gateway, subs: list[Sub], heads: list[dict[str, Any] | None], p: CompletionParams, rid: str, model: str
+) -> Response:
+    created = int(time.time())
+    # One queue merges the choices' deltas (one prompt: a queue hop per engine event, ~µs).
+    queue: asyncio.Queue[tuple[Sub, dict[str, Any] | None, GatewayError | None]] = asyncio.Queue()
+
+    async def pump(sub: Sub) -> None:
+        assert sub.run is not None
+        try:
+            async for chunks in sub.run.chunks():
+                await queue.put((sub, sub.choice.feed(chunks), None))
+        except GatewayError as exc:
+            await queue.put((sub, None, exc))
+            return
+        await queue.put((sub, None, None))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in subs if s.run is not None]
+    pending = len(tasks)
+
+    async def next_item() -> tuple[Sub, dict[str, Any] | None, GatewayError | None]:
+        return await queue.get()
+
+    def cancel_all() -> None:
+        for t in tasks:
+            t.cancel()
+        for s in subs:
+            if s.run:
+                s.run.close()
+
+    # Wait for the first engine event before sending headers (errors keep their status).
+    first = None
+    if pending:
+        try:
+            first = await race_disconnect(next_item(), request.receive, min(s.run.deadline for s in subs if s.run))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        if first[2] is not None:
+            for t in tasks:
+                t.cancel()
+            raise first[2]
+
+    async def frames() -> AsyncIterator[bytes]:
+        nonlocal pending
+        route = gw.metrics.by_route[ROUTE]
+        route.active.inc()
+        try:
+            out = [_chunk(rid, created, model, [h]) for h in heads if h is not None]
+            for s in subs:
+                if s.run is None and not p.echo:
+                    out.append(_chunk(rid, created, model, [s.choice.full()]))
+            item = first
+            while pending:
+                if item is None:
+                    item = await queue.get()
+                sub, delta, err = item
+                item = None
+                if err is not None:
+                    raise err
+                if delta is None:
+                    pending -= 1
+                elif delta["text"] or delta["finish_reason"] or delta["logprobs"]:
+                    out.append(_chunk(rid, created, model, [delta]))
+                if out:
+                    yield "".join(out).encode()
+                    out = []
+            if p.include_usage:
+                out.append(_chunk(rid, created, model, [], usage(subs)))
+            out.append(DONE)
+            yield "".join(out).encode()
+        except GatewayError as exc:
+            gw.metrics.reject(exc.reject_reason)
+            yield stream_error(exc, "openai", False).encode()
+        finally:
+            route.active.dec()
+            route.streamed.inc(sum(s.completion_tokens for s in subs))
+            cancel_all()
+
+    return SSEResponse(frames(), cancel_all)

@@ -1,0 +1,377 @@
+"""A fast fake model server with known timings: OpenAI HTTP and the engine's internal protocol.
+
+It answers ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not, with
+``stream_options.include_usage``) and the worker surface of ``engine/protocol.py``
+(``/internal/generate``, ``/internal/abort``, ``/load``, ``/health``, ``/kv_events``, ``/metrics``),
+so routers (ours and the peers) can sit in front of it and the bench client can be checked against
+timings it knows exactly.
+
+Timing model (absolute deadlines from the request's arrival, so sleeps never accumulate jitter):
+first token at ``ttft + prefill_per_token * uncached_prompt_tokens``, token ``i`` at that plus
+``i * itl``. Output length is ``max_tokens`` (or ``--output-tokens`` when set).
+
+Prefix cache model: each DP rank keeps an LRU of ``block_size``-token unit keys (chained hashes,
+``kvstore.keys.chain_keys`` for token ids; the same chaining over whitespace-separated words for
+text, where the bench workloads make one word one token). Cached prompt tokens are reported in
+usage as ``prompt_tokens_details.cached_tokens`` and ``prompt_cache_hit_tokens``, and stored or
+evicted units are published on ``/kv_events`` as ``KVEvent``s.
+
+Run: ``python -m bench.fake_openai_worker --port 8100 --ttft 0.05 --itl 0.01``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.protocol import GenerateRequest, KVEvent, LoadReport, RankLoad, TokenEvent
+from kvstore.keys import ROOT_KEY, chain_keys
+
+try:  # orjson is much faster; json works too
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover
+    import json
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    _loads = json.loads
+
+
+@dataclass(frozen=True)
+class FakeWorkerConfig:
+    ttft: float = 0.0  # seconds to the first token (plus the prefill term)
+    itl: float = 0.0  # seconds between tokens
+    prefill_per_token: float = 0.0  # extra first-token seconds per uncached prompt token
+    output_tokens: int | None = None  # fixed output length; None = the request's max_tokens
+    block_size: int = 128  # cache unit, tokens
+    cache_blocks: int = 1_000_000  # LRU capacity per DP rank, in units
+    dp_size: int = 1
+    worker_id: str = "fake-0"
+    role: str = "mixed"
+    model: str = "fake-model"
+    fingerprint: str = "fake-model"  # model fingerprint in unit keys (must match the router's)
+    max_events: int = 100_000  # KV events kept for /kv_events
+
+
+class PrefixCache:
+    """LRU set of unit keys of one DP rank; ``lookup_insert`` returns matched units and changes."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def lookup_insert(self, keys: list[str]) -> tuple[int, list[str], list[str]]:
+        """(number of leading keys cached, keys newly stored, keys evicted)."""
+        matched = 0
+        for k in keys:
+            if k not in self._keys:
+                break
+            self._keys.move_to_end(k)
+            matched += 1
+        stored = [k for k in keys[matched:] if k not in self._keys]
+        for k in keys[matched:]:
+            self._keys[k] = None
+            self._keys.move_to_end(k)
+        evicted: list[str] = []
+        while len(self._keys) > self.capacity:
+            evicted.append(self._keys.popitem(last=False)[0])
+        return matched, stored, evicted
+
+
+def text_unit_keys(words: list[str], block_size: int, fingerprint: str) -> list[str]:
+    """Chained keys of whole ``block_size``-word units of a text prompt."""
+    keys, parent = [], ROOT_KEY
+    for start in range(0, len(words) - block_size + 1, block_size):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(parent.encode())
+        h.update(fingerprint.encode())
+        h.update(" ".join(words[start : start + block_size]).encode())
+        parent = h.hexdigest()
+        keys.append(parent)
+    return keys
+
+
+class FakeWorker:
+    """State of one fake worker: per-rank caches and load, KV events, counters."""
+
+    def __init__(self, cfg: FakeWorkerConfig):
+        self.cfg = cfg
+        self.caches = [PrefixCache(cfg.cache_blocks) for _ in range(cfg.dp_size)]
+        self.running = [0] * cfg.dp_size
+        self.queued_tokens = [0] * cfg.dp_size
+        self.events: list[tuple[int, KVEvent]] = []
+        self.seq = 0
+        self.aborted: set[str] = set()
+        self.ids = itertools.count()
+        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0}
+
+    def pick_rank(self, requested: int | None) -> int:
+        if requested is not None and 0 <= requested < self.cfg.dp_size:
+            return requested
+        if self.cfg.dp_size == 1:
+            return 0
+        return min(range(self.cfg.dp_size), key=self.running.__getitem__)
+
+    def admit(self, keys: list[str], rank: int, prompt_tokens: int) -> int:
+        """Look the prompt up in the rank's cache, publish KV events; returns cached tokens."""
+        matched, stored, evicted = self.caches[rank].lookup_insert(keys)
+        if stored:
+            self._event(KVEvent("stored", stored, "memory", rank))
+        if evicted:
+            self._event(KVEvent("removed", evicted, "memory", rank))
+        cached = min(matched * self.cfg.block_size, prompt_tokens)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += prompt_tokens
+        self.counters["cached_tokens"] += cached
+        return cached
+
+    def _event(self, ev: KVEvent) -> None:
+        self.seq += 1
+        self.events.append((self.seq, ev))
+        if len(self.events) > self.cfg.max_events:
+            del self.events[: len(self.events) - self.cfg.max_events]
+
+    def first_token_delay(self, uncached: int) -> float:
+        return self.cfg.ttft + self.cfg.prefill_per_token * uncached
+
+    def n_out(self, max_tokens: int | None) -> int:
+        return self.cfg.output_tokens or max(1, int(max_tokens or 16))
+
+
+async def _sleep_until(loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+    delay = deadline - loop.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+def _prompt_words(body: dict, chat: bool) -> list[str]:
+    if chat:
+        words: list[str] = []
+        for m in body.get("messages") or []:
+            c = m.get("content")
+            if isinstance(c, list):  # content parts
+                c = " ".join(p.get("text", "") for p in c if isinstance(p, dict))
+            if c:
+                words.extend(str(c).split())
+        return words
+    prompt = body.get("prompt") or ""
+    if isinstance(prompt, list):
+        prompt = " ".join(str(p) for p in prompt)
+    return str(prompt).split()
+
+
+def _openai_handler(worker: FakeWorker, chat: bool):
+    obj = "chat.completion" if chat else "text_completion"
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            body = _loads(await request.read())
+        except ValueError:
+            return web.json_response({"error": {"message": "invalid JSON", "type": "invalid_request_error"}}, status=400)
+        cfg = worker.cfg
+        words = _prompt_words(body, chat)
+        n_prompt = len(words)
+        rank = worker.pick_rank(None)
+        cached = worker.admit(text_unit_keys(words, cfg.block_size, cfg.fingerprint), rank, n_prompt)
+        n_out = worker.n_out(body.get("max_completion_tokens") or body.get("max_tokens"))
+        first = t0 + worker.first_token_delay(n_prompt - cached)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(worker.ids)}"
+        created = int(time.time())
+        model = body.get("model") or cfg.model
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_cache_hit_tokens": cached,
+            "prompt_cache_miss_tokens": n_prompt - cached,
+        }
+        worker.running[rank] += 1
+        try:
+            if not body.get("stream"):
+                await _sleep_until(loop, first + (n_out - 1) * cfg.itl)
+                text = " tok" * n_out
+                choice = (
+                    {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                    if chat
+                    else {"index": 0, "text": text, "finish_reason": "length"}
+                )
+                worker.counters["generation_tokens"] += n_out
+                return web.Response(
+                    body=_dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}),
+                    content_type="application/json",
+                )
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            for i in range(n_out):
+                await _sleep_until(loop, first + i * cfg.itl)
+                last = i == n_out - 1
+                if chat:
+                    delta: dict[str, Any] = {"content": " tok"}
+                    if i == 0:
+                        delta["role"] = "assistant"
+                    choice = {"index": 0, "delta": delta, "finish_reason": "length" if last else None}
+                else:
+                    choice = {"index": 0, "text": " tok", "finish_reason": "length" if last else None}
+                await resp.write(b"data: " + _dumps({"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [choice]}) + b"\n\n")
+                worker.counters["generation_tokens"] += 1
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await resp.write(b"data: " + _dumps({"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [], "usage": usage}) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            worker.running[rank] -= 1
+
+    return handle
+
+
+def _generate_handler(worker: FakeWorker):
+    async def handle(request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        req = GenerateRequest.from_dict(_loads(await request.read()))
+        cfg = worker.cfg
+        rank = worker.pick_rank(req.dp_rank)
+        tokens = req.prompt_token_ids + req.output_token_ids  # a migrated request resumes after its output
+        n_prompt = len(tokens)
+        cached = worker.admit(chain_keys(tokens, cfg.block_size, cfg.fingerprint), rank, n_prompt)
+        n_out = 1 if req.prefill_only else max(1, worker.n_out(req.sampling.max_tokens) - len(req.output_token_ids))
+        first = t0 + worker.first_token_delay(n_prompt - cached)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        worker.running[rank] += 1
+        worker.queued_tokens[rank] += n_prompt
+        prefilled = False
+        try:
+            for i in range(n_out):
+                await _sleep_until(loop, first + i * cfg.itl)
+                if req.request_id in worker.aborted:
+                    worker.aborted.discard(req.request_id)
+                    ev = TokenEvent(req.request_id, [], finish_reason="abort", worker_id=cfg.worker_id)
+                    await resp.write(_dumps(ev.to_dict()) + b"\n")
+                    break
+                last = i == n_out - 1
+                ev = TokenEvent(
+                    req.request_id,
+                    [100 + (n_prompt + len(req.output_token_ids) + i) % 1000],
+                    finish_reason="length" if last else None,
+                    num_prompt_tokens=n_prompt if i == 0 else 0,
+                    num_cached_tokens=cached if i == 0 else 0,
+                    worker_id=cfg.worker_id,
+                )
+                await resp.write(_dumps(ev.to_dict()) + b"\n")
+                worker.counters["generation_tokens"] += 1
+                if not prefilled:
+                    worker.queued_tokens[rank] -= n_prompt
+                    prefilled = True
+            await resp.write_eof()
+            return resp
+        finally:
+            if not prefilled:
+                worker.queued_tokens[rank] -= n_prompt
+            worker.running[rank] -= 1
+
+    return handle
+
+
+def build_app(cfg: FakeWorkerConfig) -> web.Application:
+    worker = FakeWorker(cfg)
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app["worker"] = worker
+
+    async def abort(request: web.Request) -> web.Response:
+        worker.aborted.add(str((_loads(await request.read()))["request_id"]))
+        return web.json_response({"ok": True})
+
+    async def load(_: web.Request) -> web.Response:
+        ranks = [RankLoad(r, running=worker.running[r], queued_tokens=worker.queued_tokens[r]) for r in range(cfg.dp_size)]
+        report = LoadReport(cfg.worker_id, cfg.role, ranks, block_size=cfg.block_size, model=cfg.model)  # type: ignore[arg-type]
+        return web.Response(body=_dumps({**report.to_dict(), "fingerprint": cfg.fingerprint}), content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def kv_events(request: web.Request) -> web.Response:
+        since = int(request.query.get("since", 0))
+        evs = [ev.to_dict() for seq, ev in worker.events if seq > since]
+        return web.Response(body=_dumps({"seq": worker.seq, "events": evs}), content_type="application/json")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": cfg.model, "object": "model", "owned_by": "deepserve-bench"}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        c = worker.counters
+        lines = [
+            f"vllm:num_requests_running {sum(worker.running)}",
+            "vllm:num_requests_waiting 0",
+            f"vllm:prefix_cache_queries_total {c['prompt_tokens']}",
+            f"vllm:prefix_cache_hits_total {c['cached_tokens']}",
+            f"vllm:generation_tokens_total {c['generation_tokens']}",
+            f"vllm:request_success_total {c['requests']}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response({**worker.counters, "worker_id": cfg.worker_id})
+
+    app.router.add_post("/v1/chat/completions", _openai_handler(worker, chat=True))
+    app.router.add_post("/v1/completions", _openai_handler(worker, chat=False))
+    app.router.add_post("/internal/generate", _generate_handler(worker))
+    app.router.add_post("/internal/abort", abort)
+    app.router.add_get("/load", load)
+    app.router.add_get("/health", health)
+    app.router.add_get("/readiness", health)
+    app.router.add_get("/liveness", health)
+    app.router.add_get("/health_generate", health)
+    app.router.add_get("/kv_events", kv_events)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8100)
+    ap.add_argument("--ttft", type=float, default=0.0, help="seconds to the first token")
+    ap.add_argument("--itl", type=float, default=0.0, help="seconds between tokens")
+    ap.add_argument("--prefill-per-token", type=float, default=0.0, help="extra TTFT seconds per uncached prompt token")
+    ap.add_argument("--output-tokens", type=int, default=None, help="fixed output length (default: max_tokens)")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--cache-blocks", type=int, default=1_000_000, help="prefix-cache capacity per DP rank, in units")
+    ap.add_argument("--dp-size", type=int, default=1)
+    ap.add_argument("--worker-id", default=None)
+    ap.add_argument("--role", default="mixed", choices=["prefill", "decode", "mixed"])
+    ap.add_argument("--model", default="fake-model")
+    ap.add_argument("--fingerprint", default=None, help="model fingerprint in unit keys (default: --model)")
+    args = ap.parse_args(argv)
+    cfg = FakeWorkerConfig(
+        ttft=args.ttft, itl=args.itl, prefill_per_token=args.prefill_per_token, output_tokens=args.output_tokens,
+        block_size=args.block_size, cache_blocks=args.cache_blocks, dp_size=args.dp_size,
+        worker_id=args.worker_id or f"fake-{args.port}", role=args.role, model=args.model,
+        fingerprint=args.fingerprint or args.model,
+    )
+    web.run_app(build_app(cfg), host=args.host, port=args.port, access_log=None, print=None, backlog=4096, shutdown_timeout=1.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Our router side by side with the peer routers, in front of the same fake workers, in one run.
+
+Routers: ``deepserve`` (``deepserve router``, engine protocol: token ids in, NDJSON events out),
+``vllm-router`` and ``sglang-router`` (PyPI wheels, OpenAI HTTP in and out), and ``direct`` (the
+client talks to a worker itself: the baseline that "added latency" is measured against). Every
+router gets fresh fake workers (``bench/fake_openai_worker.py``, cold caches), the same workload
+and the same client, and the runs are interleaved in one invocation so machine noise hits all.
+
+Scenarios (``--scenarios``):
+- ``throughput``: instant workers, non-streaming, 1 output token, concurrency 32: requests/s,
+  the router's per-request overhead.
+- ``latency``: streaming, workers with TTFT 5 ms and ITL 1 ms, 16 tokens, concurrency 8: TTFT and
+  end-to-end latency added over direct.
+- ``cache``: a generated multi-turn trace (shared system prompts, sessions), 4 workers with a
+  prefix cache and a prefill cost per uncached token, streaming, concurrency 16, each router's
+  cache-aware policy and round-robin: cache hit rate and TTFT.
+
+Run: ``python -m bench.peer_routers --output bench/results/peers.json`` (prints a Markdown table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from bench import procs
+from bench.client import ClientConfig, Pacing, run_async, warmup_async
+from bench.report import machine_info, summarize
+from bench.workloads import make_workload
+
+ROUTERS = ("deepserve", "vllm-router", "sglang-router", "direct")
+PEER_POLICY = {"cache_aware": "cache_aware", "round_robin": "round_robin"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    workload: str
+    num_requests: int
+    concurrency: int
+    stream: bool
+    workers: int
+    worker_args: tuple[str, ...]
+    policies: tuple[str, ...] = ("round_robin",)
+    description: str = ""
+    added: bool = True  # "added latency" over direct is meaningful (no cache effects in the timings)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "throughput": Scenario("throughput", "fixed:input_length=128,output_length=1", 3000, 32, False, 2, (),
+                           description="instant workers, non-streaming, 128-token prompts, 1 output token, concurrency 32"),
+    "latency": Scenario("latency", "fixed:input_length=256,output_length=16", 800, 8, True, 2, ("--ttft", "0.005", "--itl", "0.001"),
+                        description="streaming, worker TTFT 5 ms + ITL 1 ms, 16 tokens, concurrency 8"),
+    "cache": Scenario("cache", "multi_turn:num_sessions=150,session_rate=50,output_median=16,max_output=32,think_time_s=0.5,block_size=512",
+                      500, 16, True, 4, ("--itl", "0.002", "--prefill-per-token", "2e-5", "--block-size", "128"),
+                      policies=("cache_aware", "round_robin"), added=False,
+                      description="multi-turn trace (shared system prompts), 4 workers with prefix caches and 20 us per uncached prompt token, concurrency 16"),
+}
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for dist in ("sglang-router", "vllm-router", "aiohttp", "deepserve"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+def router_cmd(router: str, port: int, workers: list[str], policy: str) -> tuple[list[str], str, str]:
+    """(command, health URL, client endpoint) of one router in front of ``workers``."""
+    bindir = Path(sys.executable).parent
+    if router == "deepserve":
+        cmd = [str(bindir / "deepserve"), "router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+               "--worker", *workers, "--log-level", "WARNING"]
+        return cmd, f"http://127.0.0.1:{port}/health", "internal"
+    if router == "vllm-router":
+        cmd = [str(bindir / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+               "--policy", PEER_POLICY[policy], "--worker-startup-check-interval", "1", "--prometheus-port", str(procs.free_port()),
+               "--log-level", "warning"]
+        return cmd, f"http://127.0.0.1:{port}/health", "chat"
+    if router == "sglang-router":
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+               "--policy", PEER_POLICY[policy], "--worker-startup-check-interval", "1", "--prometheus-port", str(procs.free_port()),
+               "--log-level", "warn"]
+        return cmd, f"http://127.0.0.1:{port}/health", "chat"
+    raise ValueError(router)
+
+
+@dataclass
+class Result:
+    scenario: str
+    router: str
+    policy: str
+    summary: dict
+    command: list[str] = field(default_factory=list)
+
+
+def run_one(sc: Scenario, router: str, policy: str, log_dir: Path, say: Callable[[str], None]) -> Result:
+    wl = make_workload(sc.workload, sc.num_requests, seed=0)
+    ports = [procs.free_port() for _ in range(sc.workers)]
+    workers = [
+        procs.start(procs.fake_worker_cmd(p, *sc.worker_args, "--worker-id", f"w{i}"), f"http://127.0.0.1:{p}/health", log_dir / f"worker{i}.log")
+        for i, p in enumerate(ports)
+    ]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    proc = None
+    cmd: list[str] = []
+    try:
+        if router == "direct":
+            url, endpoint = urls[0], "chat"
+        else:
+            port = procs.free_port()
+            cmd, health, endpoint = router_cmd(router, port, urls, policy)
+            proc = procs.start(cmd, health, log_dir / f"{router}.log", timeout=90)
+            url = f"http://127.0.0.1:{port}"
+            time.sleep(1.5)  # first load / KV-event polls
+        cfg = ClientConfig(url=url, endpoint=endpoint, stream=sc.stream, block_size=wl.block_size, timeout_s=120)
+        asyncio.run(warmup_async(cfg, 4))
+        res = asyncio.run(run_async(wl.rows, cfg, Pacing(concurrency=sc.concurrency)))
+        s = summarize(res)
+        say(f"  {sc.name:<10} {router:<14} {policy:<12} {s['request_throughput']:8.1f} req/s  TTFT p50 {s['ttft_s']['p50'] * 1e3 if s['ttft_s']['p50'] else float('nan'):7.2f} ms"
+            f"  hit {s['cache_hit_rate'] if s['cache_hit_rate'] is not None else float('nan'):.3f}  errors {s['errors'] or 'none'}")
+        return Result(sc.name, router, policy, s, cmd)
+    finally:
+        if proc is not None:
+            procs.stop(proc)
+        for w in workers:
+            procs.stop(w)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.2f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def markdown(results: list[Result]) -> str:
+    lines = []
+    for sc in dict.fromkeys(r.scenario for r in results):
+        rs = [r for r in results if r.scenario == sc]
+        lines += [f"**{sc}** — {SCENARIOS[sc].description}", ""]
+        if not SCENARIOS[sc].added:
+            lines += ["(direct = one worker, so one cache: not a latency baseline here)", ""]
+        lines.append("| router | policy | req/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | added TTFT p50 / p99 (ms) | added E2E p50 / p99 (ms) | cache hit | req/s vs ours | added p50 vs ours | hit vs ours | errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        direct = next((r.summary for r in rs if r.router == "direct"), None)
+        for r in rs:
+            s = r.summary
+            ours = next((o.summary for o in rs if o.router == "deepserve" and o.policy == r.policy), None)
+
+            def added(key: str, stat: str, summ: dict | None = s, base: dict | None = direct, sc: str = sc) -> float | None:
+                if not SCENARIOS[sc].added or base is None or summ is None or summ[key][stat] is None or base[key][stat] is None:
+                    return None
+                return summ[key][stat] - base[key][stat]
+
+            hit = s["cache_hit_rate"]
+            lines.append(
+                f"| {r.router} | {r.policy if r.router != 'direct' else '-'} | {s['request_throughput']:.0f} | "
+                f"{_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p99'])} | {_ms(s['e2e_s']['p50'])} / {_ms(s['e2e_s']['p99'])} | "
+                f"{_ms(added('ttft_s', 'p50'))} / {_ms(added('ttft_s', 'p99'))} | {_ms(added('e2e_s', 'p50'))} / {_ms(added('e2e_s', 'p99'))} | "
+                f"{'-' if hit is None else f'{hit:.1%}'} | "
+                f"{_ratio(s['request_throughput'], ours['request_throughput'] if ours else None)} | "
+                f"{_ratio(added('e2e_s' if not SCENARIOS[sc].stream else 'ttft_s', 'p50'), added('e2e_s' if not SCENARIOS[sc].stream else 'ttft_s', 'p50', ours))} | "
+                f"{_ratio(hit, ours['cache_hit_rate'] if ours else None)} | {', '.join(f'{k}:{v}' for k, v in s['errors'].items()) or 'none'} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=["throughput", "latency", "cache"])
+    ap.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    ap.add_argument("--num-requests", type=int, default=None, help="override each scenario's request count")
+    ap.add_argument("--output", default=None, help="JSON with every summary, commands and versions")
+    ap.add_argument("--log-dir", default="/tmp/deepserve-peer-routers")
+    args = ap.parse_args(argv)
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    vers = versions()
+    print(f"versions: {vers}", file=sys.stderr)
+    results: list[Result] = []
+    for name in args.scenarios:
+        sc = SCENARIOS[name]
+        if args.num_requests:
+            sc = Scenario(**{**sc.__dict__, "num_requests": args.num_requests})
+            SCENARIOS[name] = sc
+        for policy in sc.policies:
+            for router in args.routers:
+                if router == "direct" and policy != sc.policies[0]:
+                    continue
+                try:
+                    results.append(run_one(sc, router, policy, log_dir, lambda m: print(m, file=sys.stderr)))
+                except Exception as exc:  # noqa: BLE001 (record and go on: one broken peer must not lose the run)
+                    print(f"  {name} {router} {policy}: FAILED: {exc!r}", file=sys.stderr)
+    table = markdown(results)
+    print(table)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"versions": vers, "machine": machine_info(), "scenarios": {k: SCENARIOS[k].__dict__ for k in args.scenarios},
+               "results": [r.__dict__ for r in results], "markdown": table}
+        Path(args.output).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

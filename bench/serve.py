@@ -1,0 +1,93 @@
+"""``deepserve bench serve``: drive an OpenAI-compatible endpoint with a workload and report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
+    p.add_argument("--workload", default="fixed", help="workload spec, e.g. fixed:input_length=1024,output_length=128, "
+                   "chat, multi_turn, tool_agent, or a Mooncake trace FILE.jsonl (see bench/workloads)")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--rate", type=float, nargs="+", help="Poisson request rate(s) per second; several = a sweep")
+    pace.add_argument("--concurrency", type=int, help="closed loop with this many requests in flight")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per run (default: the workload's, or 100)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace replay: multiply inter-arrival times by this")
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds (for goodput)")
+    p.add_argument("--slo-itl", type=float, default=None, help="time-per-output-token SLO, seconds (for goodput)")
+    p.add_argument("--output", default=None, help="write JSON with the config, summaries and every raw sample")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (latency CDFs, throughput-latency)")
+    p.add_argument("--model", default="deepseek-v4-flash")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", choices=["chat", "completions", "internal"], default="chat")
+    p.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = end-to-end)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict OpenAI endpoints)")
+    p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=None, help="override the workload's hash-id block size")
+    p.add_argument("--vocab-size", type=int, default=None, help="internal endpoint: token ids modulo this")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each run")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from bench.client import ClientConfig, Pacing, RunResult, render_bodies, run_async, warmup_async
+    from bench.report import SLO, format_table, summarize, write_json, write_plots
+    from bench.workloads import make_workload
+
+    wl = make_workload(args.workload, args.num_requests, args.seed)
+    rows = wl.rows
+    cfg = ClientConfig(
+        url=args.url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+        stream=not args.no_stream, ignore_eos=not args.no_ignore_eos, timeout_s=args.timeout,
+        extra_body=json.loads(args.extra_body) if args.extra_body else {},
+        block_size=args.block_size or wl.block_size, content_seed=args.seed, vocab_size=args.vocab_size,
+    )
+    if args.rate:
+        pacings = [Pacing(rate=r, seed=args.seed) for r in args.rate]
+    elif args.concurrency:
+        pacings = [Pacing(concurrency=args.concurrency)]
+    elif wl.timed:
+        pacings = [Pacing(time_scale=args.time_scale)]
+    else:
+        pacings = [Pacing(concurrency=1)]
+    print(f"workload {wl.name}: {wl.stats()}", file=sys.stderr)
+    bodies = render_bodies(rows, cfg)
+    slo = SLO(args.slo_ttft, args.slo_itl)
+    results: list[RunResult] = []
+    summaries: list[dict] = []
+    for pacing in pacings:
+        if args.warmup:
+            asyncio.run(warmup_async(cfg, args.warmup))
+        bar = tqdm(total=len(rows), desc=pacing.label, unit="req", disable=args.no_progress, file=sys.stderr)
+        errors = 0
+
+        def done(s, bar=bar) -> None:
+            nonlocal errors
+            errors += 0 if s.ok else 1
+            bar.update(1)
+            if errors:
+                bar.set_postfix(errors=errors, refresh=False)
+
+        result = asyncio.run(run_async(rows, cfg, pacing, on_done=done, bodies=bodies))
+        bar.close()
+        results.append(result)
+        summaries.append(summarize(result, slo))
+    print(format_table(summaries))
+    if args.output:
+        config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+        config["workload_stats"] = wl.stats()
+        config["block_size"] = cfg.block_size
+        write_json(args.output, config, results, summaries)
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.plot:
+        for p in write_plots(args.plot, results, summaries):
+            print(f"wrote {p}", file=sys.stderr)
+    return 0 if all(s["completed"] for s in summaries) else 1

@@ -1,0 +1,1 @@
+"""Trace-driven discrete-event simulator of the router and its worker pools (``deepserve simulate``)."""

@@ -1,0 +1,75 @@
+"""One scrape of a live ``deepserve up`` covers gateway, router, engine and KV store, with counts
+that match the requests made (deltas around a burst of requests, since other tests share the stack)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+
+from tests.server.conftest import E2E_KEY, E2E_MODEL
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Each sample name with its values summed over all label sets."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)", line)
+        if m:
+            totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(3))
+    return totals
+
+
+def _by_label(url: str, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            m = re.search(label + r'="([^"]*)"', line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_one_scrape_counts_match_requests(live_stack) -> None:
+    client = openai.OpenAI(base_url=live_stack.url + "/v1", api_key=E2E_KEY)
+    before = _scrape(live_stack.url)
+    n, prompt_tokens, completion_tokens = 4, 0, 0
+    for i in range(n):
+        r = client.chat.completions.create(
+            model=E2E_MODEL,
+            messages=[{"role": "user", "content": f"count {i}"}],
+            max_tokens=3,
+            extra_body={"thinking": {"type": "disabled"}},
+        )
+        prompt_tokens += r.usage.prompt_tokens
+        completion_tokens += r.usage.completion_tokens
+    after = _scrape(live_stack.url)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    # gateway
+    assert delta("deepserve_http_requests_total") >= n
+    assert delta("deepserve_http_request_duration_seconds_count") >= n
+    # router
+    assert delta("deepserve_router_requests_total") >= n
+    assert delta("deepserve_router_decisions_total") >= n
+    # engine, merged from the worker process
+    assert delta("vllm:e2e_request_latency_seconds_count") == n
+    assert delta("vllm:time_to_first_token_seconds_count") == n
+    assert delta("vllm:request_queue_time_seconds_count") == n
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:generation_tokens_total") >= completion_tokens  # + the EOS token, if sampled
+    assert delta("vllm:prefix_cache_queries_total") >= prompt_tokens
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
+    # histograms are non-empty and sums are positive
+    assert after["vllm:e2e_request_latency_seconds_sum"] > before.get("vllm:e2e_request_latency_seconds_sum", 0.0)
+    # KV store: prompts were saved as units
+    assert after.get("deepserve_kvstore_bytes_used", 0.0) >= 0.0
+    assert "deepserve_kvstore_keys" in after
+    # every worker reports under its own label
+    assert _by_label(live_stack.url, "vllm:num_requests_running", "worker")

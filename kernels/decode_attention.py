@@ -1,0 +1,293 @@
+"""Batched decode attention of DeepSeek-V4: one query per sequence, one shared key=value head.
+
+Each sequence ``b`` attends with its ``H`` query heads over
+
+- its sliding window: ``swa[slot_b, :swa_len[b]]`` — a ring buffer of the last ``W`` key rows
+  (write token ``pos`` at slot ``pos % W``; ``swa_len = min(num_tokens, W)``, the current token
+  included; order inside the window does not matter, softmax is permutation invariant), and
+- its compressed rows, a segment ``rows[row_start[b] : row_start[b] + row_len[b]]`` of one pool
+  shared by all sequences: all of them (HCA), or only ``row_idx[b]`` (CSA: the indexer's top-k,
+  indices local to the segment, ``-1`` = no row).
+
+Softmax runs over ``[logits·scale, sink_h]`` with the sink column dropped (per-head sink logits in
+the denominator), ``scale = D**-0.5`` by default; output ``(B, H, D)`` still carries the keys'
+RoPE, which the caller undoes (``apply_rope(out, cos, -sin)``) as ``engine.model.attention`` does.
+
+Layout (row ``D`` elements contiguous in every tensor)::
+
+    q        (B, H, D)     one query per sequence
+    swa      (S, W, D)     window ring buffers, S ≥ B slots; swa_slot (B,) picks one (default b)
+    swa_len  (B,)   int    valid window rows (the first swa_len of the slot)
+    rows     (R, D)        compressed-row pool (CSA or HCA rows of every sequence, one layer)
+    row_start, row_len (B,) int   each sequence's segment of the pool
+    row_idx  (B, K) int    optional, CSA: local indices into the segment, -1 = padding
+    sinks    (H,)   fp32
+
+The Triton kernel is flash-decoding: grid ``(B, H/BH, splits)``; each program holds ``BH`` heads'
+queries and walks its share of the key list (window rows first, then compressed rows) in tiles of
+``BN`` rows with an online softmax in fp32. With ``splits > 1`` partial (max, sum, acc) go to a
+small combine kernel, which adds the sinks; otherwise the sinks are added in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import (
+    HAS_TRITON,
+    dot_precision,
+    mma,
+    next_pow2,
+    num_sms,
+    tl,
+    triton,
+    use_triton,
+)
+
+LOG2E = 1.4426950408889634
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    swa: torch.Tensor,
+    swa_len: torch.Tensor,
+    sinks: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    row_start: torch.Tensor | None = None,
+    row_len: torch.Tensor | None = None,
+    row_idx: torch.Tensor | None = None,
+    swa_slot: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per-sequence loop with the math of ``Attention._attend`` for one query. → ``(B, H, D)``."""
+    b_size, _, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    for b in range(b_size):
+        slot = b if swa_slot is None else int(swa_slot[b])
+        keys = swa[slot, : int(swa_len[b])]  # (n_w, D)
+        if rows is not None:
+            a, n = int(row_start[b]), int(row_len[b])
+            seg = rows[a : a + n]  # (n, D)
+            if row_idx is not None:
+                idx = row_idx[b].long()
+                seg = seg[idx[(idx >= 0) & (idx < n)]]  # (k, D)
+            keys = torch.cat([keys, seg])
+        logits = torch.matmul(q[b], keys.t()) * scale  # (H, K) in q's dtype, as the model
+        combined = torch.cat([logits.float(), sinks.float()[:, None]], dim=-1)  # (H, K+1)
+        probs = torch.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1)[:, :-1]
+        out[b] = torch.matmul(probs.to(keys.dtype), keys)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    swa: torch.Tensor,
+    swa_len: torch.Tensor,
+    sinks: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    row_start: torch.Tensor | None = None,
+    row_len: torch.Tensor | None = None,
+    row_idx: torch.Tensor | None = None,
+    swa_slot: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    max_rows: int | None = None,
+    block_h: int = 16,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Decode attention for ``B`` sequences (layout in the module docstring). → ``(B, H, D)``.
+
+    ``max_rows`` (HCA, no ``row_idx``): an upper bound of ``row_len``; given, the call does no
+    host sync (CUDA-graph capturable), else it reads ``row_len.max()``.
+    ``block_h/block_n/num_splits/num_warps/num_stages`` tune the Triton kernel (defaults suit
+    H=64, D=512 on an H200); they are ignored by the reference path.
+    """
+    if not use_triton(q):
+        return decode_attention_reference(q, swa, swa_len, sinks, rows, row_start, row_len, row_idx, swa_slot, scale)
+    b_size, h, d = q.shape
+    w = swa.shape[1]
+    assert swa.shape[2] == d and q.stride(-1) == 1 and swa.stride(-1) == 1, "rows must be contiguous in D"
+    has_rows = rows is not None
+    indexed = has_rows and row_idx is not None
+    if has_rows:
+        assert row_start is not None and row_len is not None, "rows need row_start and row_len"
+        assert rows.shape[1] == d and rows.stride(-1) == 1
+        k_rows = row_idx.shape[1] if indexed else max_rows if max_rows is not None else int(row_len.max()) if b_size else 0
+    else:
+        k_rows = 0
+    scale = d**-0.5 if scale is None else scale
+    fp32 = q.dtype == torch.float32
+    block_n = block_n or (16 if fp32 else 32)
+    num_warps = num_warps or (4 if block_h <= 16 else 8)
+    num_stages = num_stages or (1 if fp32 else 2)
+    d_pad = next_pow2(d)
+    n_hb = triton.cdiv(h, block_h)
+    tiles = max(1, triton.cdiv(w + k_rows, block_n))
+    if num_splits is None:
+        num_splits = max(1, min(2 * num_sms(q.device) // max(1, b_size * n_hb), tiles // 2))
+    num_splits = max(1, min(num_splits, tiles))
+    tiles_per_split = triton.cdiv(tiles, num_splits)
+    num_splits = triton.cdiv(tiles, tiles_per_split)
+
+    out = torch.empty_like(q)
+    dummy_i = torch.zeros(1, dtype=torch.int32, device=q.device)
+    rows_t = rows if has_rows else swa
+    if num_splits > 1:
+        part_acc = torch.empty(b_size, h, num_splits, d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(b_size, h, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _decode_attn_kernel[(b_size, n_hb, num_splits)](
+        q, swa, swa_len, swa_slot if swa_slot is not None else dummy_i,
+        rows_t, row_start if has_rows else dummy_i, row_len if has_rows else dummy_i,
+        row_idx if indexed else dummy_i, sinks,
+        out, part_acc, part_ml,
+        h, d, w, k_rows,
+        q.stride(0), q.stride(1), swa.stride(0), swa.stride(1), rows_t.stride(0),
+        row_idx.stride(0) if indexed else 0, out.stride(0), out.stride(1),
+        scale * LOG2E, tiles_per_split,
+        D_PAD=d_pad, BH=block_h, BN=block_n, HAS_ROWS=has_rows, INDEXED=indexed,
+        HAS_SLOT=swa_slot is not None, SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_attn_combine_kernel[(b_size, n_hb)](
+            part_acc, part_ml, sinks, out, h, d, num_splits, out.stride(0), out.stride(1),
+            D_PAD=d_pad, BH=block_h, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_attn_kernel(
+        q_ptr, swa_ptr, swa_len_ptr, swa_slot_ptr,
+        rows_ptr, row_start_ptr, row_len_ptr, row_idx_ptr, sinks_ptr,
+        out_ptr, part_acc_ptr, part_ml_ptr,
+        H, D, W, K_ROWS,
+        stride_qb, stride_qh, stride_ss, stride_sw, stride_r, stride_ib, stride_ob, stride_oh,
+        qk_scale, tiles_per_split,
+        D_PAD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_ROWS: tl.constexpr,
+        INDEXED: tl.constexpr, HAS_SLOT: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2)
+        n_split = tl.num_programs(2)
+        offs_h = hb * BH + tl.arange(0, BH)  # (BH,)
+        offs_d = tl.arange(0, D_PAD)  # (D_PAD,)
+        h_ok = offs_h < H
+        d_ok = offs_d < D
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+            mask=h_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # (BH, D_PAD)
+
+        n_swa = tl.load(swa_len_ptr + b).to(tl.int32)
+        if HAS_SLOT:
+            slot = tl.load(swa_slot_ptr + b).to(tl.int64)
+        else:
+            slot = b.to(tl.int64)
+        swa_base = swa_ptr + slot * stride_ss
+        if HAS_ROWS:
+            r_start = tl.load(row_start_ptr + b).to(tl.int64)
+            r_len = tl.load(row_len_ptr + b).to(tl.int32)
+        else:
+            r_start = 0
+            r_len = 0
+
+        t_lo = sp * tiles_per_split
+        t_hi = t_lo + tiles_per_split
+        if not INDEXED:  # tiles past this sequence's last valid key hold nothing
+            t_hi = tl.minimum(t_hi, tl.cdiv(W + r_len, BN))
+
+        m_i = tl.full([BH], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BH], dtype=tl.float32)
+        acc = tl.zeros([BH, D_PAD], dtype=tl.float32)
+        for t in range(t_lo, t_hi):
+            j = t * BN + tl.arange(0, BN)  # (BN,) position in the virtual key list
+            in_swa = j < W
+            ok_swa = in_swa & (j < n_swa)
+            r = j - W
+            if INDEXED:
+                in_idx = (~in_swa) & (r < K_ROWS)
+                loc = tl.load(row_idx_ptr + b.to(tl.int64) * stride_ib + r, mask=in_idx, other=-1)
+                ok_row = in_idx & (loc >= 0) & (loc < r_len)
+            else:
+                loc = r
+                ok_row = (~in_swa) & (r < r_len)
+            ok = ok_swa | ok_row
+            swa_off = tl.where(ok_swa, j, 0).to(tl.int64) * stride_sw
+            row_off = (r_start + tl.where(ok_row, loc, 0).to(tl.int64)) * stride_r
+            if HAS_ROWS:
+                ptrs = tl.where(in_swa[:, None], swa_base + swa_off[:, None], rows_ptr + row_off[:, None])
+            else:
+                ptrs = swa_base + swa_off[:, None]
+            k = tl.load(ptrs + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)  # (BN, D_PAD)
+            s = mma(q, tl.trans(k), PRECISION) * qk_scale  # (BH, BN), log2 units
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # (BH, BN)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + mma(p.to(k.dtype), k, PRECISION)
+            m_i = m_new
+
+        if SPLIT:
+            row = (b.to(tl.int64) * H + offs_h) * n_split + sp  # (BH,) index of (b, h, split)
+            tl.store(part_acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+            tl.store(part_ml_ptr + row * 2, m_i, mask=h_ok)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+        else:
+            sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_f)
+            denom = l_i * alpha + tl.exp2(sink - m_f)
+            o = acc * (alpha / denom)[:, None]
+            o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _decode_attn_combine_kernel(
+        part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, H, D, n_split, stride_ob, stride_oh,
+        D_PAD: tl.constexpr, BH: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        hb = tl.program_id(1)
+        offs_h = hb * BH + tl.arange(0, BH)
+        offs_d = tl.arange(0, D_PAD)
+        h_ok = offs_h < H
+        d_ok = offs_d < D
+        sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = sink
+        l_f = tl.full([BH], 1.0, dtype=tl.float32)  # the sink's own exp2(sink - m_f)
+        acc = tl.zeros([BH, D_PAD], dtype=tl.float32)
+        for s in range(n_split):
+            row = (b.to(tl.int64) * H + offs_h) * n_split + s
+            m_s = tl.load(part_ml_ptr + row * 2, mask=h_ok, other=-1.0e30)
+            l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=h_ok, other=0.0)
+            a_s = tl.load(part_acc_ptr + row[:, None] * D + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+            m_new = tl.maximum(m_f, m_s)
+            alpha = tl.exp2(m_f - m_new)
+            beta = tl.exp2(m_s - m_new)
+            l_f = l_f * alpha + l_s * beta
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            m_f = m_new
+        o = acc / l_f[:, None]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+def decode_attention_cost(b: int, h: int, d: int, keys_per_seq: float, elem: int = 2) -> tuple[float, float]:
+    """Fewest bytes moved and FLOPs of one call: q/out once, each sequence's keys once."""
+    nbytes = elem * (2 * b * h * d + b * keys_per_seq * d)
+    flops = 4.0 * b * h * keys_per_seq * d
+    return nbytes, flops
+
+
+__all__ = ["decode_attention", "decode_attention_cost", "decode_attention_reference"]

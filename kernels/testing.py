@@ -1,0 +1,123 @@
+"""Random inputs in the kernels' layouts and error measures, shared by tests/kernels and bench.kernels_bench."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere in ``out`` counts as failure (inf)."""
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def poison(device: torch.device | str, nbytes: int = 1 << 26) -> None:
+    """Fill a block of the caching allocator with NaN and free it, so that the next ``empty``
+    outputs likely reuse NaN memory: an element a kernel fails to write then shows up."""
+    if torch.device(device).type == "cuda":
+        torch.full((nbytes // 4,), float("nan"), device=device)
+
+
+@dataclass
+class AttnInputs:
+    q: torch.Tensor  # (B, H, D)
+    swa: torch.Tensor  # (S, W, D)
+    swa_len: torch.Tensor  # (B,) int32
+    swa_slot: torch.Tensor  # (B,) int32
+    sinks: torch.Tensor  # (H,) fp32
+    rows: torch.Tensor | None  # (R, D)
+    row_start: torch.Tensor | None  # (B,) int32
+    row_len: torch.Tensor | None  # (B,) int32
+    row_idx: torch.Tensor | None  # (B, K) int32
+
+    def args(self) -> dict:
+        return {
+            "q": self.q, "swa": self.swa, "swa_len": self.swa_len, "sinks": self.sinks, "rows": self.rows,
+            "row_start": self.row_start, "row_len": self.row_len, "row_idx": self.row_idx, "swa_slot": self.swa_slot,
+        }  # fmt: skip
+
+
+def attn_inputs(
+    b: int,
+    h: int,
+    d: int,
+    w: int,
+    mode: str,
+    n_rows: list[int] | int,
+    topk: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    seed: int = 0,
+    full_window: bool = False,
+) -> AttnInputs:
+    """``mode``: ``"swa"`` (window only), ``"hca"`` (all rows) or ``"csa"`` (top-``topk`` rows).
+
+    Windows sit in shuffled slots of a larger ring pool, segments at shuffled pool offsets, and CSA
+    indices are random distinct rows with ``-1`` padding at random places.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n_rows = [n_rows] * b if isinstance(n_rows, int) else list(n_rows)
+    gd = torch.Generator(device=device).manual_seed(seed)  # big float tensors drawn where they live
+    q = torch.randn(b, h, d, generator=gd, device=device)
+    slots = b + 2
+    swa = torch.randn(slots, w, d, generator=gd, device=device)
+    swa_slot = torch.randperm(slots, generator=g)[:b].int()
+    swa_len = torch.full((b,), w) if full_window else torch.randint(1, w + 1, (b,), generator=g)
+    swa_len = swa_len.int()
+    sinks = torch.randn(h, generator=g)
+    rows = row_start = row_len = row_idx = None
+    if mode != "swa":
+        order = torch.randperm(b, generator=g).tolist()
+        starts = [0] * b
+        at = 3  # segments do not start at row 0
+        for i in order:
+            starts[i] = at
+            at += n_rows[i] + 1
+        rows = torch.randn(at + 2, d, generator=gd, device=device)
+        row_start = torch.tensor(starts, dtype=torch.int32)
+        row_len = torch.tensor(n_rows, dtype=torch.int32)
+        if mode == "csa":
+            row_idx = torch.full((b, topk), -1, dtype=torch.int32)
+            for i, n in enumerate(n_rows):
+                pick = torch.randperm(n, generator=g)[: min(n, topk)]
+                place = torch.randperm(topk, generator=g)[: pick.numel()]
+                row_idx[i, place] = pick.int()
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    return AttnInputs(
+        cast(q), cast(swa), swa_len.to(device), swa_slot.to(device), sinks.to(device),
+        cast(rows), None if row_start is None else row_start.to(device),
+        None if row_len is None else row_len.to(device), None if row_idx is None else row_idx.to(device),
+    )  # fmt: skip
+
+
+def pool_inputs(
+    seq_windows: list[int],
+    r: int,
+    d: int,
+    overlap: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    seed: int = 0,
+    first_has_prev: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rows of several sequences back to back; each sequence contributes ``seq_windows[i]``
+    windows (plus, for CSA with ``first_has_prev``, one earlier window as overlap source)."""
+    g = torch.Generator().manual_seed(seed)
+    p = 2 * d if overlap else d
+    win, prev = [], []
+    at = 0
+    for i, n in enumerate(seq_windows):
+        lead = overlap and first_has_prev and i % 2 == 0  # every other sequence has a prior window
+        base = at + (r if lead else 0)
+        for j in range(n):
+            win.append(base + j * r)
+            prev.append(base + (j - 1) * r if (j or lead) else -1)
+        at = base + n * r + 3  # a few unrelated rows between sequences
+    kv = torch.randn(at, p, generator=g).to(device=device, dtype=dtype)
+    gate = (2 * torch.randn(at, p, generator=g)).to(device=device, dtype=dtype)
+    bias = torch.randn(r, p, generator=g).to(device)
+    return kv, gate, bias, torch.tensor(win, dtype=torch.int32, device=device), torch.tensor(prev, dtype=torch.int32, device=device)

@@ -1,0 +1,182 @@
+"""Triton kernels against their PyTorch references (bf16 rel. error ≤ 1e-2, fp32 ≤ 1e-4).
+
+On the GPU machine: ``pytest -m gpu tests/kernels``. On a CPU with Triton the same tests run under
+Triton's interpreter: ``TRITON_INTERPRET=1 pytest -m gpu tests/kernels/test_kernels.py`` (what
+``test_interpret.py`` does in CI, at smaller sizes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import _common
+from kernels.compressor import gated_pool, gated_pool_reference
+from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.indexer import indexer_scores, indexer_scores_reference, indexer_topk
+from kernels.moe import moe_experts, moe_experts_reference, route, route_reference
+from kernels.testing import attn_inputs, poison, pool_inputs, rel_err
+
+pytestmark = pytest.mark.gpu
+if not _common.HAS_TRITON:
+    pytest.skip("needs Triton", allow_module_level=True)
+if torch.cuda.is_available():
+    DEV = "cuda"
+elif _common.INTERPRET:
+    DEV = "cpu"
+else:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+SMALL = os.environ.get("KERNELS_TEST_SMALL", "1" if DEV == "cpu" else "0") == "1"  # interpreter: smaller sizes
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    torch.backends.cuda.matmul.allow_tf32 = False  # references in true fp32
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+
+# ---- decode attention -----------------------------------------------------------------------------
+ATTN_CASES = [
+    # (B, H, D, W, mode, rows per sequence, topk, splits)
+    (5, 64, 512, 128, "csa", [300, 0, 17, 512, 90], 64, None),
+    (5, 64, 512, 128, "hca", [30, 0, 7, 70, 1], 0, None),
+    (3, 64, 512, 128, "swa", 0, 0, 1),
+    (4, 64, 512, 128, "csa", [200, 64, 5, 100], 64, 1),
+    (4, 4, 48, 16, "hca", [9, 3, 0, 20], 0, None),  # tiny-model sizes, D not a power of two
+    (2, 20, 64, 16, "csa", [40, 2], 8, 3),  # heads not a multiple of the head block
+]
+if SMALL:
+    ATTN_CASES = [
+        (3, 32, 64, 32, "csa", [40, 0, 9], 16, None),
+        (3, 32, 64, 32, "hca", [10, 0, 33], 0, None),
+        (2, 16, 64, 32, "swa", 0, 0, 1),
+        (3, 16, 64, 16, "csa", [20, 5, 0], 8, 1),
+        (2, 4, 48, 16, "hca", [9, 3], 0, 2),
+        (2, 20, 32, 16, "csa", [40, 2], 8, 3),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[4]}-B{c[0]}H{c[1]}D{c[2]}W{c[3]}-s{c[7]}")
+def test_decode_attention(case, dtype) -> None:
+    b, h, d, w, mode, n_rows, topk, splits = case
+    inp = attn_inputs(b, h, d, w, mode, n_rows, topk, dtype, DEV, seed=sum(map(ord, str(case))) % 1000)
+    ref = decode_attention_reference(**inp.args())
+    poison(DEV)
+    out = decode_attention(**inp.args(), num_splits=splits)
+    _check(out, ref, dtype)
+
+
+def test_decode_attention_default_slots_and_max_rows() -> None:
+    """No ``swa_slot`` (sequence b uses slot b) and an explicit ``max_rows`` bound."""
+    inp = attn_inputs(3, 16, 64, 16, "hca", [5, 12, 0], 0, torch.float32, DEV, seed=7)
+    swa = inp.swa[inp.swa_slot.long()].contiguous()
+    args = {**inp.args(), "swa": swa, "swa_slot": None}
+    _check(decode_attention(**args, max_rows=40), decode_attention_reference(**args), torch.float32)
+
+
+# ---- indexer ----------------------------------------------------------------------------------------
+IDX_CASES = [(5, 64, 128, [300, 0, 17, 700, 90], 512), (3, 8, 16, [5, 40, 2], 4)]
+if SMALL:
+    IDX_CASES = [(4, 64, 32, [100, 0, 17, 70], 32), (3, 8, 16, [5, 40, 2], 4)]
+
+
+def _indexer_case(case, dtype, seed):
+    b, hi, di, n_rows, _ = case
+    g = torch.Generator().manual_seed(seed)
+    starts, at = [], 2
+    for n in n_rows:
+        starts.append(at)
+        at += n + 5
+    q = torch.randn(b, hi, di, generator=g).to(DEV, dtype)
+    wts = torch.randn(b, hi, generator=g).to(DEV, dtype)
+    rows = torch.randn(at, di, generator=g).to(DEV, dtype)
+    return q, wts, rows, torch.tensor(starts, device=DEV), torch.tensor(n_rows, device=DEV, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", IDX_CASES, ids=lambda c: f"B{c[0]}Hi{c[1]}Di{c[2]}")
+def test_indexer_scores_and_topk(case, dtype) -> None:
+    q, wts, rows, start, n = _indexer_case(case, dtype, seed=case[1])
+    scale = case[2] ** -0.5 * case[1] ** -0.5
+    ref = indexer_scores_reference(q, wts, rows, start, n, scale)
+    poison(DEV)
+    out = indexer_scores(q, wts, rows, start, n, scale)
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(out)), "the -inf mask differs"
+    assert (out[~finite] == float("-inf")).all()
+    _check(out[finite], ref[finite], torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    # top-k: the chosen rows' reference scores match the reference's own top-k (ties may reorder)
+    k = case[4]
+    idx = indexer_topk(q, wts, rows, start, n, k, scale)
+    assert idx.shape == (q.shape[0], min(k, ref.shape[1])) and idx.dtype == torch.int32
+    want = ref.topk(idx.shape[1], dim=-1).values
+    got = torch.where(idx >= 0, ref.gather(1, idx.clamp(min=0).long()), float("-inf")).sort(dim=-1, descending=True).values
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert torch.allclose(got[fin], want[fin], rtol=2e-2, atol=1e-3)
+
+
+# ---- compressor pooling -------------------------------------------------------------------------------
+POOL_CASES = [(4, 512, True, [3, 1, 2, 5]), (4, 128, True, [2, 1]), (128, 512, False, [2, 1, 1]), (8, 64, False, [4, 2])]
+if SMALL:
+    POOL_CASES = [(4, 64, True, [3, 1, 2, 5]), (4, 32, True, [2, 1]), (32, 64, False, [2, 1, 1]), (8, 48, False, [4, 2])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"r{c[0]}d{c[1]}{'csa' if c[2] else 'hca'}")
+def test_gated_pool(case, dtype) -> None:
+    r, d, overlap, windows = case
+    kv, gate, bias, win, prev = pool_inputs(windows, r, d, overlap, dtype, DEV, seed=r + d)
+    ref = gated_pool_reference(kv, gate, bias, win, prev, overlap)
+    poison(DEV)
+    _check(gated_pool(kv, gate, bias, win, prev, overlap), ref, dtype)
+
+
+# ---- MoE -------------------------------------------------------------------------------------------------
+def _sorted_by_index(w: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    idx_s, order = idx.sort(dim=-1)
+    return w.gather(1, order), idx_s
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hashed", [False, True], ids=["score", "hash"])
+def test_route(hashed, dtype) -> None:
+    n, e, k = (37, 256, 6) if not SMALL else (19, 64, 6)
+    g = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(n, e, generator=g)).to(DEV, dtype)
+    bias = (0.1 * torch.randn(e, generator=g)).to(DEV)
+    tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(100)]).to(DEV)
+    token_ids = torch.randint(0, 100, (n,), generator=g).to(DEV)
+    kw = {"tid2eid": tid2eid, "token_ids": token_ids} if hashed else {"bias": bias}
+    w_ref, i_ref = route_reference(logits, k, 1.5, **kw)
+    w, i = route(logits, k, 1.5, **kw)
+    assert i.dtype == torch.int64 and w.dtype == torch.float32
+    w_ref, i_ref = _sorted_by_index(w_ref, i_ref)
+    w, i = _sorted_by_index(w, i)
+    assert torch.equal(i, i_ref)
+    _check(w, w_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_moe_experts(dtype) -> None:
+    n, e, k, hidden, inter = (37, 32, 6, 256, 128) if not SMALL else (13, 32, 6, 64, 32)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, hidden, generator=g).to(DEV, dtype)
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=g) * hidden**-0.5).to(DEV, dtype)
+    down = (torch.randn(e, hidden, inter, generator=g) * inter**-0.5).to(DEV, dtype)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(DEV)
+    w = torch.rand(n, k, generator=g).to(DEV)
+    gate_up[idx[0, 0]] *= 8  # some gates past the clamp limit
+    ref = moe_experts_reference(x, w, idx, gate_up, down, limit=3.0)
+    poison(DEV)
+    _check(moe_experts(x, w, idx, gate_up, down, limit=3.0), ref, dtype)

@@ -1,0 +1,166 @@
+"""The kernels' PyTorch references against the model core they stand in for (CPU, fp32).
+
+Each ``*_reference`` re-states a piece of ``engine.model`` in the kernels' batched layouts; these
+tests pin that the restatement computes the same thing, so the GPU tests (kernel vs reference)
+transfer to the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import Attention, Compressor, Indexer
+from engine.model.config import CSA, HCA, ModelConfig
+from engine.model.moe import Experts, Router
+from engine.model.rope import Rotary, apply_rope
+from engine.model.tiny import tiny_config_dict
+from kernels.compressor import gated_pool, gated_pool_reference
+from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.indexer import (
+    indexer_scores_reference,
+    indexer_topk,
+    indexer_topk_reference,
+)
+from kernels.moe import moe_experts, moe_experts_reference, route, route_reference
+from kernels.testing import attn_inputs, pool_inputs
+
+
+@pytest.fixture(scope="module")
+def cfg() -> ModelConfig:
+    return ModelConfig.from_dict(tiny_config_dict("tiny"))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n_swa,n_rows", [(128, 40), (7, 0), (128, 3)])
+def test_decode_attention_reference_matches_attend(cfg, n_swa, n_rows) -> None:
+    """One decode query: window + top-k compressed rows + sinks, as ``Attention._attend``."""
+    g = _gen(n_swa + n_rows)
+    attn = Attention(cfg, 1, torch.float32)  # a CSA layer
+    with torch.no_grad():
+        attn.sinks.copy_(torch.randn(attn.n_heads, generator=g))
+    h, d, w = attn.n_heads, attn.head_dim, attn.window
+    pos = 500 if n_swa == w else n_swa - 1  # a window not yet full: the sequence is that short
+    q = torch.randn(1, h, d, generator=g)
+    keys = torch.randn(n_swa, d, generator=g)  # positions pos-n_swa+1 .. pos
+    key_pos = torch.arange(pos - n_swa + 1, pos + 1)
+    rows = torch.randn(n_rows, d, generator=g)
+    chosen = torch.randperm(n_rows, generator=g)[: n_rows // 2]
+    row_bias = torch.full((1, n_rows), float("-inf"))
+    row_bias[0, chosen] = 0.0
+    want = attn._attend(q, key_pos[-1:], keys, key_pos, rows if n_rows else None, row_bias if n_rows else None)
+
+    ring = torch.randn(3, w, d, generator=g)  # slot 2 holds the window, token p at p % W
+    ring[2, key_pos % w] = keys
+    idx = torch.full((1, 32), -1, dtype=torch.int32)
+    idx[0, torch.randperm(32, generator=g)[: chosen.numel()]] = chosen.int()
+    got = decode_attention_reference(
+        q, ring, torch.tensor([n_swa]), attn.sinks.detach(), rows=rows, row_start=torch.tensor([0]),
+        row_len=torch.tensor([n_rows]), row_idx=idx, swa_slot=torch.tensor([2]), scale=attn.scaling,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_indexer_reference_matches_select(cfg) -> None:
+    g = _gen(1)
+    idx = Indexer(cfg, 4, torch.float32)
+    hi, di, k = idx.n_heads, idx.width, idx.topk
+    for pos in (7, 60, 203):
+        t = (pos + 1) // 4  # rows complete at a decode step
+        q = torch.randn(1, hi, di, generator=g)
+        wts = torch.randn(1, hi, generator=g)
+        rows = torch.randn(t, di, generator=g)
+        bias = idx.select(q, wts, rows, torch.tensor([pos]))  # (1, T): 0 on chosen rows
+        scale = idx.softmax_scale * idx.weights_scaling
+        top = indexer_topk_reference(q, wts, rows, torch.tensor([0]), torch.tensor([t]), k, scale)
+        chosen = sorted(top[0][top[0] >= 0].tolist())
+        assert chosen == sorted((bias[0] == 0).nonzero().flatten().tolist())
+        # the scores themselves, against select's formula spelled out
+        want = (F.relu(q[0] @ rows.t()) * idx.softmax_scale * wts[0][:, None] * idx.weights_scaling).sum(0)
+        got = indexer_scores_reference(q, wts, rows, torch.tensor([0]), torch.tensor([t]), scale)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer_type", [CSA, HCA])
+def test_gated_pool_reference_matches_compressor(cfg, layer_type) -> None:
+    """Pool every window of a 2-chunk stream; norm + RoPE on top give ``Compressor.update``'s rows."""
+    g = _gen(2)
+    rate = 4 if layer_type == CSA else 8
+    overlap = layer_type == CSA
+    comp = Compressor(cfg.hidden_size, cfg.head_dim, rate, overlap, cfg.rms_norm_eps, torch.float32)
+    with torch.no_grad():
+        comp.position_bias.copy_(torch.randn(comp.position_bias.shape, generator=g))
+        comp.kv_norm.weight.copy_(1 + 0.1 * torch.randn(cfg.head_dim, generator=g))
+    rotary = Rotary(cfg.rope_compress, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+    n_tok = 6 * rate + 3
+    kv = torch.randn(n_tok, comp.kv_proj.out_features, generator=g)
+    gate = 2 * torch.randn(n_tok, comp.kv_proj.out_features, generator=g)
+    st = comp.empty_state(torch.float32, torch.device("cpu"))
+    comp.update(st, kv[: 2 * rate + 1], gate[: 2 * rate + 1], rotary)
+    comp.update(st, kv[2 * rate + 1 :], gate[2 * rate + 1 :], rotary)
+
+    n = n_tok // rate
+    win = torch.arange(n) * rate
+    prev = torch.where(win > 0, win - rate, -1)
+    pooled = gated_pool_reference(kv, gate, comp.position_bias.detach(), win, prev, overlap)
+    cos, sin = rotary.cos_sin(win, torch.float32)
+    torch.testing.assert_close(apply_rope(comp.kv_norm(pooled), cos, sin), st.rows, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_route_reference_matches_router(cfg, hashed) -> None:
+    g = _gen(3)
+    router = Router(cfg, hashed, torch.float32)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if hashed:
+            router.tid2eid.copy_(torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(cfg.vocab_size)]))
+        else:
+            router.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=g))
+    x = torch.randn(11, cfg.hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (11,), generator=g)
+    want_w, want_i = router(x, ids)
+    kw = {"tid2eid": router.tid2eid, "token_ids": ids} if hashed else {"bias": router.e_score_correction_bias}
+    got_w, got_i = route_reference(F.linear(x, router.weight), router.top_k, router.scaling, **kw)
+    order_w, order_g = want_i.sort(-1).indices, got_i.sort(-1).indices
+    assert torch.equal(want_i.gather(1, order_w), got_i.gather(1, order_g))
+    torch.testing.assert_close(got_w.gather(1, order_g), want_w.gather(1, order_w))
+
+
+def test_moe_experts_reference_matches_experts(cfg) -> None:
+    g = _gen(4)
+    experts = Experts(cfg, torch.float32)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g))
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.1)
+    x = torch.randn(9, cfg.hidden_size, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(9)])
+    w = torch.rand(9, 2, generator=g)
+    want = experts(x, w, idx)
+    got = moe_experts_reference(x, w, idx, experts.gate_up_proj.detach(), experts.down_proj.detach(), experts.limit)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_public_functions_fall_back_to_references_on_cpu() -> None:
+    """Without CUDA (and without the interpreter) each kernel entry point runs its reference."""
+    from kernels import _common
+
+    if _common.INTERPRET:
+        pytest.skip("the interpreter runs the Triton path on CPU")
+    inp = attn_inputs(2, 4, 32, 8, "csa", [10, 3], 4, torch.float32)
+    torch.testing.assert_close(decode_attention(**inp.args()), decode_attention_reference(**inp.args()))
+    kv, gate, bias, win, prev = pool_inputs([2, 1], 4, 16, True, torch.float32)
+    torch.testing.assert_close(gated_pool(kv, gate, bias, win, prev, True), gated_pool_reference(kv, gate, bias, win, prev, True))
+    q, wts, rows = torch.randn(2, 4, 16), torch.randn(2, 4), torch.randn(30, 16)
+    start, n = torch.tensor([0, 12]), torch.tensor([12, 18])
+    assert torch.equal(indexer_topk(q, wts, rows, start, n, 5, 0.1), indexer_topk_reference(q, wts, rows, start, n, 5, 0.1))
+    logits, bias_e = torch.randn(5, 8), torch.randn(8)
+    for a, b in zip(route(logits, 2, 1.5, bias_e), route_reference(logits, 2, 1.5, bias_e)):
+        assert torch.equal(a, b)
+    x, gu, dn = torch.randn(5, 16), torch.randn(8, 12, 16), torch.randn(8, 16, 6)
+    wi, ii = route_reference(logits, 2, 1.5, bias_e)
+    torch.testing.assert_close(moe_experts(x, wi, ii, gu, dn, 10.0), moe_experts_reference(x, wi, ii, gu, dn, 10.0))

@@ -31,6 +31,7 @@ _LAYER_RENAMES: list[tuple[str, str]] = [
     (r"^attn\.indexer\.compressor\.", "self_attn.compressor.indexer."),
     (r"^attn\.indexer\.wq_b\.", "self_attn.compressor.indexer.q_b_proj."),
     (r"^attn\.indexer\.weights_proj\.", "self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"^attn\.norm\.", "self_attn.kv_norm."),
     (r"^attn\.", "self_attn."),
     (r"^ffn\.", "mlp."),
     (r"^attn_norm\.", "input_layernorm."),
@@ -66,14 +67,19 @@ _FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.
 
 
 def to_hf_name(name: str) -> str:
-    """Map an original DeepSeek tensor name to transformers' name (HF names pass through)."""
-    if name.startswith(("model.", "lm_head.")):
+    """Map a tensor name to transformers' in-memory name.
+
+    Accepts transformers' names, DeepSeek's original names, and the mix ``save_pretrained``
+    writes (original layer names under a ``model.`` prefix, e.g. ``model.layers.0.attn.wq_a.weight``).
+    """
+    if name.startswith("lm_head."):
         return name
-    if name in _TOP_RENAMES:
-        return _TOP_RENAMES[name]
-    m = re.match(r"^layers\.(\d+)\.(.*)$", name)
+    bare = name[len("model.") :] if name.startswith("model.") else name
+    if bare in _TOP_RENAMES:
+        return _TOP_RENAMES[bare]
+    m = re.match(r"^layers\.(\d+)\.(.*)$", bare)
     if not m:
-        return name
+        return "model." + bare
     rest = m.group(2)
     for pattern, repl in _LAYER_RENAMES:
         rest = re.sub(pattern, repl, rest)
@@ -158,16 +164,25 @@ def load_model(
             target.copy_(tensor.to(target.dtype))
         loaded.add(name)
 
+    key_file: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            key_file.update({k: file for k in f.keys()})
+    all_keys = set(key_file)
+    scale_keys = {k for k in all_keys if k.endswith(_SCALE_SUFFIXES) and _is_scale_of_some(k, all_keys)}
+
+    def scale_of(key: str) -> torch.Tensor:  # a weight's scale may sit in another shard
+        with safe_open(str(key_file[key]), framework="pt") as g:
+            return g.get_tensor(key)
+
     bar = tqdm(files, desc="loading shards", unit="shard", disable=not progress, file=sys.stderr)
     for file in bar:
         with safe_open(str(file), framework="pt") as f:
-            keys = set(f.keys())
-            scale_keys = {k for k in keys if k.endswith(_SCALE_SUFFIXES) and _is_scale_of_some(k, keys)}
-            for key in sorted(keys - scale_keys):
+            for key in sorted(set(f.keys()) - scale_keys):
                 tensor = f.get_tensor(key)
-                scale_key = _scale_name(key, keys)
-                if scale_key is not None and (tensor.dtype.itemsize == 1):
-                    tensor = dequantize(tensor, f.get_tensor(scale_key))
+                scale_key = _scale_name(key, all_keys)
+                if scale_key is not None and tensor.dtype.itemsize == 1:
+                    tensor = dequantize(tensor, scale_of(scale_key))
                 if key.startswith(("mtp.", "model.mtp.")):
                     model.mtp[key] = tensor
                     continue

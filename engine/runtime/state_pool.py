@@ -15,6 +15,8 @@ import torch
 
 from engine.model.config import CSA, SLIDING, ModelConfig
 
+MAX_CONTEXT = 1 << 20  # tokens; DeepSeek-V4's longest context
+
 
 def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes of one block unit, bytes of one boundary state) for this architecture."""
@@ -51,7 +53,10 @@ class StatePool:
                 f"state memory budget {budget_bytes} B too small for {max_seqs} sequences "
                 f"({self.boundary_bytes} B boundary each) plus one {self.block_bytes} B block"
             )
-        self.num_blocks = max(1, rest // max(self.block_bytes, 1))
+        # a model without compressing layers has no block data: cap the (then free) block pool at
+        # what max_seqs sequences of MAX_CONTEXT tokens could ever use
+        cap = max_seqs * math.ceil(MAX_CONTEXT / self.unit)
+        self.num_blocks = max(1, min(cap, rest // max(self.block_bytes, 1)))
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self._free_boundary = max_seqs
         self._owners: dict[int, object] = {}

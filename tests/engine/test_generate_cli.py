@@ -46,11 +46,11 @@ def random_config(seed: int):
         num_hash_layers=rng.randint(0, n_layers),
         hc_mult=rng.choice([2, 4]),
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256} if rng.random() < 0.5 else None,
-        scoring_func=rng.choice(["sqrtsoftplus", "sigmoid", "softmax"]),
+        scoring_func=rng.choice(["sqrtsoftplus", "sigmoid"]),  # transformers has no "softmax" activation
     )
 
 
-@pytest.mark.parametrize("seed", [11, 22, 33])
+@pytest.mark.parametrize("seed", [int(s) for s in __import__("os").environ.get("GEN_SEEDS", "11,22,33").split(",")])
 def test_generate_matches_transformers(seed: int, tmp_path: Path) -> None:
     torch.manual_seed(seed)
     cfg = random_config(seed)

@@ -146,3 +146,24 @@ def test_draining_worker_finishes_and_gets_no_new_requests(cluster) -> None:
         assert tokens == ref
     for _, _, workers in new:
         assert workers and not any(w.endswith(str(draining.port)) for w in workers)
+
+
+def test_dp_ranks_of_one_worker_share_the_load(cluster) -> None:
+    """A ``--dp 2`` worker: the router spreads requests over both ranks and the output is unchanged."""
+    import urllib.request
+
+    dp_worker = start_workers(cluster["model"], cluster["kv"], ["mixed"], cluster["logs"], extra=("--dp", "2"))[0]
+    try:
+        reqs = _requests(6, seed=6, max_tokens=8)
+        reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), reqs))
+        out = asyncio.run(_run_all(_config(worker=(dp_worker.url,)), reqs))
+        assert [t for t, _, _ in out] == [t for t, _, _ in reference]
+        metrics = urllib.request.urlopen(dp_worker.url + "/metrics").read().decode()
+        per_rank = {r: 0.0 for r in ("0", "1")}
+        for line in metrics.splitlines():
+            if line.startswith("vllm:e2e_request_latency_seconds_count{"):
+                rank = line.split('dp_rank="')[1].split('"')[0]
+                per_rank[rank] += float(line.rsplit(" ", 1)[1])
+        assert per_rank["0"] > 0 and per_rank["1"] > 0 and sum(per_rank.values()) == len(reqs)
+    finally:
+        dp_worker.terminate()

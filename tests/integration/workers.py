@@ -51,7 +51,7 @@ class WorkerProcess:
                 self.kill()
 
 
-def start_workers(model_dir: Path, kv_dir: Path, roles: list[str], log_dir: Path, timeout: float = 120.0) -> list[WorkerProcess]:
+def start_workers(model_dir: Path, kv_dir: Path, roles: list[str], log_dir: Path, timeout: float = 120.0, extra: tuple[str, ...] = ()) -> list[WorkerProcess]:
     """Start one worker per role sharing a filesystem KV tier; wait until all are healthy."""
     env = dict(os.environ, DEEPSERVE_KV_TIERS="memory,fs", DEEPSERVE_KV_FS_DIR=str(kv_dir), DEEPSERVE_KV_FS_FSYNC="false")
     workers = []
@@ -59,7 +59,7 @@ def start_workers(model_dir: Path, kv_dir: Path, roles: list[str], log_dir: Path
         port = free_port()
         log = open(log_dir / f"worker-{role}-{port}.log", "w")
         cmd = [sys.executable, "-m", "deepserve.cli", "engine", "--model", str(model_dir), "--role", role, "--port", str(port),
-               "--worker-id", f"{role}-{i}-{port}", "--dtype", "float32", "--max-num-seqs", "32"]
+               "--worker-id", f"{role}-{i}-{port}", "--dtype", "float32", "--max-num-seqs", "32", *extra]
         workers.append(WorkerProcess(role, port, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
     deadline = time.monotonic() + timeout
     for w in workers:

@@ -51,9 +51,9 @@ class WorkerProcess:
                 self.kill()
 
 
-def start_workers(model_dir: Path, kv_dir: Path, roles: list[str], log_dir: Path, timeout: float = 120.0, extra: tuple[str, ...] = ()) -> list[WorkerProcess]:
-    """Start one worker per role sharing a filesystem KV tier; wait until all are healthy."""
-    env = dict(os.environ, DEEPSERVE_KV_TIERS="memory,fs", DEEPSERVE_KV_FS_DIR=str(kv_dir), DEEPSERVE_KV_FS_FSYNC="false")
+def start_workers(model_dir: Path, kv_dir: Path, roles: list[str], log_dir: Path, timeout: float = 120.0, extra: tuple[str, ...] = (), tiers: str = "memory,fs") -> list[WorkerProcess]:
+    """Start one worker per role (by default sharing a filesystem KV tier); wait until all are healthy."""
+    env = dict(os.environ, DEEPSERVE_KV_TIERS=tiers, DEEPSERVE_KV_FS_DIR=str(kv_dir), DEEPSERVE_KV_FS_FSYNC="false")
     workers = []
     for i, role in enumerate(roles):
         port = free_port()

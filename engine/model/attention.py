@@ -4,18 +4,25 @@ Every layer attends over its last ``W`` tokens (one shared key=value head, per-h
 CSA layers add rows compressing every ``r=4`` tokens (overlapping windows of ``2r``) of which a
 lightning indexer picks the top-k per query; HCA layers add one row per ``r=128`` tokens, all
 visible. Projections run on all tokens of a batch at once; the sequence-local parts (window,
-compressors, indexer, attention itself) loop over sequences, so different lengths batch freely.
+compressors, indexer) run per sequence, so different lengths batch freely — except decode
+tokens, which ``decode.py`` handles for all sequences at once.
+
+Attention itself (``attend_with_sinks``) gives every query its own key list: its ``W`` window
+keys (an ``unfold`` view of the chunk's keys, no copy) and its compressed rows (CSA: the top-k
+gathered; HCA: all rows, shared), so no score is computed for a key the query cannot see.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.model.config import CSA, HCA, SLIDING, ModelConfig
+from engine.model.attend import attend_with_sinks, hide
+from engine.model.config import CSA, SLIDING, ModelConfig
+from engine.model.decode import attend_decode, decode_eligible
 from engine.model.layers import GroupedLinear, RMSNorm, unweighted_rms_norm
 from engine.model.rope import Rotary, apply_rope
 from engine.model.state import CompressorState, LayerState
@@ -31,6 +38,19 @@ class SeqSlice:
     start: int
     end: int
     first_pos: int  # absolute position of row ``start``
+
+
+class Projected(NamedTuple):
+    """One layer's per-token projections of the whole batch (N tokens), roped where needed."""
+
+    q: torch.Tensor  # (N, nh, D)
+    kv: torch.Tensor  # (N, D)
+    comp_kv: torch.Tensor | None  # (N, proj) compressor input series (CSA/HCA)
+    comp_gate: torch.Tensor | None  # (N, proj)
+    idx_kv: torch.Tensor | None  # (N, 2Di) indexer compressor input (CSA)
+    idx_gate: torch.Tensor | None  # (N, 2Di)
+    idx_q: torch.Tensor | None  # (N, Hi, Di) indexer queries
+    idx_w: torch.Tensor | None  # (N, Hi) indexer head weights
 
 
 class Compressor(nn.Module):
@@ -115,21 +135,33 @@ class Indexer(Compressor):
         self.softmax_scale = cfg.index_head_dim**-0.5
         self.weights_scaling = cfg.index_n_heads**-0.5
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Additive bias ``(S, T)``: 0 on each query's top-k causal rows, -inf elsewhere."""
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``Σ_h w_h · relu(q_h · row_t)`` in fp32: ``q (..., Hi, Di)``, ``weights (..., Hi)`` and
+        ``rows (T, Di)`` (shared) or ``(..., T, Di)`` (per leading index) → ``(..., T)``."""
+        scores = torch.matmul(q.float(), rows.float().transpose(-1, -2))  # (..., Hi, T)
+        scores = scores.relu_().mul_(self.softmax_scale)
+        # the weights are scaled before they meet the scores, in transformers' order
+        return scores.mul_((weights.float() * self.weights_scaling).unsqueeze(-1)).sum(dim=-2)
+
+    def topk_rows(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's top-k causal rows: indices ``(S, k)`` into ``rows (T, Di)`` and ``(S, k)``
+        True where the chosen row is complete at the query's position."""
         t = rows.shape[0]
-        scores = torch.matmul(q.float(), rows.t().float().unsqueeze(0))  # (S, Hi, T)
-        scores = F.relu(scores) * self.softmax_scale
-        scores = (scores * weights.float().unsqueeze(-1) * self.weights_scaling).sum(dim=1)  # (S, T)
         threshold = (positions + 1) // self.rate  # (S,) rows < threshold are complete
         future = torch.arange(t, device=rows.device)[None, :] >= threshold[:, None]
-        scores = scores.masked_fill(future, float("-inf"))
+        scores = self.scores(q, weights, rows).masked_fill(future, float("-inf"))  # (S, T)
         # torch.topk over all rows so far, future rows at -inf, exactly as transformers does: with
         # exact score ties (few indexer heads, relu zeros) its tie order depends on the row count,
         # so chunked and one-shot prefill may pick different tied rows, in transformers as here.
         top = scores.topk(min(self.topk, t), dim=-1).indices  # (S, k)
-        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=rows.device).scatter_(1, top, True)
-        return torch.zeros(scores.shape, dtype=rows.dtype, device=rows.device).masked_fill(~(chosen & ~future), float("-inf"))
+        return top, top < threshold[:, None]
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``topk_rows`` as a dense additive bias ``(S, T)``: 0 on chosen causal rows, -inf elsewhere."""
+        top, valid = self.topk_rows(q, weights, rows, positions)
+        chosen = torch.zeros(top.shape[0], rows.shape[0], dtype=torch.bool, device=rows.device)
+        chosen.scatter_(1, top, valid)
+        return torch.zeros(chosen.shape, dtype=rows.dtype, device=rows.device).masked_fill(~chosen, float("-inf"))
 
 
 class Attention(nn.Module):
@@ -153,6 +185,7 @@ class Attention(nn.Module):
         self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups, dtype)
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.fast_decode = True  # batch single-token chunks through attend_decode (decode.py)
         self.compressor: Compressor | None = None
         if self.layer_type != SLIDING:
             rate = cfg.compress_rate(self.layer_type)
@@ -180,15 +213,38 @@ class Attention(nn.Module):
         rotary: Rotary,
         seqs: list[SeqSlice],
     ) -> torch.Tensor:
-        """``x (N, H)`` normalised block input → ``(N, H)``; updates each sequence's state."""
+        """``x (N, H)`` normalised block input → ``(N, H)``; updates each sequence's state.
+
+        Sequences feeding one token (decode) go through ``attend_decode`` together when
+        ``fast_decode`` is on; the others one by one through ``_attend_sequence``.
+        """
+        n = x.shape[0]
+        cos, sin = rope
+        p = self._project(x, rope)
+        decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
+        if len(decode) == n:  # every token is a decode token, rows in batch order
+            out = attend_decode(self, decode, p, None, rotary)
+        else:
+            out = torch.empty_like(p.q)
+            if decode:
+                rows = torch.tensor([s.start for s in decode], device=x.device)
+                out[rows] = attend_decode(self, decode, p, rows, rotary)
+            batched = {id(s) for s in decode}
+            for s in seqs:
+                if id(s) not in batched:
+                    out[s.start : s.end] = self._attend_sequence(s, p, positions, rotary)
+        out = apply_rope(out, cos, -sin)  # undo the rotation values picked up as keys
+        grouped = self.o_a_proj(out.reshape(n, self.o_groups, -1)).flatten(1)  # (N, G*o_lora)
+        return self.o_b_proj(grouped)
+
+    def _project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Projected:
         n = x.shape[0]
         cos, sin = rope
         q_res = self.q_a_norm(self.q_a_proj(x))  # (N, qr)
         q = unweighted_rms_norm(self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim), self.eps)
         q = apply_rope(q, cos, sin)  # (N, nh, D)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # (N, D)
-
-        comp_kv = comp_gate = None
+        comp_kv = comp_gate = idx_kv = idx_gate = idx_q = idx_w = None
         if self.compressor is not None:
             comp_kv, comp_gate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
         idx = self.indexer
@@ -196,31 +252,53 @@ class Attention(nn.Module):
             idx_kv, idx_gate = idx.kv_proj(x), idx.gate_proj(x)
             idx_q = apply_rope(idx.q_b_proj(q_res).view(n, idx.n_heads, idx.width), cos, sin)
             idx_w = idx.scorer.weights_proj(x)  # (N, Hi)
+        return Projected(q, kv, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
 
-        out = torch.empty_like(q)
-        for s in seqs:
-            a, b, st = s.start, s.end, s.state
-            pos = positions[a:b]
-            keys = torch.cat([st.swa, kv[a:b]])  # (n_w + S, D)
-            key_pos = torch.arange(s.first_pos - st.swa.shape[0], s.first_pos + (b - a), device=x.device)
-            st.swa = keys[-(self.window - 1) :] if self.window > 1 else keys[:0]
-            rows = row_bias = None
-            if self.compressor is not None:
-                self.compressor.update(st.comp, comp_kv[a:b], comp_gate[a:b], rotary)
-                rows = st.comp.rows
-                if idx is not None:
-                    idx.update(st.index, idx_kv[a:b], idx_gate[a:b], rotary)
-                    if rows.shape[0]:
-                        row_bias = idx.select(idx_q[a:b], idx_w[a:b], st.index.rows, pos)
-                else:
-                    visible = torch.arange(rows.shape[0], device=x.device)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
-                    row_bias = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
-            out[a:b] = self._attend(q[a:b], pos, keys, key_pos, rows, row_bias)
-        out = apply_rope(out, cos, -sin)  # undo the rotation values picked up as keys
-        grouped = self.o_a_proj(out.reshape(n, self.o_groups, -1)).flatten(1)  # (N, G*o_lora)
-        return self.o_b_proj(grouped)
+    def _attend_sequence(self, s: SeqSlice, p: Projected, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """The general path: one sequence's chunk of any length → ``(S, nh, D)``; updates its state."""
+        a, b, st = s.start, s.end, s.state
+        pos = positions[a:b]
+        win, win_bias = self._chunk_windows(st, p.kv[a:b])  # (S, W, D) view, (S, W) or None
+        rows = row_bias = None
+        idx = self.indexer
+        if self.compressor is not None:
+            self.compressor.update(st.comp, p.comp_kv[a:b], p.comp_gate[a:b], rotary)
+            if idx is not None:
+                idx.update(st.index, p.idx_kv[a:b], p.idx_gate[a:b], rotary)
+            if st.comp.rows.shape[0]:
+                rows = st.comp.rows  # (T, D)
+                if idx is None:  # HCA: every complete row
+                    visible = torch.arange(rows.shape[0], device=rows.device)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
+                    row_bias = hide(~visible, p.q.dtype)  # (S, T)
+        out = torch.empty_like(p.q[a:b])
+        for t0 in range(0, b - a, QUERY_TILE):
+            t = slice(t0, min(t0 + QUERY_TILE, b - a))
+            extra, extra_bias = rows, None if row_bias is None else row_bias[t]
+            if rows is not None and idx is not None:  # CSA: gather each query's top-k rows
+                top, valid = idx.topk_rows(p.idx_q[a:b][t], p.idx_w[a:b][t], st.index.rows, pos[t])  # (s, k)
+                extra, extra_bias = rows[top], hide(~valid, p.q.dtype)  # (s, k, D), (s, k)
+            wb = None if win_bias is None else win_bias[t]
+            out[t] = attend_with_sinks(p.q[a:b][t], win[t], wb, extra, extra_bias, self.sinks, self.scaling)
+        return out
 
-    def _attend(
+    def _chunk_windows(self, st: LayerState, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Window keys of each new token, ``(S, W, D)``: an ``unfold`` view of the previous
+        ``W-1`` keys (left-padded with zeros) and the new ones, so query i sees padded rows
+        ``i .. i+W-1``; bias ``(S, W)`` hides the padding (None without). Updates ``st.swa``."""
+        keep = self.window - 1
+        prev = st.swa[max(0, st.swa.shape[0] - keep) :]
+        pad = keep - prev.shape[0]
+        padded = torch.cat([kv.new_zeros(pad, kv.shape[-1]), prev, kv])  # (W-1+S, D)
+        real = min(prev.shape[0] + kv.shape[0], keep)
+        st.swa = padded[padded.shape[0] - real :].clone()  # (≤ W-1, D), not a view of the chunk
+        win = padded.unfold(0, self.window, 1).transpose(1, 2)  # (S, W, D) view
+        if not pad:
+            return win, None
+        i = torch.arange(kv.shape[0], device=kv.device)[:, None]
+        j = torch.arange(self.window, device=kv.device)[None, :]
+        return win, hide(i + j < pad, kv.dtype)
+
+    def _attend(  # reference for one sequence with a dense bias (tests, kernels/); not on the model's path
         self,
         q: torch.Tensor,
         pos: torch.Tensor,

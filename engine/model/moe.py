@@ -74,6 +74,10 @@ class Experts(nn.Module):
         ``index_add_`` then adds every slot to its token, in slot order (= ascending expert, as
         one ``index_add_`` per expert would).
         """
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from kernels.moe import moe_experts  # grouped GEMM + fused SwiGLU/combine (Triton)
+
+            return moe_experts(x, weights, indices, self.gate_up_proj, self.down_proj, self.limit)
         flat_experts = indices.reshape(-1)  # (N*k,)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()

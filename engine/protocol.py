@@ -168,6 +168,8 @@ class TokenEvent:
     num_cached_tokens: int = 0
     error: str | None = None
     worker_id: str | None = None
+    # on the finishing event: seconds spent queued, to the first token, end to end, in the engine
+    timing: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -187,6 +189,8 @@ class TokenEvent:
             d["error"] = self.error
         if self.worker_id is not None:
             d["worker_id"] = self.worker_id
+        if self.timing is not None:
+            d["timing"] = self.timing
         return d
 
     @classmethod
@@ -201,6 +205,7 @@ class TokenEvent:
             num_cached_tokens=int(d.get("num_cached_tokens", 0)),
             error=d.get("error"),
             worker_id=d.get("worker_id"),
+            timing=d.get("timing"),
         )
 
 

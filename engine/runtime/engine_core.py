@@ -170,6 +170,11 @@ class EngineCore:
             seq.last_token = now
             if reason is not None:
                 ev.finish_reason = reason
+                ev.timing = {
+                    "queue_s": (seq.first_scheduled or now) - seq.arrival,
+                    "ttft_s": seq.first_token - seq.arrival,
+                    "e2e_s": now - seq.arrival,
+                }
                 ev.num_prompt_tokens = seq.num_prompt
                 ev.num_cached_tokens = seq.num_cached
                 self._finish(seq, reason, emit=False)

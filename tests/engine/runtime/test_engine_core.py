@@ -110,3 +110,15 @@ def test_migrated_request_continues_exactly(tiny_model, tiny_model_dir) -> None:
     full = run(_engine(tiny_model, tiny_model_dir), [GenerateRequest("f", p, greedy(20))])["f"].tokens
     resumed = run(_engine(tiny_model, tiny_model_dir), [GenerateRequest("m", p, greedy(20), output_token_ids=full[:9])])["m"].tokens
     assert resumed == full[9:]
+
+
+def test_finish_event_carries_per_request_timing(tiny_model, tiny_model_dir) -> None:
+    eng = _engine(tiny_model, tiny_model_dir)
+    eng.add_request(GenerateRequest("t", prompt(30, 4), greedy(3)))
+    finals = []
+    while eng.has_work():
+        finals += [ev for ev in eng.step() if ev.finished]
+    (ev,) = finals
+    t = ev.timing
+    assert 0 <= t["queue_s"] <= t["ttft_s"] <= t["e2e_s"]
+    assert type(ev).from_dict(ev.to_dict()).timing == t  # survives the wire

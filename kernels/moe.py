@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.moe import score
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
@@ -32,14 +33,6 @@ _RND = {torch.bfloat16: 1, torch.float16: 2}  # the route kernel's rounding of s
 
 
 # ---- routing ------------------------------------------------------------------------------------
-def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if scoring_func == "sigmoid":
-        return torch.sigmoid(logits)
-    raise ValueError(f"unknown scoring_func {scoring_func!r}")
-
-
 def route_reference(
     logits: torch.Tensor,
     top_k: int,
@@ -50,7 +43,7 @@ def route_reference(
     scoring_func: str = "sqrtsoftplus",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``Router.forward`` after its gate GEMM. → weights ``(N, k)`` fp32, indices ``(N, k)`` int64."""
-    scores = _score(logits, scoring_func)  # (N, E) in the logits' dtype
+    scores = score(logits, scoring_func)  # (N, E) in the logits' dtype
     if tid2eid is not None:
         indices = tid2eid[token_ids].long()
     else:

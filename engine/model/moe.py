@@ -16,7 +16,8 @@ from engine.model.config import ModelConfig
 from engine.model.layers import SharedMLP, swiglu
 
 
-def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Router scores from gate logits: sqrtsoftplus (V4), sigmoid or softmax."""
     if scoring_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
     if scoring_func == "sigmoid":
@@ -43,7 +44,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x (N, H)`` → expert weights ``(N, k)`` and indices ``(N, k)``."""
-        scores = _score(F.linear(x, self.weight), self.scoring_func)  # (N, E)
+        scores = score(F.linear(x, self.weight), self.scoring_func)  # (N, E)
         if self.hash_routed:
             indices = self.tid2eid[token_ids].long()
         else:

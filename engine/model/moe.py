@@ -76,7 +76,9 @@ class Experts(nn.Module):
         one ``index_add_`` per expert would).
         """
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from kernels.moe import moe_experts  # grouped GEMM + fused SwiGLU/combine (Triton)
+            from kernels.moe import (
+                moe_experts,  # grouped GEMM + fused SwiGLU/combine (Triton)
+            )
 
             return moe_experts(x, weights, indices, self.gate_up_proj, self.down_proj, self.limit)
         flat_experts = indices.reshape(-1)  # (N*k,)

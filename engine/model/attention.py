@@ -156,13 +156,6 @@ class Indexer(Compressor):
         top = scores.topk(min(self.topk, t), dim=-1).indices  # (S, k)
         return top, top < threshold[:, None]
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``topk_rows`` as a dense additive bias ``(S, T)``: 0 on chosen causal rows, -inf elsewhere."""
-        top, valid = self.topk_rows(q, weights, rows, positions)
-        chosen = torch.zeros(top.shape[0], rows.shape[0], dtype=torch.bool, device=rows.device)
-        chosen.scatter_(1, top, valid)
-        return torch.zeros(chosen.shape, dtype=rows.dtype, device=rows.device).masked_fill(~chosen, float("-inf"))
-
 
 class Attention(nn.Module):
     """One layer's attention (sliding, CSA or HCA), parameter names as in transformers."""
@@ -297,36 +290,3 @@ class Attention(nn.Module):
         i = torch.arange(kv.shape[0], device=kv.device)[:, None]
         j = torch.arange(self.window, device=kv.device)[None, :]
         return win, hide(i + j < pad, kv.dtype)
-
-    def _attend(  # reference for one sequence with a dense bias (tests, kernels/); not on the model's path
-        self,
-        q: torch.Tensor,
-        pos: torch.Tensor,
-        keys: torch.Tensor,
-        key_pos: torch.Tensor,
-        rows: torch.Tensor | None,
-        row_bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Softmax attention with sinks for one sequence, tiled over queries. → ``(S, nh, D)``."""
-        out = torch.empty_like(q)
-        for t0 in range(0, q.shape[0], QUERY_TILE):
-            t1 = min(t0 + QUERY_TILE, q.shape[0])
-            p = pos[t0:t1]
-            lo = int(torch.searchsorted(key_pos, p[0] - self.window + 1))
-            hi = int(torch.searchsorted(key_pos, p[-1], right=True))
-            k = keys[lo:hi]
-            kp = key_pos[lo:hi]
-            delta = p[:, None] - kp[None, :]
-            bias = torch.zeros(delta.shape, dtype=q.dtype, device=q.device)
-            bias = bias.masked_fill((delta < 0) | (delta >= self.window), float("-inf"))  # (s, k)
-            if rows is not None and rows.shape[0]:
-                k = torch.cat([k, rows])
-                bias = torch.cat([bias, row_bias[t0:t1]], dim=1)
-            qt = q[t0:t1].transpose(0, 1)  # (nh, s, D)
-            logits = torch.matmul(qt, k.t()) * self.scaling + bias  # (nh, s, K)
-            sinks = self.sinks.view(-1, 1, 1).expand(-1, qt.shape[1], 1)  # fp32, promotes the logits
-            combined = torch.cat([logits.to(torch.promote_types(logits.dtype, sinks.dtype)), sinks], dim=-1)
-            combined = combined - combined.max(dim=-1, keepdim=True).values
-            probs = torch.softmax(combined, dim=-1)[..., :-1].to(k.dtype)
-            out[t0:t1] = torch.matmul(probs, k).transpose(0, 1)
-        return out

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import CompressorState, SequenceState
 

@@ -74,7 +74,7 @@ def to_hf_name(name: str) -> str:
     """
     if name.startswith("lm_head."):
         return name
-    bare = name[len("model.") :] if name.startswith("model.") else name
+    bare = name.removeprefix("model.")
     if bare in _TOP_RENAMES:
         return _TOP_RENAMES[bare]
     m = re.match(r"^layers\.(\d+)\.(.*)$", bare)
@@ -87,7 +87,7 @@ def to_hf_name(name: str) -> str:
 
 
 def _scale_name(weight_name: str, keys: set[str]) -> str | None:
-    base = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    base = weight_name.removesuffix(".weight")
     for cand in (base + ".scale", weight_name + "_scale_inv", base + ".weight_scale_inv"):
         if cand in keys:
             return cand

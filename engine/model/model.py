@@ -17,7 +17,13 @@ from torch import nn
 
 from engine.model.attention import Attention, SeqSlice
 from engine.model.config import ModelConfig
-from engine.model.layers import HyperConnection, HyperHead, PackedLinear, RMSNorm, hc_merge
+from engine.model.layers import (
+    HyperConnection,
+    HyperHead,
+    PackedLinear,
+    RMSNorm,
+    hc_merge,
+)
 from engine.model.moe import MoE
 from engine.model.rope import Rotary
 from engine.model.state import SequenceState

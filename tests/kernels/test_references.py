@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.model.attend import attend_with_sinks
 from engine.model.attention import Attention, Compressor, Indexer
 from engine.model.config import CSA, HCA, ModelConfig
 from engine.model.moe import Experts, Router
@@ -38,7 +39,7 @@ def _gen(seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("n_swa,n_rows", [(128, 40), (7, 0), (128, 3)])
 def test_decode_attention_reference_matches_attend(cfg, n_swa, n_rows) -> None:
-    """One decode query: window + top-k compressed rows + sinks, as ``Attention._attend``."""
+    """One decode query: window + top-k compressed rows + sinks, as the model's ``attend_with_sinks``."""
     g = _gen(n_swa + n_rows)
     attn = Attention(cfg, 1, torch.float32)  # a CSA layer
     with torch.no_grad():
@@ -50,9 +51,8 @@ def test_decode_attention_reference_matches_attend(cfg, n_swa, n_rows) -> None:
     key_pos = torch.arange(pos - n_swa + 1, pos + 1)
     rows = torch.randn(n_rows, d, generator=g)
     chosen = torch.randperm(n_rows, generator=g)[: n_rows // 2]
-    row_bias = torch.full((1, n_rows), float("-inf"))
-    row_bias[0, chosen] = 0.0
-    want = attn._attend(q, key_pos[-1:], keys, key_pos, rows if n_rows else None, row_bias if n_rows else None)
+    extra = rows[chosen.sort().values][None] if chosen.numel() else None  # (1, k, D) the chosen rows
+    want = attend_with_sinks(q, keys[None], None, extra, None, attn.sinks.detach(), attn.scaling)
 
     ring = torch.randn(3, w, d, generator=g)  # slot 2 holds the window, token p at p % W
     ring[2, key_pos % w] = keys
@@ -74,11 +74,11 @@ def test_indexer_reference_matches_select(cfg) -> None:
         q = torch.randn(1, hi, di, generator=g)
         wts = torch.randn(1, hi, generator=g)
         rows = torch.randn(t, di, generator=g)
-        bias = idx.select(q, wts, rows, torch.tensor([pos]))  # (1, T): 0 on chosen rows
+        top, valid = idx.topk_rows(q, wts, rows, torch.tensor([pos]))  # the model's selection
         scale = idx.softmax_scale * idx.weights_scaling
         top = indexer_topk_reference(q, wts, rows, torch.tensor([0]), torch.tensor([t]), k, scale)
         chosen = sorted(top[0][top[0] >= 0].tolist())
-        assert chosen == sorted((bias[0] == 0).nonzero().flatten().tolist())
+        assert chosen == sorted(top[0][valid[0]].tolist())
         # the scores themselves, against select's formula spelled out
         want = (F.relu(q[0] @ rows.t()) * idx.softmax_scale * wts[0][:, None] * idx.weights_scaling).sum(0)
         got = indexer_scores_reference(q, wts, rows, torch.tensor([0]), torch.tensor([t]), scale)[0]

@@ -119,7 +119,7 @@ def random_state_dict(model: DeepseekV4ForCausalLM, seed: int) -> dict[str, torc
             value = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok] for _ in range(shape[0])])
         elif name.endswith(("layernorm.weight", "norm.weight")):
             value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif name.endswith(("sinks", "e_score_correction_bias", ".base", "hc_base")) or name.endswith("position_bias"):
+        elif name.endswith(("sinks", "e_score_correction_bias", ".base", "hc_base", "position_bias")):
             value = 0.5 * torch.randn(shape, generator=gen)
         elif name.endswith((".scale", "hc_scale")):
             value = 1.0 + 0.2 * torch.randn(shape, generator=gen)

@@ -6,7 +6,9 @@ sequences whose chunk reached their last token, finish them, emit token events).
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 import torch
@@ -20,6 +22,8 @@ from engine.runtime.scheduler import Scheduler, SchedulerOutput
 from engine.runtime.sequence import Sequence, Status
 from engine.runtime.state_pool import StatePool
 from engine.sampling import Sampler
+
+log = logging.getLogger(__name__)
 
 
 class KVConnector(Protocol):
@@ -60,6 +64,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.pool)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[TokenEvent] = []
+        self._kv_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
+        self._kv_loading: set[Future] = set()
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
@@ -108,13 +114,11 @@ class EngineCore:
     def step(self) -> list[TokenEvent]:
         events, self._pending = self._pending, []
         if self.kv is not None:
-            for seq in self.scheduler.waiting:
-                if not seq.kv_checked:
-                    self.kv.restore(seq, self.model)
-                    seq.kv_checked = True
-                    seq.snapshot_at = self.kv.snapshot_stop(seq)
+            self._poll_kv_loads()
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.kv is not None and self._kv_loading:
+                wait(self._kv_loading, timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
             return events
         t0 = time.perf_counter()
         logits = self._run(out)
@@ -124,6 +128,27 @@ class EngineCore:
         if self.metrics:
             self.metrics.on_step(self)
         return events
+
+    def _poll_kv_loads(self) -> None:
+        """Start a KV-store lookup for each new waiting sequence on the loader thread, and admit
+        the sequences whose load finished. Loads (SSD, Redis, shared FS) overlap model steps: a
+        sequence stays out of scheduling only while its own load runs."""
+        for seq in self.scheduler.waiting:
+            if seq.kv_checked or seq.kv_load is not None:
+                continue
+            seq.kv_load = self._kv_pool.submit(self.kv.restore, seq, self.model)
+            self._kv_loading.add(seq.kv_load)
+        for seq in self.scheduler.waiting:
+            load = seq.kv_load
+            if load is None or not load.done():
+                continue
+            self._kv_loading.discard(load)
+            seq.kv_load = None
+            if load.exception() is not None:  # a failed load is a miss, never a wrong state
+                log.warning("kv load for %s failed: %s", seq.request_id, load.exception())
+                seq.state, seq.num_computed, seq.num_cached = None, 0, 0
+            seq.kv_checked = True
+            seq.snapshot_at = self.kv.snapshot_stop(seq)
 
     def _run(self, out: SchedulerOutput) -> torch.Tensor:
         chunks = []

@@ -11,7 +11,8 @@ sequence limit (``max_num_seqs``):
    scheduled this step is preempted (state dropped, back to the waiting queue front, to be
    recomputed from its tokens later); if there is none, the sequence itself waits this step.
 3. Waiting sequences are admitted in (priority, arrival) order while budget, the sequence limit
-   and state memory allow. Admission never preempts.
+   and state memory allow, skipping those whose KV-store load is still running (loads overlap
+   the steps). Admission never preempts.
 4. A chunk never runs past ``snapshot_at`` (the prompt's last whole KV unit), so the state at
    that boundary exists once and can be stored exactly.
 
@@ -89,12 +90,15 @@ class Scheduler:
                 scheduled.add(id(seq))
                 budget -= n
         self.waiting.sort(key=lambda s: s.sort_key)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq.kv_load is not None:
+                continue  # its prefix is still loading from the KV store
             n = self._chunk(seq, budget)
             if not self._grow(seq, n):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -41,6 +42,7 @@ class Sequence:
     last_token: float | None = None
     num_preemptions: int = 0
     kv_checked: bool = False  # the KV store was searched for this sequence's prefix
+    kv_load: Future | None = None  # the running KV-store lookup/load (not schedulable meanwhile)
     snapshot_at: int | None = None  # a prefill chunk must end here (the prompt's last whole unit)
     saved_upto: int = 0  # tokens whose units are already in the KV store
 

@@ -193,3 +193,35 @@ def test_redis_killed_mid_use_serves_misses(tiny, tiny_model_dir, redis_server) 
         assert errors >= 1
     finally:
         redis_server.restart()
+
+
+def test_slow_kv_load_overlaps_other_requests(tiny, tiny_model_dir) -> None:
+    """While one request's prefix loads from a slow store, other requests keep being served."""
+    import threading
+    import time
+
+    engine = build_engine(tiny_model_dir, model=tiny)
+    engine.kv = KVConnector(_store(), tiny)
+    long_prompt = _tokens(300, 40)
+    expected, _ = _run(engine, "warm", long_prompt)  # stores the prompt's units
+    release = threading.Event()
+    real_get_many = engine.kv.store.get_many
+
+    def slow_get_many(keys, **kw):
+        release.wait(10)  # a store that answers only when the test says so
+        return real_get_many(keys, **kw)
+
+    engine.kv.store.get_many = slow_get_many
+    engine.add_request(GenerateRequest("slow", long_prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    engine.add_request(GenerateRequest("fast", _tokens(20, 41), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)))
+    done: dict[str, list[int]] = {"slow": [], "fast": []}
+    cached = 0
+    deadline = time.monotonic() + 60
+    while engine.has_work() and time.monotonic() < deadline:
+        for ev in engine.step():
+            done[ev.request_id] += ev.token_ids
+            cached = max(cached, ev.num_cached_tokens if ev.request_id == "slow" else 0)
+            if ev.request_id == "fast" and ev.finished:
+                assert not done["slow"], "the slow load should still be pending"
+                release.set()
+    assert len(done["fast"]) == 5 and done["slow"] == expected and cached == 256

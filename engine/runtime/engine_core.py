@@ -19,7 +19,7 @@ from engine.protocol import GenerateRequest, TokenEvent
 from engine.runtime.config import EngineConfig
 from engine.runtime.metrics import EngineMetrics
 from engine.runtime.scheduler import Scheduler, SchedulerOutput
-from engine.runtime.sequence import Sequence, Status
+from engine.runtime.sequence import Sequence
 from engine.runtime.state_pool import StatePool
 from engine.sampling import Sampler
 

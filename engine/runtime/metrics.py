@@ -39,7 +39,7 @@ class EngineMetrics:
     def __init__(self, families: EngineMetricFamilies, model_name: str, dp_rank: int) -> None:
         self.f = families
         self.labels = {"model_name": model_name, "dp_rank": str(dp_rank)}
-        self._l = lambda m: m.labels(**self.labels)  # noqa: E731
+        self._l = lambda m: m.labels(**self.labels)
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self._l(self.f.prompt_tokens).inc(num_prompt_tokens)

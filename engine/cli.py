@@ -74,6 +74,8 @@ def _engine(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             worker_id=args.worker_id or "",
             engine=engine_cfg,
+            register=tuple(args.register),
+            advertise_url=args.advertise_url or "",
         )
     )
     return 0
@@ -121,4 +123,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache", default=env("DEEPSERVE_KV_CACHE", "readwrite"), choices=["off", "read", "write", "readwrite"])
     e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
+    e.add_argument("--register", action="append", default=[], metavar="ROUTER_URL", help="register with this router service (repeatable); deregister on drain")
+    e.add_argument("--advertise-url", default=None, help="URL routers should use for this worker (default http://HOST:PORT)")
     e.set_defaults(func=_engine)

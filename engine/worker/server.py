@@ -47,6 +47,8 @@ class WorkerConfig:
     worker_id: str = ""
     drain_timeout: float = 30.0
     engine: EngineConfig = EngineConfig()
+    register: tuple[str, ...] = ()  # router services to register with (deregistered on drain)
+    advertise_url: str = ""  # the URL routers should use; default http://host:port
 
 
 class Worker:
@@ -165,6 +167,26 @@ class Worker:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ---- lifecycle --------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.config.advertise_url or f"http://{self.config.host}:{self.config.port}"
+
+    async def _announce(self, verb: str, body: dict) -> None:
+        """POST ``/register`` or ``/deregister`` to every configured router (best effort, retried)."""
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            for router in self.config.register:
+                for attempt in range(5):
+                    try:
+                        async with session.post(f"{router.rstrip('/')}/{verb}", json=body) as resp:
+                            if resp.status < 500:
+                                log.info("%s with %s: %s", verb, router, resp.status)
+                                break
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                        log.warning("%s with %s failed (%s), attempt %d", verb, router, exc, attempt + 1)
+                    await asyncio.sleep(0.2 * 2**attempt)
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/internal/generate", self.generate)
@@ -183,12 +205,14 @@ class Worker:
         self.loop.start()
         self.ready = True
         log.info("worker %s (%s, dp=%d) on %s:%d", self.worker_id, self.config.role, self.config.dp, self.config.host, self.config.port)
+        await self._announce("register", {"url": self.url, "role": self.config.role})
         stop = asyncio.Event()
         aloop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aloop.add_signal_handler(sig, stop.set)
         await stop.wait()
         self.draining = True  # refuse new work, let running requests finish
+        await self._announce("deregister", {"url": self.url, "drain": True})
         deadline = aloop.time() + self.config.drain_timeout
         while self.loop.in_flight() and aloop.time() < deadline:
             await asyncio.sleep(0.05)

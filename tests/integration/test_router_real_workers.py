@@ -167,3 +167,46 @@ def test_dp_ranks_of_one_worker_share_the_load(cluster) -> None:
         assert per_rank["0"] > 0 and per_rank["1"] > 0 and sum(per_rank.values()) == len(reqs)
     finally:
         dp_worker.terminate()
+
+
+def test_worker_registers_and_deregisters_itself(cluster) -> None:
+    """``deepserve engine --register ROUTER`` joins a router service; SIGTERM (drain) leaves it."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.integration.workers import free_port
+
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "router", "--port", str(port), "--policy", "least_load"],
+                              stdout=open(cluster["logs"] / "router-register.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def listed() -> list[str]:
+        return [w["url"] for w in json.load(urllib.request.urlopen(url + "/workers"))["workers"]]
+
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/workers")
+                break
+            except OSError:
+                time.sleep(0.1)
+        worker = start_workers(cluster["model"], cluster["kv"], ["mixed"], cluster["logs"], extra=("--register", url))[0]
+        deadline = time.monotonic() + 20
+        while worker.url not in listed():
+            assert time.monotonic() < deadline, "worker never registered"
+            time.sleep(0.1)
+        body = json.dumps(_requests(1, seed=7, max_tokens=4)[0].to_dict()).encode()
+        reply = urllib.request.urlopen(urllib.request.Request(url + "/internal/generate", data=body, method="POST"), timeout=60).read()
+        assert b'"finish_reason"' in reply
+        worker.terminate()
+        deadline = time.monotonic() + 20
+        while worker.url in listed():
+            assert time.monotonic() < deadline, "worker never deregistered"
+            time.sleep(0.1)
+    finally:
+        router.terminate()
+        router.wait(10)

@@ -14,7 +14,7 @@ import json
 import logging
 import signal
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
@@ -23,7 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.kv_connector import KVConnector
 from engine.model.loader import load_model
 from engine.protocol import GenerateRequest, LoadReport, Role
-from engine.runtime.builder import build_sampler, configure_cpu_allocator, configure_cpu_threads, default_state_budget
+from engine.runtime.builder import (
+    build_sampler,
+    configure_cpu_allocator,
+    configure_cpu_threads,
+    default_state_budget,
+)
 from engine.runtime.config import EngineConfig
 from engine.runtime.engine_core import EngineCore
 from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
@@ -46,7 +51,7 @@ class WorkerConfig:
     served_model_name: str = "deepseek-v4"
     worker_id: str = ""
     drain_timeout: float = 30.0
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = field(default_factory=EngineConfig)
     register: tuple[str, ...] = ()  # router services to register with (deregistered on drain)
     advertise_url: str = ""  # the URL routers should use; default http://host:port
 
@@ -183,7 +188,7 @@ class Worker:
                             if resp.status < 500:
                                 log.info("%s with %s: %s", verb, router, resp.status)
                                 break
-                    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    except (TimeoutError, aiohttp.ClientError) as exc:
                         log.warning("%s with %s failed (%s), attempt %d", verb, router, exc, attempt + 1)
                     await asyncio.sleep(0.2 * 2**attempt)
 

@@ -43,7 +43,7 @@ def indexer_scores_reference(
     scale: float,
     t_max: int | None = None,
 ) -> torch.Tensor:
-    """Per-sequence loop with ``Indexer.select``'s scoring in fp32. → ``(B, T)`` fp32."""
+    """Per-sequence loop with ``Indexer.scores``' scoring in fp32. → ``(B, T)`` fp32."""
     b_size = q.shape[0]
     t = int(row_len.max()) if t_max is None else t_max
     out = torch.full((b_size, t), float("-inf"), dtype=torch.float32, device=q.device)

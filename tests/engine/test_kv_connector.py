@@ -144,12 +144,13 @@ def test_multi_turn_conversation_hits_previous_turn(tiny, tiny_model_dir) -> Non
     engine.kv = KVConnector(_store(), tiny)
     cold = build_engine(tiny_model_dir, model=tiny)
     prompt = _tokens(150, 8)
+    computed_before = 0  # tokens whose state the previous turn computed
     for turn in range(5):
         out, cached = _run(engine, f"t{turn}", prompt, n=40)
         assert out == _run(cold, f"c{turn}", prompt, n=40)[0]
         if turn:
-            assert cached >= (prev_len // 128) * 128 > 0  # noqa: F821 - set below
-        prev_len = len(prompt) + len(out) - 1  # tokens whose state the previous turn computed
+            assert cached >= (computed_before // 128) * 128 > 0
+        computed_before = len(prompt) + len(out) - 1
         prompt = prompt + out + _tokens(30, 100 + turn)
 
 

@@ -10,6 +10,7 @@ from engine.errors import InvalidRequestError
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
+from engine.runtime.state_pool import state_bytes
 from tests.engine.runtime.helpers import greedy, prompt, run
 
 LENGTHS = [5, 300, 40, 129, 17, 64, 250, 8, 90, 33, 200, 12, 150, 70, 3, 99]
@@ -17,6 +18,12 @@ LENGTHS = [5, 300, 40, 129, 17, 64, 250, 8, 90, 33, 200, 12, 150, 70, 3, 99]
 
 def _engine(tiny_model, tiny_model_dir, **cfg):
     return build_engine(tiny_model_dir, EngineConfig(**cfg), model=tiny_model)
+
+
+def _budget(tiny_model, max_seqs: int, blocks: int) -> int:
+    """A state-memory budget holding ``max_seqs`` boundary states and exactly ``blocks`` units."""
+    block, boundary = state_bytes(tiny_model.config, tiny_model.dtype)
+    return max_seqs * boundary + blocks * block
 
 
 def test_batch_invariance_greedy(tiny_model, tiny_model_dir) -> None:
@@ -60,10 +67,9 @@ def test_preemption_and_resume_give_same_tokens(tiny_model, tiny_model_dir) -> N
     """A state budget too small for all sequences forces recompute preemption; output unchanged."""
     reqs = [GenerateRequest(f"p{i}", prompt(n, 50 + i), greedy(40)) for i, n in enumerate((120, 130, 125, 140))]
     ref = {r.request_id: run(_engine(tiny_model, tiny_model_dir), [GenerateRequest(r.request_id, r.prompt_token_ids, r.sampling)])[r.request_id].tokens for r in reqs}
-    eng = _engine(tiny_model, tiny_model_dir, max_num_seqs=4)
-    # shrink the block pool to 5 units: four sequences of 2 units each cannot all fit
-    eng.pool._free_blocks = eng.pool._free_blocks[-5:]
-    eng.pool.num_blocks = 5
+    # 5 units of block memory: four sequences of 2 units each cannot all fit
+    eng = _engine(tiny_model, tiny_model_dir, max_num_seqs=4, state_memory_bytes=_budget(tiny_model, 4, 5))
+    assert eng.pool.num_blocks == 5
     out = run(eng, reqs)
     assert eng.scheduler.num_preemptions > 0
     for r in reqs:
@@ -72,9 +78,8 @@ def test_preemption_and_resume_give_same_tokens(tiny_model, tiny_model_dir) -> N
 
 def test_state_pool_integrity_under_random_stress(tiny_model, tiny_model_dir) -> None:
     rng = random.Random(0)
-    eng = _engine(tiny_model, tiny_model_dir, max_num_seqs=6, max_num_batched_tokens=96)
-    eng.pool._free_blocks = eng.pool._free_blocks[-8:]
-    eng.pool.num_blocks = 8
+    eng = _engine(tiny_model, tiny_model_dir, max_num_seqs=6, max_num_batched_tokens=96, state_memory_bytes=_budget(tiny_model, 6, 8))
+    assert eng.pool.num_blocks == 8
     live: list[str] = []
     for i in range(60):
         action = rng.random()

@@ -19,7 +19,6 @@ answer), ``StatusError`` (non-200, with the body); ``worker_client`` maps them t
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -53,11 +52,13 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
+        self.recycle: Http1Pool | None = None  # the pool to go back to once the answer ends
         self._reset()
 
     def _reset(self) -> None:
+        self.recycle = None
         self.buf = b""
-        self.lines: deque[bytes] = deque()
+        self.lines: list[bytes] = []
         self.status = 0  # 0 until the head is parsed
         self.got_bytes = False
         self.chunked = False
@@ -175,8 +176,27 @@ class _Conn(asyncio.Protocol):
             self.lines.append(self.partial)
             self.partial = b""
         self.done = True
+        pool, self.recycle = self.recycle, None
+        if pool is not None:  # released before its end arrived (see Http1Pool.release)
+            pool.release(self)
 
     # ---- caller side ---------------------------------------------------------------------
+    async def read(self) -> list[bytes] | None:
+        """The NDJSON lines received since the last call (at least one), or ``None`` once the
+        answer is complete; raises ``ProtocolError`` if the connection fails first."""
+        while True:
+            lines = self.lines
+            if lines:
+                self.lines = []
+                if self.paused:
+                    self.resume()
+                return lines
+            if self.done:
+                return None
+            if self.error is not None:
+                raise self.error
+            await self.wait()
+
     async def wait(self) -> None:
         self.waiter = asyncio.get_running_loop().create_future()
         try:
@@ -191,7 +211,7 @@ class _Conn(asyncio.Protocol):
 
 
 class Http1Pool:
-    """Keep-alive connections to one ``http://host:port``; ``post_lines`` is the only call."""
+    """Keep-alive connections to one ``http://host:port``: ``request`` (or ``post_lines``) is the only call."""
 
     def __init__(self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256) -> None:
         u = urlsplit(url)
@@ -221,20 +241,33 @@ class Http1Pool:
         conn.reused = False
         return conn
 
-    def _release(self, conn: _Conn) -> None:
-        if conn.done and conn.keep_alive and not conn.closed and conn.error is None and len(self._idle) < self.max_idle:
-            conn._reset()
-            self._idle.append(conn)
-        else:
-            conn.transport.close()
+    def release(self, conn: _Conn, complete: bool = False) -> None:
+        """Take ``conn`` back: kept for reuse after a complete answer, else closed (the worker
+        sees the disconnect). ``complete``: the caller saw the answer's last event, and only the
+        end of the body (e.g. the last empty chunk, often a packet of its own) may be missing:
+        the connection goes back to the pool when it arrives instead of being closed."""
+        if conn.keep_alive and not conn.closed and conn.error is None and len(self._idle) < self.max_idle:
+            if conn.done:
+                conn._reset()
+                self._idle.append(conn)
+                return
+            if complete and conn.status == 200 and not conn.lines and not conn.partial:
+                conn.recycle = self
+                return
+        conn.transport.close()
 
     def close(self) -> None:
         for conn in self._idle:
             conn.transport.close()
         self._idle.clear()
 
-    async def post_lines(self, path: str, body: bytes) -> AsyncIterator[bytes]:
-        """POST ``body`` (JSON) to ``path``; yield the answer's NDJSON lines as they arrive."""
+    async def request(self, path: str, body: bytes) -> _Conn:
+        """POST ``body`` (JSON) to ``path``; the connection once a 200 answer's head is in.
+
+        Read the answer with ``await conn.read()``; hand the connection back with
+        ``release(conn)`` whatever happened (it is kept only after a complete answer). Raises
+        ``ConnectError``, ``ProtocolError``, or ``StatusError`` (non-200, after its body).
+        """
         req = (
             b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
             % (path.encode(), self._host_header, len(body))
@@ -249,21 +282,23 @@ class Http1Pool:
             conn.transport.write(req)
             while not conn.status and conn.error is None:
                 await conn.wait()
+        if conn.status == 200:
+            return conn
         try:
-            if conn.status and conn.status != 200:
-                while not conn.done and conn.error is None:
-                    await conn.wait()
-                raise StatusError(conn.status, conn.partial)
-            lines = conn.lines
-            while True:
-                while lines:
-                    yield lines.popleft()
-                if conn.paused:
-                    conn.resume()
-                if conn.done:
-                    return
-                if conn.error is not None:
-                    raise conn.error
+            while not conn.done and conn.error is None:
                 await conn.wait()
+            if conn.status:
+                raise StatusError(conn.status, conn.partial)
+            raise conn.error
         finally:
-            self._release(conn)
+            self.release(conn)
+
+    async def post_lines(self, path: str, body: bytes) -> AsyncIterator[bytes]:
+        """``request`` as an iterator of the answer's NDJSON lines."""
+        conn = await self.request(path, body)
+        try:
+            while (lines := await conn.read()) is not None:
+                for line in lines:
+                    yield line
+        finally:
+            self.release(conn)

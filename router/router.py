@@ -38,20 +38,41 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from engine.protocol import GenerateRequest, LoadReport, RankLoad, TokenEvent
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
-from router.errors import NoWorkerAvailable, Overloaded, RequestRejected, WorkerError
+from router.errors import NoWorkerAvailable, Overloaded, RequestRejected, WorkerError, WorkerUnavailable
 from router.kv_index import PromptHasher
 from router.metrics import RouterMetrics
 from router.placement import Lease, Placer, Pools, Stage
 from router.policies.base import RankView, RouteRequest
 from router.policies.registry import create_policy
 from router.registry import Worker, WorkerRegistry
-from router.worker_client import encode_request, event_from_dict
+from router.http1 import HttpError
+from router.worker_client import dumps, encode_request, event_from_dict, loads
 
 log = logging.getLogger(__name__)
+
+
+class WireEvent(NamedTuple):
+    """One event as it goes out on the wire: its JSON ``line`` (no newline) and the parsed
+    ``fields`` it encodes. Usually the worker's own line, passed through untouched; re-encoded
+    only when the router changed a field (prompt statistics after a migration, the prefill
+    stage's finish)."""
+
+    line: bytes
+    fields: dict[str, Any]
+
+    @property
+    def finished(self) -> bool:
+        return self.fields.get("finish_reason") is not None
+
+
+def _wire(ev: TokenEvent) -> WireEvent:
+    d = ev.to_dict()
+    return WireEvent(dumps(d), d)
 
 
 @dataclass(eq=False)
@@ -167,6 +188,13 @@ class Router:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Stream ``req``'s events (see module docstring for the guarantees)."""
+        async with contextlib.aclosing(self.stream(req)) as events:
+            async for w in events:
+                yield event_from_dict(w.fields)
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[WireEvent]:
+        """``generate`` at the wire level: each event's JSON line and fields (what the router
+        service sends on, without decoding and re-encoding the worker's lines)."""
         t0 = time.perf_counter()
         if req.request_id in self._flights:
             raise RequestRejected(f"request {req.request_id!r} is already in flight")
@@ -177,7 +205,7 @@ class Router:
             view, waited = await self._admit(flight, stage)
             if view is None:  # aborted while queued
                 flight.finished = True
-                yield TokenEvent(req.request_id, finish_reason="abort")
+                yield _wire(TokenEvent(req.request_id, finish_reason="abort"))
                 return
             self.metrics.added_latency.observe(time.perf_counter() - t0 - waited)
             async with contextlib.aclosing(self._run(flight, stage, view)) as events:
@@ -250,7 +278,7 @@ class Router:
         return min(30.0, max(0.1, self._ewma_s * (len(self._queue) + 1) / slots))
 
     # ---- sending and repair ------------------------------------------------------------------
-    async def _run(self, flight: _Flight, stage: Stage, view: RankView) -> AsyncIterator[TokenEvent]:
+    async def _run(self, flight: _Flight, stage: Stage, view: RankView) -> AsyncIterator[WireEvent]:
         cfg, req = self.config, flight.req
         retries = migrations = 0
         failed: set[str] = set()
@@ -259,7 +287,7 @@ class Router:
         while True:
             if flight.aborted:
                 flight.finished = True
-                yield TokenEvent(req.request_id, finish_reason="abort")
+                yield _wire(TokenEvent(req.request_id, finish_reason="abort"))
                 return
             worker = self.registry.worker_of(view)
             error: str | None = None
@@ -309,7 +337,7 @@ class Router:
                 error = str(exc)
             flight.finished = True
             self.metrics.finished("error")
-            yield TokenEvent(req.request_id, finish_reason="error", error=error)
+            yield _wire(TokenEvent(req.request_id, finish_reason="error", error=error))
             return
 
     async def _repick(self, flight: _Flight, stage: Stage, failed: set[str], retries: int) -> tuple[RankView, Stage]:
@@ -331,11 +359,13 @@ class Router:
         assert view is not None
         return view, stage
 
-    async def _attempt(self, flight: _Flight, stage: Stage, view: RankView, worker: Worker) -> AsyncIterator[TokenEvent]:
+    async def _attempt(self, flight: _Flight, stage: Stage, view: RankView, worker: Worker) -> AsyncIterator[WireEvent]:
         """One dispatch to one rank, yielding the caller's events.
 
         Ends with ``flight.finished`` set, or (prefill stage) unset when the request goes on to
-        decode; raises ``WorkerError`` when the worker fails.
+        decode; raises ``WorkerError`` when the worker fails. Talks to the worker's HTTP/1.1
+        pool directly (``WorkerClient.generate`` without its two generator layers) and passes
+        each line on as received unless a field must change.
         """
         req, route = flight.req, flight.route
         prior = req.output_token_ids + flight.out if flight.out else req.output_token_ids
@@ -359,41 +389,50 @@ class Router:
         self.registry.dispatched(worker)
         self.metrics.decision(policy.name, stage)
         flight.worker = worker
+        client = worker.client
+        conn = None
         ok = False
         try:
-            # generate_dicts + event_from_dict is WorkerClient.generate, one generator layer less.
-            async with contextlib.aclosing(worker.client.generate_dicts(encode_request(sub))) as events:
-                async for d in events:
-                    ev = event_from_dict(d)
-                    n = len(ev.token_ids)
-                    if n:
-                        if lease.pending:
-                            lease.first_token()
-                        lease.add_tokens(n)
-                        flight.out.extend(ev.token_ids)
-                    if ev.num_prompt_tokens:
-                        if flight.stats is None:
-                            flight.stats = (ev.num_prompt_tokens, ev.num_cached_tokens)
-                        else:
-                            ev.num_prompt_tokens, ev.num_cached_tokens = flight.stats
-                    reason = ev.finish_reason
-                    if reason is None:
-                        if n:
-                            yield ev
-                        continue
-                    ok = True
-                    if stage == "prefill" and reason == "length" and len(req.output_token_ids) + len(flight.out) < req.sampling.max_tokens:
-                        ev.finish_reason = None
+            try:
+                conn = await client.pool.request("/internal/generate", encode_request(sub))
+                while (lines := await conn.read()) is not None:
+                    for line in lines:
+                        d = loads(line)
+                        toks = d.get("token_ids")
+                        if toks:
+                            if lease.pending:
+                                lease.first_token()
+                            lease.add_tokens(len(toks))
+                            flight.out.extend(toks)
+                        if d.get("num_prompt_tokens"):
+                            if flight.stats is None:
+                                flight.stats = (d["num_prompt_tokens"], d.get("num_cached_tokens", 0))
+                            elif flight.stats != (d["num_prompt_tokens"], d.get("num_cached_tokens", 0)):
+                                d["num_prompt_tokens"], d["num_cached_tokens"] = flight.stats
+                                line = dumps(d)
+                        reason = d.get("finish_reason")
+                        if reason is None:
+                            if toks:
+                                yield WireEvent(line, d)
+                            continue
+                        ok = True
+                        if stage == "prefill" and reason == "length" and len(req.output_token_ids) + len(flight.out) < req.sampling.max_tokens:
+                            del d["finish_reason"]
+                            self.registry.record_success(worker)
+                            if toks:
+                                yield WireEvent(dumps(d), d)
+                            return
+                        flight.finished = True
                         self.registry.record_success(worker)
-                        if n:
-                            yield ev
+                        self.metrics.finished(reason)
+                        yield WireEvent(line, d)
                         return
-                    flight.finished = True
-                    self.registry.record_success(worker)
-                    self.metrics.finished(reason)
-                    yield ev
-                    return
+            except (HttpError, ValueError) as exc:
+                raise client.error_for(exc) from exc
+            raise WorkerUnavailable("stream ended without a finish event", client.url)
         finally:
+            if conn is not None:
+                client.pool.release(conn, ok)  # after the finish event: kept alive
             lease.release()
             policy.on_finish(route, view, ok)
 

@@ -89,7 +89,7 @@ class WorkerClient:
         self._owns_session = session is None
         self._connect_timeout_s = connect_timeout_s
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
-        self._pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s)
+        self.pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -98,7 +98,7 @@ class WorkerClient:
         return self._session
 
     async def close(self) -> None:
-        self._pool.close()
+        self.pool.close()
         if self._owns_session and self._session is not None:
             await self._session.close()
             self._session = None
@@ -116,21 +116,26 @@ class WorkerClient:
         """``generate`` at the dict level: a JSON request body in, event dicts out."""
         finished = False
         try:
-            async for line in self._pool.post_lines("/internal/generate", body):
+            async for line in self.pool.post_lines("/internal/generate", body):
                 d = _loads(line)
                 if "finish_reason" in d:
                     finished = True
                 yield d
-        except ConnectError as exc:
-            raise WorkerUnavailable(str(exc), self.url, connect=True) from exc
-        except StatusError as exc:
-            if 400 <= exc.status < 500 and exc.status not in (408, 429):
-                raise WorkerRejected(str(exc), self.url) from exc
-            raise WorkerUnavailable(str(exc), self.url) from exc
         except (HttpError, ValueError) as exc:
-            raise WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url) from exc
+            raise self.error_for(exc) from exc
         if not finished:
             raise WorkerUnavailable("stream ended without a finish event", self.url)
+
+    def error_for(self, exc: Exception) -> WorkerRejected | WorkerUnavailable:
+        """The router error for a failure of the generate call (``router.http1`` errors, or a
+        line that is not JSON)."""
+        if isinstance(exc, ConnectError):
+            return WorkerUnavailable(str(exc), self.url, connect=True)
+        if isinstance(exc, StatusError):
+            if 400 <= exc.status < 500 and exc.status not in (408, 429):
+                return WorkerRejected(str(exc), self.url)
+            return WorkerUnavailable(str(exc), self.url)
+        return WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url)
 
     async def _raise_status(self, resp: aiohttp.ClientResponse) -> None:
         text = (await resp.text())[:500]

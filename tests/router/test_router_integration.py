@@ -8,13 +8,12 @@ import socket
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from engine.protocol import GenerateRequest, SamplingParams
 from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, Overloaded
 from router.router import Router
-from router.service import build_app
+from router.service import RouterService
 from router.worker_client import WorkerClient
 from tests.router.fake_worker import expected_tokens
 
@@ -306,12 +305,9 @@ def test_registry_health_and_self_registration_via_the_service(spawn):
 
     async def main():
         router = Router(config(worker=(a.url,)))
-        app = build_app(router.config, router=router)
-        runner = web.AppRunner(app, handler_cancellation=True)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        base = f"http://127.0.0.1:{port}"
+        service = RouterService(router.config, router=router)
+        await service.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{service.port}"
         try:
             client = WorkerClient(base)  # the gateway's client works against the router service
             assert await client.health()
@@ -353,6 +349,6 @@ def test_registry_health_and_self_registration_via_the_service(spawn):
             assert not await client.health()
             await client.close()
         finally:
-            await runner.cleanup()
+            await service.stop()
 
     asyncio.run(main())

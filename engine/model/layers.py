@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import cpu_fused
 from engine.model.config import ModelConfig
 
 
@@ -84,11 +85,15 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + hc) * hc, hc * cfg.hidden_size, dtype=torch.float32))
         self.base = nn.Parameter(torch.zeros((2 + hc) * hc, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.fused = True  # CPU: the mixing as one compiled loop (cpu_fused.hc_mix) when available
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hc = self.hc
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)  # (N, hc*H)
         mixes = F.linear(flat, self.fn.float())  # (N, (2+hc)*hc)
+        if self.fused and mixes.device.type == "cpu" and not mixes.requires_grad and cpu_fused.available():
+            pre, post, comb = cpu_fused.hc_mix(mixes, self.base, self.scale, hc, self.iters, self.hc_eps)
+            return post, comb, collapse(pre, streams)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
         pre_s, post_s, comb_s = self.scale.unbind(0)

@@ -20,10 +20,10 @@ from engine.model.config import ModelConfig
 from engine.model.layers import (
     HyperConnection,
     HyperHead,
-    PackedLinear,
     RMSNorm,
     hc_merge,
 )
+from engine.model.lm_head import LMHead
 from engine.model.moe import MoE
 from engine.model.rope import Rotary
 from engine.model.state import SequenceState
@@ -88,7 +88,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             "compress": Rotary(cfg.rope_compress, cfg.qk_rope_head_dim, cfg.max_position_embeddings),
         }
         self.mtp: dict[str, torch.Tensor] = {}
-        self._packed_lm_head = PackedLinear(self.lm_head)  # lm_head, faster on CPU for 2+ rows
+        self.head = LMHead(self.lm_head)  # logits, and exact greedy argmax through an int8 screen
 
     @property
     def device(self) -> torch.device:
@@ -98,6 +98,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Turn the exact fast paths (batched decode attention, ...) on or off (tests compare both)."""
         for layer in self.model.layers:
             layer.self_attn.fast_decode = enabled
+            layer.attn_hc.fused = layer.ffn_hc.fused = enabled
 
     def new_state(self) -> SequenceState:
         """An empty state for a new sequence, on the model's device and dtype."""
@@ -108,12 +109,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(
         self,
         chunks: Sequence[tuple[SequenceState, Sequence[int]]],
-        logits: Literal["last", "all"] = "last",
+        logits: Literal["last", "all", "hidden"] = "last",
     ) -> torch.Tensor:
         """Run every chunk's new tokens through the model, updating each state.
 
         Returns float32 logits: ``(B, V)`` of each chunk's last token, or ``(N, V)`` of every
-        token (chunks concatenated in order) with ``logits="all"``.
+        token (chunks concatenated in order) with ``logits="all"``; with ``logits="hidden"`` the
+        last tokens' final hidden states ``(B, H)``, for ``self.head`` (``logits``/``argmax``).
         """
         device = self.device
         ids: list[int] = []
@@ -143,7 +145,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for state, a, b in seq_slices:
             state.num_tokens += b - a
             state.token_ids.extend(ids[a:b])
-        if logits == "last":
+        if logits != "all":
             streams = streams[torch.tensor([b - 1 for _, _, b in seq_slices], device=device)]
         hidden = self.model.norm(self.model.hc_head(streams))  # (B or N, H)
-        return self._packed_lm_head(hidden).float()
+        return hidden if logits == "hidden" else self.head.logits(hidden)

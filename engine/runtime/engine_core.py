@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.protocol import GenerateRequest, TokenEvent
 from engine.runtime.config import EngineConfig
@@ -121,10 +122,10 @@ class EngineCore:
                 wait(self._kv_loading, timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
             return events
         t0 = time.perf_counter()
-        logits = self._run(out)
+        hidden = self._run(out)
         if self.kv is not None and out.num_tokens > 2 * len(out.scheduled):
             self.kv.observe_prefill(out.num_tokens, time.perf_counter() - t0)
-        events.extend(self._make_output(out, logits))
+        events.extend(self._make_output(out, hidden))
         if self.metrics:
             self.metrics.on_step(self)
         return events
@@ -161,9 +162,9 @@ class EngineCore:
                 if self.metrics:
                     self.metrics.on_scheduled(now - seq.arrival)
             chunks.append((seq.state, seq.tokens[seq.num_computed : seq.num_computed + n]))
-        return self.model(chunks)  # (B, V) float32
+        return self.model(chunks, logits="hidden")  # (B, H) last hidden states
 
-    def _make_output(self, out: SchedulerOutput, logits: torch.Tensor) -> list[TokenEvent]:
+    def _make_output(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[TokenEvent]:
         rows, ready = [], []
         for i, (seq, n) in enumerate(out.scheduled):
             seq.num_computed += n
@@ -174,9 +175,9 @@ class EngineCore:
                 ready.append(seq)
         if not ready:
             return []
-        if len(rows) < logits.shape[0]:
-            logits = logits[rows]  # (R, V) the sequences sampled this step
-        sample = self.sampler.sample(logits, [s.sampling for s in ready])
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[rows]  # (R, H) the sequences sampled this step
+        sample = self.sampler.sample(HeadRows(self.model.head, hidden), [s.sampling for s in ready])
         now = time.monotonic()
         events = []
         for j, seq in enumerate(ready):

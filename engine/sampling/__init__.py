@@ -1,7 +1,7 @@
 """Sampling and structured output for the engine.
 
 Module map:
-- ``sampler.py``: ``Sampler.sample(logits, states)``, the one call per engine step;
+- ``sampler.py``: ``Sampler.sample(logits or LogitSource, states)``, the one call per engine step;
 - ``state.py``: ``SamplingState`` (per request) and the per-request (seed, step) random stream;
 - ``penalties.py``, ``distribution.py``: the batched logit transforms and the draw;
 - ``finish.py``: the stop rule;
@@ -19,7 +19,7 @@ per request ``state = sampler.new_state(params, prompt_ids, output_ids)``, per s
 
 from engine.sampling.errors import InvalidConstraintError
 from engine.sampling.finish import check_finish
-from engine.sampling.sampler import LogprobsMode, SampleOutput, Sampler, SamplerConfig
+from engine.sampling.sampler import LogitSource, LogprobsMode, SampleOutput, Sampler, SamplerConfig
 from engine.sampling.state import SamplingState, request_uniform
 from engine.sampling.structured import GrammarCompilerCache, GrammarState, load_tokenizer_info
 
@@ -27,6 +27,7 @@ __all__ = [
     "GrammarCompilerCache",
     "GrammarState",
     "InvalidConstraintError",
+    "LogitSource",
     "LogprobsMode",
     "SampleOutput",
     "Sampler",

@@ -18,6 +18,10 @@ Per step, for the (B, V) float32 logits of the scheduled sequences, in this orde
    (``finish.py``).
 The logits tensor is consumed: steps 2-3 modify it in place.
 
+``sample`` also takes a ``LogitSource`` instead of a tensor: rows that are plain greedy (no
+logprobs, penalties or grammar) then take the source's exact argmax (on CPU the model's int8
+screen + exact recheck, ``engine/model/lm_head.py``) and only the other rows' logits are made.
+
 Fast paths: a batch of greedy rows with nothing else is one argmax; plain temperature rows skip
 truncation entirely; random rows are transformed inside the logits tensor rather than copied out
 when they are most of the batch. The draw is vectorised across rows; truncation loops over row
@@ -30,7 +34,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -49,6 +53,18 @@ from engine.sampling.structured import (
 )
 
 LogprobsMode = Literal["raw", "processed"]
+
+
+class LogitSource(Protocol):
+    """Logit rows computed on demand (the engine's last hidden states and the model's head)."""
+
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        """fp32 logits ``(len(rows), V)`` of the given rows."""
+        ...
+
+    def argmax(self, rows: list[int]) -> torch.Tensor:
+        """``logits(rows).argmax(-1)`` exactly, ``(len(rows),)`` int64, however computed."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -126,17 +142,44 @@ class Sampler:
 
     # -- per step -----------------------------------------------------------------------------
 
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor | LogitSource, states: Sequence[SamplingState]) -> SampleOutput:
         """Sample one token for each row of ``logits`` (B, V), row i for ``states[i]``.
 
+        ``logits`` is a tensor, or a ``LogitSource`` that computes rows on demand: then the rows
+        that only need the greedy token (no logprobs, penalties or grammar) get it from the
+        source's exact ``argmax`` and only the other rows' logits are computed.
         Float32 CPU logits are modified in place (others are copied to that first). Advances
         every state by one token and sets its ``finish_reason`` when it ends; finished states must
         not be passed again.
         """
+        assert not any(s.finished for s in states), "a finished request was scheduled for sampling"
+        if isinstance(logits, torch.Tensor):
+            tokens, logprobs = self._choose(logits, states)
+        else:
+            tokens, logprobs = self._choose_from(logits, states)
+        return SampleOutput(tokens, logprobs, self._record(tokens, states))
+
+    def _choose_from(self, source: LogitSource, states: Sequence[SamplingState]) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """Plain greedy rows through ``source.argmax``; the others through ``_choose``."""
+        plain = [i for i, s in enumerate(states) if s.plain_greedy]
+        if not plain:
+            return self._choose(source.logits(list(range(len(states)))), states)
+        tokens = torch.empty(len(states), dtype=torch.int64)
+        tokens[plain] = source.argmax(plain)
+        logprobs: list[TokenLogprob | None] = [None] * len(states)
+        rest = [i for i, s in enumerate(states) if not s.plain_greedy]
+        if rest:
+            rest_tokens, rest_logprobs = self._choose(source.logits(rest), [states[i] for i in rest])
+            tokens[rest] = rest_tokens
+            for i, lp in zip(rest, rest_logprobs):
+                logprobs[i] = lp
+        return tokens, logprobs
+
+    def _choose(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """Tokens and logprobs for the rows of ``logits`` (steps 1-6 of the module docstring)."""
         B, V = logits.shape
         assert B == len(states), f"{B} logit rows for {len(states)} states"
         assert V == self.config.vocab_size, f"logits width {V} != vocab_size {self.config.vocab_size}"
-        assert not any(s.finished for s in states), "a finished request was scheduled for sampling"
         if logits.dtype != torch.float32 or logits.device.type != "cpu":
             logits = logits.to("cpu", torch.float32)  # the sampler runs on CPU (one (B, V) copy)
         raw_mode = self.config.logprobs_mode == "raw"
@@ -177,6 +220,10 @@ class Sampler:
             lp_src = log_softmax(torch.stack([processed[i] for i in lp_rows]))
         logprobs = self._gather_logprobs(lp_src, lp_rows, tokens, states) if lp_rows else [None] * B
 
+        return tokens, logprobs
+
+    def _record(self, tokens: torch.Tensor, states: Sequence[SamplingState]) -> list[FinishReason | None]:
+        """Step 7: each state records its token and gets its finish reason."""
         reasons: list[FinishReason | None] = []
         for s, t in zip(states, tokens.tolist()):
             accepted = s.record(t)
@@ -189,7 +236,7 @@ class Sampler:
                 grammar_rejected=not accepted,
             )
             reasons.append(s.finish_reason)
-        return SampleOutput(tokens, logprobs, reasons)
+        return reasons
 
     def _pick(
         self,

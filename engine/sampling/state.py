@@ -59,6 +59,11 @@ class SamplingState:
         return self.params.temperature < GREEDY_EPS
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the logit values: no logprobs, penalties or grammar."""
+        return self.greedy and not self.params.logprobs and not self.has_penalties and self.grammar is None
+
+    @property
     def has_penalties(self) -> bool:
         p = self.params
         return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0

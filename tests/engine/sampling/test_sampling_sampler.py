@@ -435,3 +435,55 @@ def test_batch_invariance_holds_with_two_threads():
             assert run([k])[k] == together[k], k
     finally:
         torch.set_num_threads(before)
+
+
+# -- logit sources: plain greedy rows skip the logits ---------------------------------------------
+
+
+class RecordingSource:
+    """A ``LogitSource`` over fixed logits that records which rows were asked for what."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.full = logits
+        self.logit_rows: list[list[int]] = []
+        self.argmax_rows: list[list[int]] = []
+
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        self.logit_rows.append(rows)
+        return self.full[rows].clone()
+
+    def argmax(self, rows: list[int]) -> torch.Tensor:
+        self.argmax_rows.append(rows)
+        return self.full[rows].argmax(-1)
+
+
+def test_logit_source_gives_the_tensor_path_result():
+    """Mixed batch: plain greedy, greedy with logprobs, seeded random, penalised greedy. The
+    source path asks the logits only of the rows that need them, and gives the same output."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(5))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=0.8, seed=11),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=3),
+    ]
+    a, b = sampler(), sampler()
+    out_tensor = a.sample(logits.clone(), [a.new_state(p, [1, 2, 100]) for p in params])
+    source = RecordingSource(logits)
+    out_source = b.sample(source, [b.new_state(p, [1, 2, 100]) for p in params])
+    assert torch.equal(out_tensor.token_ids, out_source.token_ids)
+    assert out_tensor.logprobs == out_source.logprobs
+    assert out_tensor.finish_reasons == out_source.finish_reasons
+    assert source.argmax_rows == [[0, 4]]
+    assert source.logit_rows == [[1, 2, 3, 5]]
+
+
+def test_logit_source_all_plain_greedy_never_makes_logits():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6))
+    s = sampler()
+    source = RecordingSource(logits)
+    out = s.sample(source, [s.new_state(SamplingParams(temperature=0.0, max_tokens=1), [1]) for _ in range(3)])
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert source.logit_rows == [] and out.finish_reasons == ["length"] * 3

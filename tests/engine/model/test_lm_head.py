@@ -1,0 +1,77 @@
+"""The screened greedy argmax (engine/model/lm_head.py) is the exact argmax of the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.model.lm_head import BLOCK, HeadRows, Int8Screen, LMHead
+
+pytestmark = pytest.mark.skipif(not Int8Screen.available(), reason="no CPU int8 GEMM in this torch")
+
+
+def head_with(weight: torch.Tensor) -> LMHead:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight.data.copy_(weight)
+    return LMHead(lin)
+
+
+def exact_argmax(head: LMHead, x: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ head.linear.weight.detach().double().t()).argmax(-1)
+
+
+@pytest.mark.parametrize("vocab", [4099, 8192])  # a tail block, and whole blocks only
+def test_bound_holds_and_argmax_is_exact(vocab: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    head = head_with(torch.randn(vocab, 64, generator=g) * 0.02)
+    for trial in range(150):
+        b = int(torch.randint(1, 24, (1,), generator=g))
+        x = torch.randn(b, 64, generator=g) * float(torch.rand(1, generator=g) * 4 + 0.01)
+        if trial % 3 == 0:  # outlier channels widen the activation step
+            x[:, int(torch.randint(0, 64, (1,), generator=g))] *= 25
+        screen = head._screener(x)
+        assert screen is not None
+        acc, bound = screen.screen(x)
+        xd = x.double()
+        unit = xd.abs().amax(1) / 127 * screen.step  # (B,) value of one integer unit
+        exact = xd @ head.linear.weight.detach().double().t()
+        err = (acc.double() * unit.unsqueeze(1) - exact).abs().amax(1)
+        assert bool((err <= bound * unit).all()), f"trial {trial}: error {err} over bound {bound * unit}"
+        assert torch.equal(head.argmax(x), exact_argmax(head, x)), f"trial {trial}"
+    assert head.screened_rows > 0
+
+
+def test_ties_pick_the_lowest_id_like_argmax() -> None:
+    w = torch.randn(3 * BLOCK + 5, 16) * 0.1
+    w[7] = w[40] = w[3 * BLOCK + 2] = torch.full((16,), 0.5)  # identical best columns
+    head = head_with(w)
+    x = torch.ones(4, 16)
+    assert head.argmax(x).tolist() == [7, 7, 7, 7]
+    assert head.logits(x).argmax(-1).tolist() == [7, 7, 7, 7]
+
+
+def test_zero_input_and_near_ties_fall_back_or_stay_exact() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(2048, 32, generator=g) * 0.05
+    w[100] = w[1500] + 1e-7  # a near tie the int8 screen cannot separate
+    head = head_with(w)
+    x = torch.cat([torch.zeros(1, 32), w[1500:1501] * 10, torch.randn(3, 32, generator=g)])
+    assert torch.equal(head.argmax(x), exact_argmax(head, x))
+
+
+def test_weight_change_rebuilds_the_screen() -> None:
+    head = head_with(torch.randn(1000, 32) * 0.02)
+    x = torch.randn(2, 32)
+    head.argmax(x)
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.randn(1000, 32) * 0.02)
+    assert torch.equal(head.argmax(x), exact_argmax(head, x))
+
+
+def test_head_rows_selects_rows() -> None:
+    head = head_with(torch.randn(500, 16) * 0.05)
+    hidden = torch.randn(5, 16)
+    rows = HeadRows(head, hidden)
+    assert torch.equal(rows.argmax([4, 1]), exact_argmax(head, hidden[[4, 1]]))
+    assert torch.allclose(rows.logits([2]), head.logits(hidden[[2]]))

@@ -85,7 +85,7 @@ def available() -> bool:
         if ok:
             try:
                 _hc_mix(np.zeros((1, 24), np.float32), np.zeros(24, np.float32), np.ones(3, np.float32), 4, 2, 1e-6)
-            except Exception:  # a broken numba/llvmlite install: keep the eager path
+            except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
                 ok = False
         _state["ok"] = ok
     return bool(_state["ok"])

@@ -19,9 +19,19 @@ per request ``state = sampler.new_state(params, prompt_ids, output_ids)``, per s
 
 from engine.sampling.errors import InvalidConstraintError
 from engine.sampling.finish import check_finish
-from engine.sampling.sampler import LogitSource, LogprobsMode, SampleOutput, Sampler, SamplerConfig
+from engine.sampling.sampler import (
+    LogitSource,
+    LogprobsMode,
+    SampleOutput,
+    Sampler,
+    SamplerConfig,
+)
 from engine.sampling.state import SamplingState, request_uniform
-from engine.sampling.structured import GrammarCompilerCache, GrammarState, load_tokenizer_info
+from engine.sampling.structured import (
+    GrammarCompilerCache,
+    GrammarState,
+    load_tokenizer_info,
+)
 
 __all__ = [
     "GrammarCompilerCache",

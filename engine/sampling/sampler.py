@@ -39,7 +39,14 @@ from typing import Literal, Protocol
 import torch
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
-from engine.sampling.distribution import NEG_INF, apply_min_p, draw, log_softmax, mask_below, top_k_top_p_thresholds
+from engine.sampling.distribution import (
+    NEG_INF,
+    apply_min_p,
+    draw,
+    log_softmax,
+    mask_below,
+    top_k_top_p_thresholds,
+)
 from engine.sampling.errors import InvalidConstraintError
 from engine.sampling.finish import check_finish
 from engine.sampling.penalties import apply_penalties

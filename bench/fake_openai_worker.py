@@ -255,6 +255,20 @@ def _generate_handler(worker: FakeWorker):
         cached = worker.admit(chain_keys(tokens, cfg.block_size, cfg.fingerprint), rank, n_prompt)
         n_out = 1 if req.prefill_only else max(1, worker.n_out(req.sampling.max_tokens) - len(req.output_token_ids))
         first = t0 + worker.first_token_delay(n_prompt - cached)
+        if n_out == 1 and req.request_id not in worker.aborted:
+            # One event is the whole answer: one body with a Content-Length, as the non-streaming
+            # OpenAI routes answer (so routers in front are compared on equal worker answers).
+            worker.running[rank] += 1
+            worker.queued_tokens[rank] += n_prompt
+            try:
+                await _sleep_until(loop, first)
+            finally:
+                worker.running[rank] -= 1
+                worker.queued_tokens[rank] -= n_prompt
+            ev = TokenEvent(req.request_id, [100 + n_prompt % 1000], finish_reason="length", num_prompt_tokens=n_prompt,
+                            num_cached_tokens=cached, worker_id=cfg.worker_id)
+            worker.counters["generation_tokens"] += 1
+            return web.Response(body=_dumps(ev.to_dict()) + b"\n", content_type="application/x-ndjson")
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         worker.running[rank] += 1

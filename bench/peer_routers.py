@@ -15,7 +15,15 @@ Scenarios (``--scenarios``):
   prefix cache and a prefill cost per uncached token, streaming, concurrency 16, each router's
   cache-aware policy and round-robin: cache hit rate and TTFT.
 
+Besides the client-side numbers, each run records the CPU time per request of the router process
+(with its child processes), of the fake workers and of the client (``/proc``): on a small shared
+box req/s depends on how the OS shares the cores between client, router and workers, the
+router's CPU per request does not.
+
 Run: ``python -m bench.peer_routers --output bench/results/peers.json`` (prints a Markdown table).
+Only the throughput scenario, both our policies, three interleaved rounds, with a summary of
+ranges and ratios: ``python -m bench.peer_routers --scenarios throughput --policies round_robin
+cache_aware --routers deepserve vllm-router --repeat 3``.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -96,6 +105,22 @@ def router_cmd(router: str, port: int, workers: list[str], policy: str) -> tuple
     raise ValueError(router)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) and its children (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent pid
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 @dataclass
 class Result:
     scenario: str
@@ -126,10 +151,15 @@ def run_one(sc: Scenario, router: str, policy: str, log_dir: Path, say: Callable
             time.sleep(1.5)  # first load / KV-event polls
         cfg = ClientConfig(url=url, endpoint=endpoint, stream=sc.stream, block_size=wl.block_size, timeout_s=120)
         asyncio.run(warmup_async(cfg, 4))
+        cpu0 = (_cpu_s(proc.pid) if proc else 0.0, sum(_cpu_s(w.pid) for w in workers), time.process_time())
         res = asyncio.run(run_async(wl.rows, cfg, Pacing(concurrency=sc.concurrency)))
+        cpu1 = (_cpu_s(proc.pid) if proc else 0.0, sum(_cpu_s(w.pid) for w in workers), time.process_time())
         s = summarize(res)
+        n = max(1, len(res.samples))
+        s["cpu_us_per_req"] = {k: round(1e6 * (b - a) / n, 1) for k, a, b in zip(("router", "workers", "client"), cpu0, cpu1)}
         say(f"  {sc.name:<10} {router:<14} {policy:<12} {s['request_throughput']:8.1f} req/s  TTFT p50 {s['ttft_s']['p50'] * 1e3 if s['ttft_s']['p50'] else float('nan'):7.2f} ms"
-            f"  hit {s['cache_hit_rate'] if s['cache_hit_rate'] is not None else float('nan'):.3f}  errors {s['errors'] or 'none'}")
+            f"  hit {s['cache_hit_rate'] if s['cache_hit_rate'] is not None else float('nan'):.3f}  errors {s['errors'] or 'none'}"
+            f"  CPU us/req router {s['cpu_us_per_req']['router']:.0f} workers {s['cpu_us_per_req']['workers']:.0f} client {s['cpu_us_per_req']['client']:.0f}")
         return Result(sc.name, router, policy, s, cmd)
     finally:
         if proc is not None:
@@ -155,8 +185,8 @@ def markdown(results: list[Result]) -> str:
         lines += [f"**{sc}** — {SCENARIOS[sc].description}", ""]
         if not SCENARIOS[sc].added:
             lines += ["(direct = one worker, so one cache: not a latency baseline here)", ""]
-        lines.append("| router | policy | req/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | added TTFT p50 / p99 (ms) | added E2E p50 / p99 (ms) | cache hit | req/s vs ours | added p50 vs ours | hit vs ours | errors |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("| router | policy | req/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | added TTFT p50 / p99 (ms) | added E2E p50 / p99 (ms) | router CPU µs/req | cache hit | req/s vs ours | added p50 vs ours | hit vs ours | errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         direct = next((r.summary for r in rs if r.router == "direct"), None)
         for r in rs:
             s = r.summary
@@ -172,7 +202,7 @@ def markdown(results: list[Result]) -> str:
                 f"| {r.router} | {r.policy if r.router != 'direct' else '-'} | {s['request_throughput']:.0f} | "
                 f"{_ms(s['ttft_s']['p50'])} / {_ms(s['ttft_s']['p99'])} | {_ms(s['e2e_s']['p50'])} / {_ms(s['e2e_s']['p99'])} | "
                 f"{_ms(added('ttft_s', 'p50'))} / {_ms(added('ttft_s', 'p99'))} | {_ms(added('e2e_s', 'p50'))} / {_ms(added('e2e_s', 'p99'))} | "
-                f"{'-' if hit is None else f'{hit:.1%}'} | "
+                f"{s['cpu_us_per_req']['router'] if r.router != 'direct' else '-'} | {'-' if hit is None else f'{hit:.1%}'} | "
                 f"{_ratio(s['request_throughput'], ours['request_throughput'] if ours else None)} | "
                 f"{_ratio(added('e2e_s' if not SCENARIOS[sc].stream else 'ttft_s', 'p50'), added('e2e_s' if not SCENARIOS[sc].stream else 'ttft_s', 'p50', ours))} | "
                 f"{_ratio(hit, ours['cache_hit_rate'] if ours else None)} | {', '.join(f'{k}:{v}' for k, v in s['errors'].items()) or 'none'} |"
@@ -181,11 +211,36 @@ def markdown(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def ranges(results: list[Result], reference: str = "vllm-router") -> str:
+    """Per scenario, router and policy over the repeated rounds: req/s and router CPU per request
+    (min-max), and the per-round ratios against ``reference``'s round_robin in the same round."""
+    lines = [f"| scenario | router | policy | rounds | req/s | router CPU µs/req | req/s vs {reference} round_robin | CPU vs {reference} round_robin |",
+             "|---|---|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys((r.scenario, r.router, r.policy) for r in results))
+    for sc, router, policy in keys:
+        mine = [r for r in results if (r.scenario, r.router, r.policy) == (sc, router, policy)]
+        refs = [r for r in results if (r.scenario, r.router, r.policy) == (sc, reference, "round_robin")]
+        rps = [r.summary["request_throughput"] for r in mine]
+        cpu = [r.summary["cpu_us_per_req"]["router"] for r in mine]
+        pairs = list(zip(mine, refs))  # round i of each (runs are interleaved)
+        rr = [a.summary["request_throughput"] / b.summary["request_throughput"] for a, b in pairs]
+        cr = [a.summary["cpu_us_per_req"]["router"] / b.summary["cpu_us_per_req"]["router"] for a, b in pairs if b.summary["cpu_us_per_req"]["router"]]
+
+        def span(xs: list[float], fmt: str) -> str:
+            return "-" if not xs else f"{min(xs):{fmt}}–{max(xs):{fmt}}" if len(xs) > 1 else f"{xs[0]:{fmt}}"
+
+        lines.append(f"| {sc} | {router} | {policy if router != 'direct' else '-'} | {len(mine)} | {span(rps, ',.0f')} | "
+                     f"{span(cpu, '.0f') if router != 'direct' else '-'} | {span(rr, '.2f')} | {span(cr, '.2f') if router != 'direct' else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=["throughput", "latency", "cache"])
     ap.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     ap.add_argument("--num-requests", type=int, default=None, help="override each scenario's request count")
+    ap.add_argument("--policies", nargs="+", choices=sorted(PEER_POLICY), default=None, help="override each scenario's policies")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every (scenario, policy, router) run, interleaved")
     ap.add_argument("--output", default=None, help="JSON with every summary, commands and versions")
     ap.add_argument("--log-dir", default="/tmp/deepserve-peer-routers")
     args = ap.parse_args(argv)
@@ -198,16 +253,21 @@ def main(argv: list[str] | None = None) -> int:
         sc = SCENARIOS[name]
         if args.num_requests:
             sc = Scenario(**{**sc.__dict__, "num_requests": args.num_requests})
-            SCENARIOS[name] = sc
-        for policy in sc.policies:
-            for router in args.routers:
-                if router == "direct" and policy != sc.policies[0]:
-                    continue
-                try:
-                    results.append(run_one(sc, router, policy, log_dir, lambda m: print(m, file=sys.stderr)))
-                except Exception as exc:  # noqa: BLE001 (record and go on: one broken peer must not lose the run)
-                    print(f"  {name} {router} {policy}: FAILED: {exc!r}", file=sys.stderr)
+        if args.policies:
+            sc = Scenario(**{**sc.__dict__, "policies": tuple(args.policies)})
+        SCENARIOS[name] = sc
+        for _ in range(args.repeat):
+            for policy in sc.policies:
+                for router in args.routers:
+                    if router == "direct" and policy != sc.policies[0]:
+                        continue
+                    try:
+                        results.append(run_one(sc, router, policy, log_dir, lambda m: print(m, file=sys.stderr)))
+                    except Exception as exc:  # noqa: BLE001 (record and go on: one broken peer must not lose the run)
+                        print(f"  {name} {router} {policy}: FAILED: {exc!r}", file=sys.stderr)
     table = markdown(results)
+    if args.repeat > 1:
+        table += "\n" + ranges(results)
     print(table)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

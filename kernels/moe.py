@@ -8,7 +8,7 @@ Routing (``route``), one Triton program per ``BLOCK_N`` tokens, all ``E`` logits
 
 ``logits = x @ gate.weightᵀ`` stays a cuBLAS GEMM outside. Experts (``moe_experts``)::
 
-    sort the N·k (token, expert) pairs by expert       (argsort, bincount → int32 group offsets)
+    sort the N·k (token, expert) pairs by expert       (argsort, scatter-add counts → int32 offsets)
     h = x[token] @ gate_up[e]ᵀ                         torch._grouped_mm, bf16   (N·k, 2I)
     a = silu(min(h_gate, L)) · clamp(h_up, -L, L)      Triton                    (N·k, I)
     y = a @ down[e]ᵀ                                   torch._grouped_mm         (N·k, H)
@@ -151,12 +151,13 @@ def moe_experts(
     n_exp, two_i, _ = gate_up.shape
     inter = two_i // 2
     flat = indices.reshape(-1)  # (N*k,)
+    # bf16: no host sync anywhere (CUDA-graph capturable; the static decode step relies on it):
+    # CUDA bincount reads max() on the host, a scatter_add of ones does not
     order = torch.argsort(flat, stable=True)  # (N*k,) sorted slot -> flat (token, j) slot
-    counts = torch.bincount(flat, minlength=n_exp)  # (E,)
+    counts = torch.zeros(n_exp, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=x.device)  # flat slot -> sorted row
-    xs = x[order // k]  # (N*k, H) tokens grouped by expert
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))  # flat slot -> sorted row
+    xs = x.index_select(0, order // k)  # (N*k, H) tokens grouped by expert
     h = _grouped_linear(xs, gate_up, offs, counts)  # (N*k, 2I)
     act = torch.empty(h.shape[0], inter, dtype=x.dtype, device=x.device)
     if h.shape[0]:

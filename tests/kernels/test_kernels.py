@@ -180,3 +180,20 @@ def test_moe_experts(dtype) -> None:
     ref = moe_experts_reference(x, w, idx, gate_up, down, limit=3.0)
     poison(DEV)
     _check(moe_experts(x, w, idx, gate_up, down, limit=3.0), ref, dtype)
+
+
+# ---- mHC mixing weights ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 37, 300] if not SMALL else [1, 37])
+def test_hc_mix(n) -> None:
+    from kernels.mhc import hc_mix, hc_mix_reference
+
+    hc, iters, eps = 4, 20, 1e-6
+    g = torch.Generator().manual_seed(11)
+    mixes = (3 * torch.randn(n, (2 + hc) * hc, generator=g)).to(DEV)
+    scale = (1 + 0.2 * torch.randn(3, generator=g)).to(DEV)
+    base = (0.5 * torch.randn((2 + hc) * hc, generator=g)).to(DEV)
+    want = hc_mix_reference(mixes, scale, base, hc, iters, eps)
+    got = hc_mix(mixes, scale, base, hc, iters, eps)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() <= 1e-5

@@ -1,0 +1,129 @@
+"""The mixing weights of DeepSeek-V4's hyper-connections (mHC) in one kernel.
+
+``HyperConnection.forward`` (``engine.model.layers``) turns each token's ``mixes (N, (2+hc)·hc)``
+(fp32, ``F.linear`` of the normalised streams) into::
+
+    pre  = sigmoid(mixes[:hc] · scale[0] + base[:hc]) + eps                         (N, hc)
+    post = 2 · sigmoid(mixes[hc:2hc] · scale[1] + base[hc:2hc])                      (N, hc)
+    comb = sinkhorn(softmax_j(mixes[2hc:] · scale[2] + base[2hc:]) + eps, iters)     (N, hc, hc)
+
+with Sinkhorn = columns, then ``iters - 1`` rounds of rows and columns, each ``x / (sum + eps)``.
+In PyTorch that is ~``4·iters`` launches of tiny elementwise kernels per call (~80 at
+``iters=20``), twice per layer: at decode, under a CUDA graph, launch latency is most of their
+cost. Here one program holds ``BLOCK_N`` tokens' ``(hc, hc)`` matrices in registers for all
+iterations. fp32 throughout; the same operations in the same order (sums of ``hc`` terms), so
+the result equals the PyTorch one to rounding (Triton's fp32 division is not IEEE-rounded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+
+def hc_mix_reference(
+    mixes: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The math of ``HyperConnection.forward`` after its ``F.linear``. → pre, post, comb (fp32)."""
+    from engine.model.layers import sinkhorn
+
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = (
+        torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1)
+        + eps
+    )
+    return pre, post, sinkhorn(comb, iters, eps)
+
+
+def hc_mix(
+    mixes: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    *,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``hc_mix_reference``: ``mixes (N, (2+hc)·hc)`` fp32 → pre ``(N, hc)``, post
+    ``(N, hc)``, comb ``(N, hc, hc)``, all fp32 and contiguous."""
+    if not use_triton(mixes):
+        return hc_mix_reference(mixes, scale, base, hc, iters, eps)
+    n, m = mixes.shape
+    assert m == (2 + hc) * hc and mixes.stride(-1) == 1 and mixes.dtype == torch.float32
+    pre = torch.empty(n, hc, dtype=torch.float32, device=mixes.device)
+    post = torch.empty(n, hc, dtype=torch.float32, device=mixes.device)
+    comb = torch.empty(n, hc, hc, dtype=torch.float32, device=mixes.device)
+    if n:
+        _hc_mix_kernel[(triton.cdiv(n, block_n),)](
+            mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
+            n, mixes.stride(0), iters, eps, HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, num_warps=4,
+        )  # fmt: skip
+    return pre, post, comb
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _hc_mix_kernel(
+        mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+        N, stride_m, iters, eps,
+        HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+        r_ok = rows < N
+        c = tl.arange(0, HC_PAD)  # (HCP,)
+        c_ok = c < HC
+        rows64 = rows.to(tl.int64)
+        mask2 = r_ok[:, None] & c_ok[None, :]
+        s_pre = tl.load(scale_ptr)
+        s_post = tl.load(scale_ptr + 1)
+        s_comb = tl.load(scale_ptr + 2)
+        # pre / post: (BN, HCP)
+        x = tl.load(
+            mix_ptr + rows64[:, None] * stride_m + c[None, :], mask=mask2, other=0.0
+        )
+        b = tl.load(base_ptr + c, mask=c_ok, other=0.0)
+        pre = 1.0 / (1.0 + tl.exp(-(x * s_pre + b[None, :]))) + eps
+        tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=mask2)
+        x = tl.load(
+            mix_ptr + rows64[:, None] * stride_m + HC + c[None, :],
+            mask=mask2,
+            other=0.0,
+        )
+        b = tl.load(base_ptr + HC + c, mask=c_ok, other=0.0)
+        post = 2.0 / (1.0 + tl.exp(-(x * s_post + b[None, :])))
+        tl.store(post_ptr + rows64[:, None] * HC + c[None, :], post, mask=mask2)
+        # comb: (BN, HCP_i, HCP_j)
+        i3 = c[None, :, None]
+        j3 = c[None, None, :]
+        ok3 = r_ok[:, None, None] & (i3 < HC) & (j3 < HC)
+        off = 2 * HC + i3 * HC + j3
+        x = tl.load(
+            mix_ptr + rows64[:, None, None] * stride_m + off, mask=ok3, other=0.0
+        )
+        b = tl.load(base_ptr + off, mask=(i3 < HC) & (j3 < HC), other=0.0)
+        z = tl.where(ok3, x * s_comb + b, float("-inf"))
+        z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+        z = z / tl.sum(z, axis=2)[:, :, None] + eps  # softmax over j, + eps
+        z = tl.where(ok3, z, 0.0)
+        z = z / (tl.sum(z, axis=1)[:, None, :] + eps)  # columns: sum over i
+        for _ in range(iters - 1):
+            z = z / (tl.sum(z, axis=2)[:, :, None] + eps)  # rows: sum over j
+            z = z / (tl.sum(z, axis=1)[:, None, :] + eps)  # columns
+        tl.store(
+            comb_ptr + rows64[:, None, None] * (HC * HC) + i3 * HC + j3, z, mask=ok3
+        )
+
+
+__all__ = ["hc_mix", "hc_mix_reference"]

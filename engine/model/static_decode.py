@@ -1,0 +1,487 @@
+"""Static decode: fixed-shape, host-sync-free decode steps over a preallocated slot pool,
+captured as one CUDA graph per batch-size bucket and replayed.
+
+The general path (``model.py`` + ``decode.py``) keeps per-sequence state tensors that grow each
+step and walks Python lists, so a decode step is hundreds of host-side decisions and launches.
+Here every sequence lives in a *slot* of per-layer pools whose shapes never change:
+
+- window ring ``swa (S+1, W, D)``: token ``p`` at ``p % W``; the step attends the first
+  ``min(p+1, W)`` entries (its own key and the last ``W-1``, the general path's window);
+- per compressor (CSA/HCA main branch, CSA indexer), rate ``r``, width ``d``, projection ``P``:
+  ``buf_kv/buf_gate (S+1, r, P)`` the raw projections of the open window (token ``p`` at
+  ``p % r``); CSA: ``overlap_kv (S+1, r, d)`` and ``overlap_gate`` (fp32, position bias included)
+  — the previous closed window's Ca series; ``rows (S+1, Tc+1, d)`` the compressed rows,
+  ``Tc = max_tokens // r``, row ``Tc`` a scratch row.
+
+Slot ``S`` is scratch: padded batch rows of a bucket point there. The window closing at token
+``p`` (``p % r == r-1``) is pooled for every row of the batch with the ops of
+``Compressor.update``; ``index_copy_`` writes the row to ``rows[slot, p // r]`` for the closing
+rows and to the scratch row for the others, so no step depends on data on the host. Attention
+is ``kernels.decode_attention`` over (ring, row pool); CSA's rows come from
+``kernels.indexer.indexer_scores`` over the fixed ``Tc`` columns (``-inf`` past each sequence's
+complete rows) and ``torch.topk`` with a fixed ``k`` (``-1`` for missing rows). The MoE runs the
+Triton grouped kernel (``Experts`` on CUDA bf16), whose expert counts stay on the device.
+
+Prefill stays on the general path: ``load(slot, state)`` imports a ``SequenceState`` (normal
+mode, not a replay) into a slot, ``export(slot)`` gives it back. ``step(slots, token_ids)``
+runs one decode token for each listed slot and returns the float32 logits ``(n, V)``; with
+CUDA graphs the returned tensor is the graph's output buffer, valid until the next step.
+
+Same math as the general path (fp32: within 1e-4; bf16: within the kernels' tolerance — the
+attention kernel keeps logits in fp32 where the general path rounds them to bf16). One known
+difference: when exact indexer score ties straddle the top-k cut, ``torch.topk`` over ``Tc``
+columns may break them differently from the general path's ``topk`` over the row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.attention import Attention, Compressor
+from engine.model.layers import (
+    HyperConnection,
+    collapse,
+    hc_merge,
+    swiglu,
+    unweighted_rms_norm,
+)
+from engine.model.moe import MoE
+from engine.model.rope import Rotary, apply_rope
+from engine.model.state import CompressorState, LayerState, SequenceState
+from kernels.compressor import gated_pool
+from kernels.decode_attention import decode_attention
+from kernels.indexer import indexer_scores, mask_topk
+from kernels.mhc import hc_mix
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class CompPool:
+    """Fixed-capacity state of one compressor for all slots (see the module docstring)."""
+
+    rows: torch.Tensor  # (S+1, Tc+1, d)
+    buf_kv: torch.Tensor  # (S+1, r, P)
+    buf_gate: torch.Tensor  # (S+1, r, P)
+    overlap_kv: torch.Tensor | None  # (S+1, r, d) CSA
+    overlap_gate: (
+        torch.Tensor | None
+    )  # (S+1, r, d) CSA, fp32 (the position bias's dtype)
+
+
+@dataclass
+class LayerPool:
+    swa: torch.Tensor  # (S+1, W, D)
+    comp: CompPool | None
+    index: CompPool | None
+
+
+def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"batch {n} above the largest bucket {buckets[-1]}")
+
+
+class StaticDecoder:
+    """Slot pool + fixed-shape decode step of a ``DeepseekV4ForCausalLM`` (module docstring).
+
+    ``max_slots`` sequences of up to ``max_tokens`` tokens each (prompt and decoded tokens).
+    ``use_graphs`` (default: on CUDA) captures one CUDA graph per bucket on its first use.
+    """
+
+    def __init__(
+        self,
+        model,
+        max_slots: int,
+        max_tokens: int,
+        use_graphs: bool | None = None,
+        buckets: Sequence[int] = BUCKETS,
+    ) -> None:
+        self.model = model
+        self.cfg = model.config
+        self.device = model.device
+        self.dtype = model.dtype
+        self.max_slots, self.max_tokens = max_slots, max_tokens
+        self.scratch = max_slots
+        self.use_graphs = (
+            self.device.type == "cuda" if use_graphs is None else use_graphs
+        )
+        self.buckets = tuple(
+            sorted({b for b in buckets if b < max_slots} | {max_slots})
+        )
+        s1, dev, dt = max_slots + 1, self.device, self.dtype
+        self.pools: list[LayerPool] = []
+        with torch.inference_mode():
+            for layer in model.model.layers:
+                attn: Attention = layer.self_attn
+                swa = torch.zeros(s1, attn.window, attn.head_dim, dtype=dt, device=dev)
+                comp = index = None
+                if attn.compressor is not None:
+                    comp = self._comp_pool(attn.compressor, s1)
+                    if attn.indexer is not None:
+                        index = self._comp_pool(attn.indexer, s1)
+                self.pools.append(LayerPool(swa, comp, index))
+            bmax = self.buckets[-1]
+            self._inputs = torch.zeros(
+                3, bmax, dtype=torch.long, device=dev
+            )  # ids, positions, slots
+            # two pinned host copies of the inputs: a step writes one while the other's copy to the
+            # device may still be queued behind the previous step
+            pinned = dev.type == "cuda"
+            self._host = [
+                torch.zeros(3, bmax, dtype=torch.long, pin_memory=pinned)
+                for _ in range(2)
+            ]
+            self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+            self._turn = 0
+        self.num_tokens = [0] * max_slots
+        self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _comp_pool(self, comp: Compressor, s1: int) -> CompPool:
+        r, d, p = comp.rate, comp.width, comp.kv_proj.out_features
+        tc = self.max_tokens // r
+        dev, dt = self.device, self.dtype
+        ov_kv = torch.zeros(s1, r, d, dtype=dt, device=dev) if comp.overlap else None
+        gate_dtype = torch.promote_types(
+            dt, comp.position_bias.dtype
+        )  # gates + bias, as Compressor.update
+        ov_gate = (
+            torch.zeros(s1, r, d, dtype=gate_dtype, device=dev)
+            if comp.overlap
+            else None
+        )
+        return CompPool(
+            rows=torch.zeros(s1, tc + 1, d, dtype=dt, device=dev),
+            buf_kv=torch.zeros(s1, r, p, dtype=dt, device=dev),
+            buf_gate=torch.zeros(s1, r, p, dtype=dt, device=dev),
+            overlap_kv=ov_kv,
+            overlap_gate=ov_gate,
+        )
+
+    def nbytes(self) -> int:
+        total = 0
+        for lp in self.pools:
+            ts = [lp.swa]
+            for c in (lp.comp, lp.index):
+                if c is not None:
+                    ts += [
+                        t
+                        for t in (
+                            c.rows,
+                            c.buf_kv,
+                            c.buf_gate,
+                            c.overlap_kv,
+                            c.overlap_gate,
+                        )
+                        if t is not None
+                    ]
+            total += sum(t.numel() * t.element_size() for t in ts)
+        return total
+
+    # ---- state import / export -------------------------------------------------------------
+    @torch.inference_mode()
+    def load(self, slot: int, state: SequenceState) -> None:
+        """Copy a general-path state (after prefill) into ``slot``."""
+        n = state.num_tokens
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.max_slots})")
+        if n >= self.max_tokens:
+            raise ValueError(
+                f"state of {n} tokens leaves no room in a {self.max_tokens}-token slot"
+            )
+        for layer, ls, lp in zip(self.model.model.layers, state.layers, self.pools):
+            attn = layer.self_attn
+            w = attn.window
+            m = min(ls.swa.shape[0], w - 1, n)
+            if m:
+                at = torch.arange(n - m, n, device=self.device) % w
+                lp.swa[slot, at] = ls.swa[ls.swa.shape[0] - m :].to(self.dtype)
+            for comp, cs, cp in (
+                (attn.compressor, ls.comp, lp.comp),
+                (attn.indexer, ls.index, lp.index),
+            ):
+                if comp is None:
+                    continue
+                t = cs.rows.shape[0]
+                if cs.windows is not None or t * comp.rate + cs.buf_kv.shape[0] != n:
+                    raise ValueError(
+                        "only states in the normal (non-replay) compressor mode can be loaded"
+                    )
+                cp.rows[slot, :t] = cs.rows
+                nb = cs.buf_kv.shape[0]
+                cp.buf_kv[slot, :nb] = cs.buf_kv
+                cp.buf_gate[slot, :nb] = cs.buf_gate
+                if comp.overlap and cs.overlap_kv is not None:
+                    cp.overlap_kv[slot] = cs.overlap_kv
+                    cp.overlap_gate[slot] = cs.overlap_gate
+        self.num_tokens[slot] = n
+        self.token_ids[slot] = list(state.token_ids)
+
+    @torch.inference_mode()
+    def export(self, slot: int) -> SequenceState:
+        """``slot``'s state as a general-path ``SequenceState`` (copies)."""
+        n = self.num_tokens[slot]
+        layers = []
+        for layer, lp in zip(self.model.model.layers, self.pools):
+            attn = layer.self_attn
+            w = attn.window
+            m = min(n, w - 1)
+            ls = LayerState(
+                swa=lp.swa[slot, torch.arange(n - m, n, device=self.device) % w].clone()
+            )
+            for name, comp, cp in (
+                ("comp", attn.compressor, lp.comp),
+                ("index", attn.indexer, lp.index),
+            ):
+                if comp is None:
+                    continue
+                t = n // comp.rate
+                nb = n - t * comp.rate
+                cs = CompressorState(
+                    cp.rows[slot, :t].clone(),
+                    cp.buf_kv[slot, :nb].clone(),
+                    cp.buf_gate[slot, :nb].clone(),
+                )
+                if comp.overlap and t:
+                    cs.overlap_kv, cs.overlap_gate = (
+                        cp.overlap_kv[slot].clone(),
+                        cp.overlap_gate[slot].clone(),
+                    )
+                setattr(ls, name, cs)
+            layers.append(ls)
+        return SequenceState(layers, n, list(self.token_ids[slot]))
+
+    def free(self, slot: int) -> None:
+        self.num_tokens[slot] = 0
+        self.token_ids[slot] = []
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """One decode token per listed slot → float32 logits ``(n, V)`` (module docstring)."""
+        n = len(slots)
+        if n != len(token_ids) or n == 0:
+            raise ValueError("one token per slot, at least one slot")
+        b = bucket_for(n, self.buckets)
+        for s in slots:
+            if self.num_tokens[s] >= self.max_tokens:
+                raise ValueError(f"slot {s} is full ({self.max_tokens} tokens)")
+        if len(set(slots)) != n:
+            raise ValueError("a slot appears twice in one step")
+        if self.use_graphs and b not in self._graphs:
+            self._capture(b)
+        turn = self._turn = 1 - self._turn
+        host, copied = self._host[turn], self._copied[turn]
+        if copied is not None:
+            copied.synchronize()  # the copy two steps ago has left this buffer
+        host[0, :n] = torch.as_tensor(token_ids, dtype=torch.long)
+        host[1, :n] = torch.as_tensor(
+            [self.num_tokens[s] for s in slots], dtype=torch.long
+        )
+        host[2, :n] = torch.as_tensor(slots, dtype=torch.long)
+        host[0, n:b], host[1, n:b], host[2, n:b] = 0, 0, self.scratch
+        self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        if copied is not None:
+            copied.record()
+        if self.use_graphs:
+            graph, out = self._graphs[b]
+            graph.replay()
+        else:
+            out = self._forward(b)
+        for s, t in zip(slots, token_ids):
+            self.num_tokens[s] += 1
+            self.token_ids[s].append(int(t))
+        return out[:n]
+
+    def _capture(self, b: int) -> None:
+        """Warm up (Triton compiles, rope tables) and capture bucket ``b`` on scratch inputs."""
+        self._inputs[:, :b] = torch.tensor([0, 0, self.scratch], device=self.device)[
+            :, None
+        ]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._forward(b)
+        torch.cuda.synchronize(self.device)
+        self._graphs[b] = (graph, out)
+
+    @torch.inference_mode()
+    def _forward(self, b: int) -> torch.Tensor:
+        """The fixed-shape step body on ``self._inputs[:, :b]`` (no host reads). → ``(b, V)`` fp32."""
+        model, cfg = self.model, self.cfg
+        ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
+        embeds = model.model.embed_tokens(ids)  # (b, H)
+        streams = (
+            embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        )  # (b, hc, H)
+        ropes = {
+            kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()
+        }
+        for layer, lp in zip(model.model.layers, self.pools):
+            attn = layer.self_attn
+            post, comb, x = _hyper_connection(layer.attn_hc, streams)
+            out = self._attention(
+                attn,
+                lp,
+                layer.input_layernorm(x),
+                pos,
+                slots,
+                ropes[attn.rope_kind],
+                model.rotary["compress"],
+            )
+            streams = hc_merge(post, comb, out, streams)
+            post, comb, x = _hyper_connection(layer.ffn_hc, streams)
+            streams = hc_merge(
+                post,
+                comb,
+                self._moe(layer.mlp, layer.post_attention_layernorm(x), ids),
+                streams,
+            )
+        hidden = model.model.norm(model.model.hc_head(streams))  # (b, H)
+        return F.linear(hidden, model.lm_head.weight).float()
+
+    def _attention(
+        self,
+        attn: Attention,
+        lp: LayerPool,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        rope,
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        b = x.shape[0]
+        cos, sin = rope
+        p = attn._project(x, rope)
+        w = attn.window
+        lp.swa.index_put_((slots, pos % w), p.kv)
+        swa_len = torch.clamp(pos + 1, max=w)
+        if attn.compressor is None:
+            out = decode_attention(
+                p.q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling
+            )
+        else:
+            comp = attn.compressor
+            self._compress(comp, lp.comp, p.comp_kv, p.comp_gate, pos, slots, rotary)
+            tc = lp.comp.rows.shape[1] - 1
+            row_len = torch.div(pos + 1, comp.rate, rounding_mode="floor")
+            row_start = slots * (tc + 1)
+            row_idx = None
+            idx = attn.indexer
+            if idx is not None:
+                self._compress(idx, lp.index, p.idx_kv, p.idx_gate, pos, slots, rotary)
+                scores = indexer_scores(
+                    p.idx_q,
+                    p.idx_w,
+                    lp.index.rows.view(-1, idx.width),
+                    row_start,
+                    row_len,
+                    idx.softmax_scale * idx.weights_scaling,
+                    t_max=tc,
+                )
+                row_idx = mask_topk(scores, idx.topk)  # (b, k) local rows, -1 = none
+            out = decode_attention(
+                p.q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
+                swa_slot=slots, scale=attn.scaling, max_rows=tc,
+            )  # fmt: skip
+        out = apply_rope(out, cos, -sin)  # undo the rotation values picked up as keys
+        grouped = attn.o_a_proj(out.reshape(b, attn.o_groups, -1)).flatten(1)
+        return attn.o_b_proj(grouped)
+
+    def _compress(
+        self,
+        comp: Compressor,
+        cp: CompPool,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        rotary: Rotary,
+    ) -> None:
+        """Buffer this token's projections; pool the window it closes (masked by ``close``)."""
+        r, d = comp.rate, comp.width
+        j = pos % r
+        cp.buf_kv.index_put_((slots, j), kv)
+        cp.buf_gate.index_put_((slots, j), gate)
+        close = j == r - 1  # (b,)
+        window = torch.div(pos, r, rounding_mode="floor")  # (b,) this token's window
+        ckv = cp.buf_kv.index_select(0, slots)  # (b, r, P)
+        cgate = (
+            cp.buf_gate.index_select(0, slots) + comp.position_bias
+        )  # (b, r, P) fp32
+        scratch = torch.full_like(slots, self.scratch)
+        if comp.overlap:
+            has_prev = (window >= 1)[:, None, None]
+            prev_kv = torch.where(has_prev, cp.overlap_kv.index_select(0, slots), 0).to(
+                ckv.dtype
+            )
+            prev_gate = torch.where(
+                has_prev, cp.overlap_gate.index_select(0, slots), float("-inf")
+            )
+            pool_kv = torch.cat([prev_kv, ckv[..., d:]], dim=1)  # (b, 2r, d)
+            pool_gate = torch.cat([prev_gate, cgate[..., d:]], dim=1).float()
+            dst = torch.where(close, slots, scratch)
+            cp.overlap_kv.index_copy_(0, dst, ckv[..., :d].contiguous())
+            cp.overlap_gate.index_copy_(0, dst, cgate[..., :d].contiguous())
+        else:
+            pool_kv, pool_gate = ckv, cgate.float()
+        # softmax over the slots and weighted sum in one kernel (the slots are consecutive rows of
+        # the flattened pool; bias already added, so a zero bias; -inf slots drop out)
+        n_slots = pool_kv.shape[1]
+        zero_bias = torch.zeros(n_slots, d, dtype=torch.float32, device=kv.device)
+        starts = torch.arange(0, pool_kv.shape[0] * n_slots, n_slots, device=kv.device)
+        pooled = gated_pool(
+            pool_kv.reshape(-1, d), pool_gate.reshape(-1, d), zero_bias, starts
+        )  # (b, d)
+        rows = comp.kv_norm(pooled)
+        cos, sin = rotary.cos_sin(window * r, rows.dtype)
+        rows = apply_rope(rows, cos, sin)
+        tc = cp.rows.shape[1] - 1
+        dst = torch.where(close, slots * (tc + 1) + window, scratch * (tc + 1) + tc)
+        cp.rows.view(-1, d).index_copy_(0, dst, rows)
+
+    def _moe(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not (x.is_cuda and x.dtype == torch.float32):
+            return moe(
+                x, ids
+            )  # CPU: the general path; CUDA bf16/fp16: the Triton grouped kernel
+        # CUDA fp32 (tests): the per-expert loop reads counts on the host; gather each slot's
+        # expert weights instead (fixed shapes, fine at test sizes)
+        weights, indices = moe.gate(x, ids)
+        ex = moe.experts
+        k = indices.shape[1]
+        flat = indices.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)  # (N*k, H)
+        gate, up = (
+            torch.bmm(ex.gate_up_proj.index_select(0, flat), xs.unsqueeze(-1))
+            .squeeze(-1)
+            .chunk(2, dim=-1)
+        )
+        ys = torch.bmm(
+            ex.down_proj.index_select(0, flat), swiglu(gate, up, ex.limit).unsqueeze(-1)
+        ).squeeze(-1)
+        routed = (
+            (ys * weights.reshape(-1, 1)).to(x.dtype).view(x.shape[0], k, -1).sum(dim=1)
+        )
+        return routed + moe.shared_experts(x)
+
+
+def _hyper_connection(
+    hc: HyperConnection, streams: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``HyperConnection.forward`` with its Sinkhorn and gates in one kernel (``kernels.mhc``)."""
+    flat = unweighted_rms_norm(streams.flatten(1).float(), hc.norm_eps)  # (N, hc*H)
+    mixes = F.linear(flat, hc.fn.float())  # (N, (2+hc)*hc)
+    pre, post, comb = hc_mix(mixes, hc.scale, hc.base, hc.hc, hc.iters, hc.hc_eps)
+    return post, comb, collapse(pre, streams)

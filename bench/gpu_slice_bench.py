@@ -1,10 +1,20 @@
-"""Decode step and prefill time of a 4-layer DeepSeek-V4-Flash-width slice on one GPU, ours vs
-transformers' eager model, same random bf16 weights (shared tensors), one run.
+"""Decode step and prefill time of a 4-layer DeepSeek-V4-Flash-width slice on one GPU: our general
+path, our static CUDA-graph decode (``engine.model.static_decode``) and transformers' eager model,
+same random bf16 weights (shared tensors), one run.
 
-    python -m bench.gpu_slice_bench --output FILE.json [--batches 1,64] [--context 1024]
+    python -m bench.gpu_slice_bench --output FILE.json [--batches 1,16,64] [--contexts 1024,32768]
 
-Prints a table with the memory-bandwidth floor (bytes of weights and state a step must read at
-the measured copy bandwidth) next to each time.
+Per context one sequence is prefilled by the general path (in 8K chunks) and its state cloned
+into every batch row (the next tokens differ per row, so routing does too; attention reads the
+same amount per row as distinct prompts would). The hash-routing tables (zeros in transformers' random init)
+get k distinct random experts per token. Rows: ``ours`` = the general path's step
+(``model(chunks)``), ``graph`` = ``StaticDecoder.step`` (inputs copied, graph replayed, synced;
+``replay`` = back-to-back replays timed with CUDA events), ``transformers`` = its eager model with
+a ``DynamicCache`` (1K context only). The floor is the bytes a step must read (weights, touched
+experts, lm_head, the attended state) at the copy bandwidth measured in the run; prefill is shown
+against the bf16 matmul rate measured in the run. Each decode row also checks the static step's
+logits against the general path's on the same state and tokens (max error / max |logit|, and the
+share of equal argmax tokens).
 """
 
 from __future__ import annotations
@@ -12,121 +22,371 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
 
 import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _sync_time(fn, warmup: int = 2, iters: int = 5) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / iters
 
 
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted), 4 GiB buffers."""
-    a = torch.empty(1 << 31, dtype=torch.int16, device="cuda")
+    a = torch.empty(1 << 31, dtype=torch.int16, device="cuda").random_()
     b = torch.empty_like(a)
     s = _sync_time(lambda: b.copy_(a), 1, 5)
-    del a, b
-    return 2 * (1 << 32) / s
+    return 2 * (1 << 32) / s  # the buffers are freed on return
 
 
-def decode_floor_bytes(cfg, batch: int) -> float:
-    """Weights a decode step must read: attention + shared expert + touched routed experts + lm_head."""
+def matmul_rate() -> float:
+    """bf16 8192³ matmul rate in FLOP/s on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    s = _sync_time(lambda: a @ b, 3, 10)
+    return 2 * 8192**3 / s
+
+
+def layer_weight_params(cfg) -> tuple[float, float]:
+    """(dense params per layer: attention + compressors + indexer + shared expert + gate, params of one routed expert)."""
     h, hd, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
-    attn = h * cfg.q_lora_rank + cfg.q_lora_rank * nh * hd + h * hd + nh * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * h
+    attn = (
+        h * cfg.q_lora_rank
+        + cfg.q_lora_rank * nh * hd
+        + h * hd
+        + nh * hd * cfg.o_lora_rank
+        + cfg.o_groups * cfg.o_lora_rank * h
+    )
+    comp = (
+        2 * h * 2 * hd
+    )  # CSA/HCA kv + gate projections (CSA width 2·hd; HCA hd: upper bound)
+    index = (
+        2 * h * 2 * cfg.index_head_dim
+        + cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim
+        + h * cfg.index_n_heads
+    )
     expert = 3 * h * cfg.moe_intermediate_size
+    return attn + comp + index + expert + cfg.n_routed_experts * h, expert
+
+
+def decode_floor_bytes(cfg, batch: int, context: int) -> float:
+    """Bytes a decode step must read: each layer's weights, the routed experts the batch touches
+    (expected distinct count), lm_head, and each sequence's attended state (window + compressed
+    rows: CSA top-k rows + indexer rows, HCA all rows)."""
+    dense, expert = layer_weight_params(cfg)
     e = cfg.n_routed_experts
-    touched = e * (1 - (1 - cfg.num_experts_per_tok / e) ** batch)  # expected distinct experts
-    per_layer = attn + expert * (1 + touched) + 2 * h * hd  # + compressor projections
-    return 2 * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h)
+    touched = e * (1 - (1 - cfg.num_experts_per_tok / e) ** batch)
+    weights = (
+        cfg.num_hidden_layers * (dense + expert * touched)
+        + cfg.vocab_size * cfg.hidden_size
+    )
+    state = 0.0
+    for lt in cfg.layer_types:
+        r = cfg.compress_rate(lt)
+        rows = 0 if r == 0 else context // r
+        state += cfg.sliding_window * cfg.head_dim
+        if lt.startswith("compressed_sparse"):
+            state += (
+                min(rows, cfg.index_topk) * cfg.head_dim + rows * cfg.index_head_dim
+            )
+        elif r:
+            state += rows * cfg.head_dim
+    return 2 * (weights + batch * state)
+
+
+def prefill_flops(cfg, n: int) -> float:
+    """Matmul FLOPs of an ``n``-token prefill: active weights per token (k of E experts) plus
+    attention (window + compressed rows / top-k rows per query; indexer scores)."""
+    dense, expert = layer_weight_params(cfg)
+    per_token = (
+        cfg.num_hidden_layers * (dense + cfg.num_experts_per_tok * expert)
+        + cfg.vocab_size * cfg.hidden_size / n
+    )
+    attn = 0.0
+    for lt in cfg.layer_types:
+        r = cfg.compress_rate(lt)
+        keys = cfg.sliding_window
+        if lt.startswith("compressed_sparse"):
+            keys += min(n // (2 * r), cfg.index_topk)
+            attn += (
+                2 * cfg.index_n_heads * cfg.index_head_dim * n / (2 * r)
+            )  # indexer scores
+        elif r:
+            keys += n // (2 * r)
+        attn += 4 * cfg.num_attention_heads * cfg.head_dim * keys
+    return n * (2 * per_token + attn)
+
+
+def profile_step(dec, batch: int, out_prefix: str) -> None:
+    """Kernels of one eager static step (what the graph replays): count and top CUDA times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.model.static_decode import bucket_for
+
+    b = bucket_for(batch, dec.buckets)
+    dec._forward(b)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec._forward(b)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time for e in events)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+    )
+    head = f"static step b={batch}: {len(events)} kernels, {total / 1e3:.3f} ms of kernel time"
+    print(head)
+    print(table)
+    with open(f"{out_prefix}_b{batch}.txt", "w") as f:
+        f.write(head + "\n" + table)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="gpu_slice.json")
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--contexts", default="1024,32768")
+    ap.add_argument("--hf-contexts", default="1024")
     ap.add_argument("--prefill", default="2048,8192")
+    ap.add_argument("--graph-iters", type=int, default=20)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="prefix of kernel-profile files of the static step (first context)",
+    )
+    ap.add_argument(
+        "--small",
+        action="store_true",
+        help="a narrow config (a smoke test of this script, CPU too)",
+    )
     args = ap.parse_args()
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM as HF, DynamicCache
+    from transformers import DeepseekV4Config, DynamicCache
+    from transformers import DeepseekV4ForCausalLM as HF
 
     from engine.model.config import ModelConfig
     from engine.model.model import DeepseekV4ForCausalLM as Ours
+    from engine.model.static_decode import StaticDecoder, bucket_for
 
     torch.manual_seed(0)
-    bw = copy_bandwidth()
-    hf_cfg = DeepseekV4Config(num_hidden_layers=4)
-    with torch.device("cuda"):
-        hf = HF._from_config(hf_cfg, dtype=torch.bfloat16).eval()
-    cfg = ModelConfig.from_dict(hf_cfg.to_dict())
-    with torch.device("meta"):
-        ours = Ours(cfg, torch.bfloat16)
-    ours.load_state_dict(hf.state_dict(), strict=True, assign=True)  # same tensors, no copy
-    ours.eval()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    bw = copy_bandwidth() if cuda else 1e10
+    mm = matmul_rate() if cuda else 1e11
+    print(f"copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    small = {
+        "hidden_size": 128,
+        "head_dim": 64,
+        "num_attention_heads": 4,
+        "q_lora_rank": 64,
+        "o_lora_rank": 32,
+        "o_groups": 2,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 16,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 16,
+        "vocab_size": 1000,
+    }
+    hf_cfg = DeepseekV4Config(num_hidden_layers=4, **(small if args.small else {}))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with torch.inference_mode(
+        False
+    ):  # parameters as normal tensors (CPU lm_head packs by version)
+        with torch.device(device):
+            hf = HF._from_config(hf_cfg, dtype=dtype).eval()
+        cfg = ModelConfig.from_dict(hf_cfg.to_dict())
+        with torch.device("meta"):
+            ours = Ours(cfg, dtype)
+        # transformers initialises the hash-routing tables to zeros (every token → expert 0, six
+        # times): give each token k distinct random experts, as a trained table does
+        g = torch.Generator(device=device).manual_seed(2)
+        for layer in hf.model.layers:
+            table = getattr(layer.mlp.gate, "tid2eid", None)
+            if table is not None:
+                for a in range(0, table.shape[0], 16384):
+                    rand = torch.rand(
+                        min(16384, table.shape[0] - a),
+                        cfg.n_routed_experts,
+                        generator=g,
+                        device=device,
+                    )
+                    table[a : a + rand.shape[0]] = rand.argsort(dim=-1)[
+                        :, : table.shape[1]
+                    ]
+        ours.load_state_dict(
+            hf.state_dict(), strict=True, assign=True
+        )  # same tensors, no copy
+        ours.eval()
     n_params = sum(p.numel() for p in hf.parameters())
-    rows = []
+    batches = [int(b) for b in args.batches.split(",")]
     vocab = cfg.vocab_size
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = torch.randint(2, vocab, (batch, args.context), device="cuda")
-        floor = decode_floor_bytes(cfg, batch) / bw
-        # ours
-        states = [ours.new_state() for _ in range(batch)]
-        for i in range(batch):  # prefill one by one keeps activation memory small
-            ours([(states[i], prompts[i].tolist())])
-        nxt = [[int(t)] for t in torch.randint(2, vocab, (batch,))]
-        snapshot = [s.clone() for s in states]
-
-        def ours_step():
-            ours(list(zip(states, nxt)))
-
-        t_ours = _sync_time(ours_step)
-        states = snapshot
-        t_hf = None
-        if not args.skip_hf:
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for context in [int(c) for c in args.contexts.split(",") if c]:
+        prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
+        base = ours.new_state()
+        t0 = time.perf_counter()
+        for a in range(0, context, 8192):
+            ours([(base, prompt[a : a + 8192])])
+        _sync()
+        print(
+            f"prefill {context} (general path, 8K chunks): {time.perf_counter() - t0:.2f} s",
+            flush=True,
+        )
+        extra = (
+            2 + 5 + 2 + args.graph_iters + 8
+        )  # decode tokens a slot takes in this benchmark
+        dec = StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra)
+        print(
+            f"static pool {dec.nbytes() / 2**30:.2f} GiB for {max(batches)} slots × {context + extra} tokens",
+            flush=True,
+        )
+        for batch in batches:
+            floor = decode_floor_bytes(cfg, batch, context) / bw
+            nxt = torch.randint(2, vocab, (batch,), generator=gen).tolist()
+            # general path: the same first step for both paths, then its timing
+            states = [base.clone() for _ in range(batch)]
+            for i in range(batch):
+                dec.load(i, base)
+            want = ours([(st, [t]) for st, t in zip(states, nxt)])
             try:
-                cache = DynamicCache(config=hf.config)
-                with torch.no_grad():
-                    hf(prompts, past_key_values=cache, use_cache=True)
-                tok = torch.randint(2, vocab, (batch, 1), device="cuda")
-
-                def hf_step():
+                got = dec.step(list(range(batch)), nxt).float()
+            except Exception:  # noqa: BLE001 - report the capture failure, time the eager static step
+                traceback.print_exc()
+                dec.use_graphs = False
+                for i in range(batch):
+                    dec.load(i, base)
+                got = dec.step(list(range(batch)), nxt).float()
+            if args.profile and context == int(args.contexts.split(",")[0]):
+                profile_step(dec, batch, args.profile)
+            rel_err = ((got - want).abs().max() / want.abs().max()).item()
+            argmax_agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+            t_ours = _sync_time(
+                lambda states=states, nxt=nxt: ours(
+                    [(st, [t]) for st, t in zip(states, nxt)]
+                )
+            )
+            del states
+            # static graph path: the host-inclusive step, then bare replays
+            slots = list(range(batch))
+            t_graph = _sync_time(
+                lambda dec=dec, slots=slots, nxt=nxt: dec.step(slots, nxt),
+                2,
+                args.graph_iters,
+            )
+            t_replay = float("nan")
+            if dec.use_graphs:
+                graph, _ = dec._graphs[bucket_for(batch, dec.buckets)]
+                for i in range(batch):
+                    dec.load(i, base)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                graph.replay()
+                start.record()
+                for _ in range(args.graph_iters):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                t_replay = start.elapsed_time(end) / args.graph_iters / 1e3
+            t_hf = None
+            if not args.skip_hf and str(context) in args.hf_contexts.split(","):
+                try:
+                    cache = DynamicCache(config=hf.config)
                     with torch.no_grad():
-                        hf(tok, past_key_values=cache, use_cache=True)
+                        hf(
+                            torch.tensor([prompt] * batch, device=device),
+                            past_key_values=cache,
+                            use_cache=True,
+                        )
+                    tok = torch.tensor(nxt, device=device)[:, None]
 
-                t_hf = _sync_time(hf_step)
-                del cache
-            except torch.OutOfMemoryError as exc:
-                t_hf = None
-                print(f"transformers OOM at batch {batch}: {exc}".splitlines()[0])
+                    def hf_step(tok=tok, cache=cache):
+                        with torch.no_grad():
+                            hf(tok, past_key_values=cache, use_cache=True)
+
+                    t_hf = _sync_time(hf_step)
+                    del cache
+                except torch.OutOfMemoryError as exc:
+                    print(f"transformers OOM at batch {batch}: {exc}".splitlines()[0])
+                if cuda:
+                    torch.cuda.empty_cache()
+            row = {
+                "what": f"decode b={batch} ctx={context}", "ours_ms": t_ours * 1e3, "graph_ms": t_graph * 1e3,
+                "replay_ms": t_replay * 1e3, "transformers_ms": None if t_hf is None else t_hf * 1e3,
+                "floor_ms": floor * 1e3, "graph_rel_err": rel_err, "graph_argmax_agree": argmax_agree,
+            }  # fmt: skip
+            print(row, flush=True)
+            rows.append(row)
+        del dec
+        if cuda:
             torch.cuda.empty_cache()
-        rows.append({"what": f"decode b={batch} ctx={args.context}", "ours_ms": t_ours * 1e3, "transformers_ms": None if t_hf is None else t_hf * 1e3, "floor_ms": floor * 1e3})
     for n in [int(x) for x in args.prefill.split(",") if x]:
-        ids = torch.randint(2, vocab, (1, n), device="cuda")
-        flops = 2 * n * (n_params - cfg.vocab_size * cfg.hidden_size * 2) * (cfg.num_experts_per_tok + 2) / (cfg.n_routed_experts + 2)
-        t_ours = _sync_time(lambda: ours([(ours.new_state(), ids[0].tolist())]), 1, 2)
+        ids = torch.randint(2, vocab, (1, n), device=device)
+        flops = prefill_flops(cfg, n)
+        t_ours = _sync_time(
+            lambda ids=ids: ours([(ours.new_state(), ids[0].tolist())]), 1, 2
+        )
         t_hf = None
         if not args.skip_hf:
             try:
-                t_hf = _sync_time(lambda: hf(ids, use_cache=True), 1, 2)
+                t_hf = _sync_time(lambda ids=ids: hf(ids, use_cache=True), 1, 2)
             except torch.OutOfMemoryError:
                 t_hf = None
-            torch.cuda.empty_cache()
-        rows.append({"what": f"prefill {n}", "ours_ms": t_ours * 1e3, "transformers_ms": None if t_hf is None else t_hf * 1e3, "floor_ms": flops / 787e12 * 1e3})
-    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  params {n_params / 1e9:.1f}B")
-    print(f"{'case':28s} {'ours ms':>10s} {'transformers ms':>16s} {'ratio':>7s} {'floor ms':>9s}")
+            if cuda:
+                torch.cuda.empty_cache()
+        rows.append(
+            {
+                "what": f"prefill {n}",
+                "ours_ms": t_ours * 1e3,
+                "transformers_ms": None if t_hf is None else t_hf * 1e3,
+                "floor_ms": flops / mm * 1e3,
+                "flops": flops,
+                "pct_of_matmul": flops / t_ours / mm * 100,
+            }
+        )
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(
+        f"{name}  copy bandwidth {bw / 1e12:.2f} TB/s  bf16 matmul {mm / 1e12:.0f} TFLOP/s  params {n_params / 1e9:.1f}B"
+    )
+    print(
+        f"{'case':24s} {'ours ms':>9s} {'graph ms':>9s} {'replay ms':>9s} {'hf ms':>8s} {'floor ms':>9s} {'graph/floor':>11s} {'hf/graph':>8s} {'rel err':>8s} {'argmax':>6s}"
+    )
     for r in rows:
-        ratio = "" if r["transformers_ms"] is None else f"{r['transformers_ms'] / r['ours_ms']:.2f}x"
-        hf_ms = "OOM/skip" if r["transformers_ms"] is None else f"{r['transformers_ms']:.1f}"
-        print(f"{r['what']:28s} {r['ours_ms']:10.1f} {hf_ms:>16s} {ratio:>7s} {r['floor_ms']:9.2f}")
+        hf_ms = "-" if r["transformers_ms"] is None else f"{r['transformers_ms']:.2f}"
+        if "graph_ms" in r:
+            vs = (
+                "-"
+                if r["transformers_ms"] is None
+                else f"{r['transformers_ms'] / r['graph_ms']:.1f}x"
+            )
+            print(
+                f"{r['what']:24s} {r['ours_ms']:9.2f} {r['graph_ms']:9.3f} {r['replay_ms']:9.3f} {hf_ms:>8s} {r['floor_ms']:9.3f} {r['graph_ms'] / r['floor_ms']:10.2f}x {vs:>8s} {r['graph_rel_err']:8.1e} {r['graph_argmax_agree']:6.2f}"
+            )
+        else:
+            print(
+                f"{r['what']:24s} {r['ours_ms']:9.2f} {'':>9s} {'':>9s} {hf_ms:>8s} {r['floor_ms']:9.3f}   ({r['pct_of_matmul']:.0f}% of the matmul rate)"
+            )
     with open(args.output, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows}, f, indent=2)
+        json.dump(
+            {"device": name, "copy_bw": bw, "matmul_flops": mm, "rows": rows},
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

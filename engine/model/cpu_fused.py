@@ -3,7 +3,8 @@ hundreds of tiny ops.
 
 At decode on CPU a batch holds a few to a few dozen tokens, and the mHC mixing of one layer
 (sigmoids, a 4×4 softmax, 20 Sinkhorn rounds) is ~120 PyTorch calls on ``(N, 4, 4)`` tensors:
-the dispatch costs, not the arithmetic. ``hc_mix`` does the same arithmetic in one compiled
+the dispatch costs, not the arithmetic (likewise the ~12 ops of a partial RoPE, ``rope``).
+``hc_mix`` does the same arithmetic in one compiled
 loop per token, in fp32, in transformers' order (row-wise softmax, then columns, then ``iters-1``
 rounds of rows and columns, each ``x / (sum + eps)``); only the rounding of ``exp`` may differ
 from PyTorch's vectorised one by an ulp. Every token is computed alone, so results do not depend
@@ -71,9 +72,26 @@ def _normalise_columns(c: np.ndarray, hc: int, eps: np.float32) -> None:
             c[i, j] = c[i, j] / total
 
 
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    n, m, d = x.shape
+    half = cos.shape[1]
+    start = d - 2 * half
+    out = x.copy()
+    for t in range(n):
+        for h in range(m):
+            for i in range(half):
+                even = x[t, h, start + 2 * i]
+                odd = x[t, h, start + 2 * i + 1]
+                c, s = cos[t, i], sin[t, i]
+                out[t, h, start + 2 * i] = even * c - odd * s
+                out[t, h, start + 2 * i + 1] = odd * c + even * s
+    return out
+
+
 if numba is not None:
     _normalise_columns = numba.njit(cache=True, nogil=True)(_normalise_columns)
     _hc_mix = numba.njit(cache=True, nogil=True)(_hc_mix)
+    _rope = numba.njit(cache=True, nogil=True)(_rope)
 
 _state = {"ok": None}
 
@@ -85,6 +103,7 @@ def available() -> bool:
         if ok:
             try:
                 _hc_mix(np.zeros((1, 24), np.float32), np.zeros(24, np.float32), np.ones(3, np.float32), 4, 2, 1e-6)
+                _rope(np.zeros((1, 1, 4), np.float32), np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32))
             except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
                 ok = False
         _state["ok"] = ok
@@ -100,3 +119,11 @@ def hc_mix(
         mixes.detach().contiguous().numpy(), base.detach().numpy(), scale.detach().numpy(), hc, iters, hc_eps
     )
     return torch.from_numpy(pre), torch.from_numpy(post), torch.from_numpy(comb)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` for fp32 CPU ``x (N, ..., D)`` and ``cos/sin (N, R/2)`` in one loop: the
+    same products and sums per channel pair (no fused multiply-add), so the same values."""
+    n, d = x.shape[0], x.shape[-1]
+    out = _rope(x.detach().reshape(n, -1, d).numpy(), cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy())
+    return torch.from_numpy(out).view(x.shape)

@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.model.layers import PackedLinear
 
-BLOCK = 32  # columns per candidate block
+BLOCK = 128  # columns per candidate block (amax over 128 contiguous floats is ~3x faster than over 32)
 MAX_BLOCKS_PER_ROW = 64  # more candidates than this (on average) → the exact projection instead
 
 
@@ -42,6 +42,8 @@ class Int8Screen:
         self.step = float(w.abs().max()) / 127.0 or 1.0  # weight quantisation step
         q = torch.round(w / self.step).clamp_(-127, 127)
         self.qt = q.to(torch.int8).contiguous().t()  # (H, V) view of (V, H): int_mm's fast layout
+        self.packed = _onednn_prepack(q.to(torch.int8))  # oneDNN's blocked layout, for 2+ rows
+        self.ones, self.zeros = torch.ones(w.shape[0]), torch.zeros(w.shape[0], dtype=torch.long)
         self.err_norm = float((w - q * self.step).norm(dim=1).max())  # max_v ‖w_v − ŵ_v‖₂
         self.w_norm = float(w.norm(dim=1).max())  # max_v ‖w_v‖₂
 
@@ -51,16 +53,34 @@ class Int8Screen:
         return hasattr(torch, "_int_mm")
 
     def screen(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Screened logits in integer units ``(B, V)`` int32 and each row's error bound in the
-        same units ``(B,)`` float64: ``|x·w_v − sₓ·s_w·screen_v| ≤ bound·sₓ·s_w``."""
+        """Screened logits in integer units ``(B, V)`` (int32, or float32 holding exact integers:
+        ``|screen| < 2²⁴`` for ``H ≤ 1040``) and each row's error bound in the same units ``(B,)``
+        float64: ``|x·w_v − sₓ·s_w·screen_v| ≤ bound·sₓ·s_w``."""
         xd = x.double()
         sx = xd.abs().amax(dim=1, keepdim=True) / 127.0  # (B, 1) per-row activation step
         sx = torch.where(sx > 0, sx, torch.ones_like(sx))
         qx = torch.round(xd / sx).clamp_(-127, 127)  # (B, H)
         x_hat = qx * sx
         bound = x_hat.norm(dim=1) * self.err_norm + (xd - x_hat).norm(dim=1) * self.w_norm  # (B,)
-        acc = torch._int_mm(qx.to(torch.int8), self.qt)  # (B, V) int32, exact
+        if self.packed is not None and x.shape[0] > 1:  # activations as uint8 around zero point 128
+            acc = torch.ops.onednn.qlinear_pointwise(
+                (qx + 128).to(torch.uint8), 1.0, 128, self.packed, self.ones, self.zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            )  # fmt: skip
+        else:
+            acc = torch._int_mm(qx.to(torch.int8), self.qt)  # (B, V) int32, exact
         return acc, bound * (1.0 + 1e-6) / (sx.squeeze(1) * self.step)
+
+
+def _onednn_prepack(q: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's pre-packed int8 weight (measured 2x faster than ``_int_mm`` at 8 rows), or None
+    where this torch build lacks the op or the products could leave fp32's exact integers."""
+    ops = getattr(torch.ops, "onednn", None)
+    if ops is None or not hasattr(ops, "qlinear_prepack") or q.shape[1] * 127 * 127 >= 1 << 24:
+        return None
+    try:
+        return ops.qlinear_prepack(q, [8, q.shape[1]])
+    except RuntimeError:
+        return None
 
 
 class LMHead:
@@ -90,7 +110,7 @@ class LMHead:
         if full < V:
             block_max = torch.cat([block_max, y[:, full:].amax(-1, keepdim=True)], dim=1)
         thr = block_max.amax(-1).double() - 2 * bound  # (B,)
-        rows, blocks = (block_max >= thr.unsqueeze(1).float()).nonzero(as_tuple=True)  # candidate blocks
+        rows, blocks = (block_max.double() >= thr.unsqueeze(1)).nonzero(as_tuple=True)  # candidate blocks
         if rows.numel() > MAX_BLOCKS_PER_ROW * B:
             self.fallback_rows += B
             return self.logits(hidden).argmax(-1)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from engine.model import cpu_fused
 from engine.model.config import RopeParams
 
 
@@ -75,6 +76,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     ``cos/sin`` broadcast over every middle axis of ``x`` (heads). Math in fp32, result in x.dtype.
     """
+    if x.dtype == cos.dtype == sin.dtype == torch.float32 and x.device.type == "cpu" and cpu_fused.available():
+        return cpu_fused.rope(x, cos, sin)  # one compiled loop, the same values
+    return apply_rope_eager(x, cos, sin)
+
+
+def apply_rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in PyTorch ops (any device and dtype)."""
     rope_dim = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c = cos.float().reshape(shape)

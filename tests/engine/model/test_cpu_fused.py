@@ -41,3 +41,17 @@ def test_hc_mix_is_per_token() -> None:
     alone = cpu_fused.hc_mix(mixes[4:5], base, scale, 4, 20, 1e-6)
     for a, b in zip(whole, alone):
         assert torch.equal(a[4:5], b)
+
+
+@pytest.mark.parametrize("shape", [(5, 32), (3, 4, 32), (2, 3, 4, 16)])
+def test_rope_matches_eager_bitwise(shape: tuple[int, ...]) -> None:
+    from engine.model.rope import apply_rope_eager
+
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=g)
+    angles = torch.rand(shape[0], 4, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    assert torch.equal(cpu_fused.rope(x, cos, sin), apply_rope_eager(x, cos, sin))
+    view = x.transpose(0, 1) if len(shape) > 2 else x  # a non-contiguous input
+    a = torch.rand(view.shape[0], 4, generator=g) * 6
+    assert torch.equal(cpu_fused.rope(view, a.cos(), a.sin()), apply_rope_eager(view, a.cos(), a.sin()))

@@ -40,11 +40,11 @@ class Int8Screen:
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().double()  # (V, H)
         self.step = float(w.abs().max()) / 127.0 or 1.0  # weight quantisation step
-        q = torch.round(w / self.step).clamp_(-127, 127)
-        self.qt = q.to(torch.int8).contiguous().t()  # (H, V) view of (V, H): int_mm's fast layout
-        self.packed = _onednn_prepack(q.to(torch.int8))  # oneDNN's blocked layout, for 2+ rows
+        q = torch.round(w / self.step).clamp_(-127, 127).to(torch.int8).contiguous()  # (V, H) row-major
+        self.qt = q.t()  # (H, V) view of (V, H): int_mm's fast layout
+        self.packed = _onednn_prepack(q)  # oneDNN's blocked layout, for 2+ rows
         self.ones, self.zeros = torch.ones(w.shape[0]), torch.zeros(w.shape[0], dtype=torch.long)
-        self.err_norm = float((w - q * self.step).norm(dim=1).max())  # max_v ‖w_v − ŵ_v‖₂
+        self.err_norm = float((w - q.double() * self.step).norm(dim=1).max())  # max_v ‖w_v − ŵ_v‖₂
         self.w_norm = float(w.norm(dim=1).max())  # max_v ‖w_v‖₂
 
     @staticmethod

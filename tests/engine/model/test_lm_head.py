@@ -11,9 +11,14 @@ from engine.model.lm_head import BLOCK, HeadRows, Int8Screen, LMHead
 pytestmark = pytest.mark.skipif(not Int8Screen.available(), reason="no CPU int8 GEMM in this torch")
 
 
-def head_with(weight: torch.Tensor) -> LMHead:
+def head_with(weight: torch.Tensor, transposed_storage: bool = False) -> LMHead:
+    """``transposed_storage``: the weight is a ``(V, H)`` view of an ``(H, V)`` tensor, as the
+    model stores lm_head on CPU."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    lin.weight.data.copy_(weight)
+    if transposed_storage:
+        lin.weight = nn.Parameter(weight.t().contiguous().t())
+    else:
+        lin.weight.data.copy_(weight)
     return LMHead(lin)
 
 
@@ -21,10 +26,10 @@ def exact_argmax(head: LMHead, x: torch.Tensor) -> torch.Tensor:
     return (x.double() @ head.linear.weight.detach().double().t()).argmax(-1)
 
 
-@pytest.mark.parametrize("vocab", [4099, 8192])  # a tail block, and whole blocks only
-def test_bound_holds_and_argmax_is_exact(vocab: int) -> None:
+@pytest.mark.parametrize("vocab,transposed", [(4099, False), (8192, False), (8192, True)])  # tail block; whole blocks
+def test_bound_holds_and_argmax_is_exact(vocab: int, transposed: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    head = head_with(torch.randn(vocab, 64, generator=g) * 0.02)
+    head = head_with(torch.randn(vocab, 64, generator=g) * 0.02, transposed)
     for trial in range(150):
         b = int(torch.randint(1, 24, (1,), generator=g))
         x = torch.randn(b, 64, generator=g) * float(torch.rand(1, generator=g) * 4 + 0.01)

@@ -36,6 +36,23 @@ def test_batch_invariance_greedy(tiny_model, tiny_model_dir) -> None:
         assert max(abs(a - b) for a, b in zip(alone.logprobs, batched[f"r{i}"].logprobs)) < 1e-4
 
 
+def test_plain_greedy_batch_equals_full_logits_argmax(tiny_model, tiny_model_dir) -> None:
+    """Greedy requests without logprobs take the lm_head's int8 screen + exact recheck; in a
+    mixed batch they give exactly the tokens of the model run alone with full fp32 logits."""
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(f"g{i}", prompt(n, 300 + i), plain) for i, n in enumerate(LENGTHS[:8])]
+    engine = _engine(tiny_model, tiny_model_dir, max_num_batched_tokens=512)
+    screened_before = tiny_model.head.screened_rows
+    batched = run(engine, reqs)
+    assert tiny_model.head.screened_rows > screened_before
+    for r in reqs:
+        state, feed, ref = tiny_model.new_state(), r.prompt_token_ids, []
+        for _ in range(6):
+            feed = [int(tiny_model([(state, feed)])[0].argmax())]
+            ref += feed
+        assert batched[r.request_id].tokens == ref, r.request_id
+
+
 def test_seeded_sampling_reproducible_across_batches(tiny_model, tiny_model_dir) -> None:
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     target = GenerateRequest("t", prompt(37, 99), params)

@@ -67,7 +67,40 @@ def hc_mix(
     if n:
         _hc_mix_kernel[(triton.cdiv(n, block_n),)](
             mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
-            n, mixes.stride(0), iters, eps, HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, num_warps=4,
+            n, mixes.stride(0), iters, eps, 0, 1, 1, 0.0,
+            HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, NORM=False, num_warps=4,
+        )  # fmt: skip
+    return pre, post, comb
+
+
+def hc_mix_parts(
+    parts: torch.Tensor,
+    k: int,
+    norm_eps: float,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+    *,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_mix`` of split-K partial sums (``kernels.fused.hc_pre_parts``): ``parts (N, S, MP)``
+    fp32 holds, per split, the ``M = (2+hc)·hc`` dot products of the raw streams with ``fn`` and,
+    in column ``M``, their sum of squares; the kernel adds the splits and applies the RMS scale
+    ``rsqrt(Σx²/k + norm_eps)`` before the gates (``HyperConnection``'s norm, moved past the
+    linear map). Triton only (the caller checks ``use_triton``)."""
+    n, splits, mp = parts.shape
+    m = (2 + hc) * hc
+    assert mp > m and parts.is_contiguous() and parts.dtype == torch.float32
+    pre = torch.empty(n, hc, dtype=torch.float32, device=parts.device)
+    post = torch.empty(n, hc, dtype=torch.float32, device=parts.device)
+    comb = torch.empty(n, hc, hc, dtype=torch.float32, device=parts.device)
+    if n:
+        _hc_mix_kernel[(triton.cdiv(n, block_n),)](
+            parts, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
+            n, splits * mp, iters, eps, mp, splits, k, norm_eps,
+            HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, NORM=True, num_warps=4,
         )  # fmt: skip
     return pre, post, comb
 
@@ -75,10 +108,18 @@ def hc_mix(
 if HAS_TRITON:
 
     @triton.jit
+    def _load_mix(ptr, mask, stride_s, splits):
+        """Sum of ``splits`` partial tiles ``stride_s`` apart (one tile when ``splits == 1``)."""
+        x = tl.load(ptr, mask=mask, other=0.0)
+        for s in range(1, splits):
+            x += tl.load(ptr + s * stride_s, mask=mask, other=0.0)
+        return x
+
+    @triton.jit
     def _hc_mix_kernel(
         mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-        N, stride_m, iters, eps,
-        HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        N, stride_m, iters, eps, stride_s, splits, norm_k, norm_eps,
+        HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         r_ok = rows < N
@@ -90,17 +131,16 @@ if HAS_TRITON:
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
         # pre / post: (BN, HCP)
-        x = tl.load(
-            mix_ptr + rows64[:, None] * stride_m + c[None, :], mask=mask2, other=0.0
-        )
+        if NORM:  # column (2+HC)*HC holds the sum of squares: the RMS scale of each row
+            sq = _load_mix(mix_ptr + rows64 * stride_m + (2 + HC) * HC, r_ok, stride_s, splits)
+            rs = (1.0 / tl.sqrt(sq / norm_k + norm_eps))[:, None]
+        else:
+            rs = tl.full((BLOCK_N, 1), 1.0, tl.float32)
+        x = _load_mix(mix_ptr + rows64[:, None] * stride_m + c[None, :], mask2, stride_s, splits) * rs
         b = tl.load(base_ptr + c, mask=c_ok, other=0.0)
         pre = 1.0 / (1.0 + tl.exp(-(x * s_pre + b[None, :]))) + eps
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=mask2)
-        x = tl.load(
-            mix_ptr + rows64[:, None] * stride_m + HC + c[None, :],
-            mask=mask2,
-            other=0.0,
-        )
+        x = _load_mix(mix_ptr + rows64[:, None] * stride_m + HC + c[None, :], mask2, stride_s, splits) * rs
         b = tl.load(base_ptr + HC + c, mask=c_ok, other=0.0)
         post = 2.0 / (1.0 + tl.exp(-(x * s_post + b[None, :])))
         tl.store(post_ptr + rows64[:, None] * HC + c[None, :], post, mask=mask2)
@@ -109,9 +149,7 @@ if HAS_TRITON:
         j3 = c[None, None, :]
         ok3 = r_ok[:, None, None] & (i3 < HC) & (j3 < HC)
         off = 2 * HC + i3 * HC + j3
-        x = tl.load(
-            mix_ptr + rows64[:, None, None] * stride_m + off, mask=ok3, other=0.0
-        )
+        x = _load_mix(mix_ptr + rows64[:, None, None] * stride_m + off, ok3, stride_s, splits) * rs[:, :, None]
         b = tl.load(base_ptr + off, mask=(i3 < HC) & (j3 < HC), other=0.0)
         z = tl.where(ok3, x * s_comb + b, float("-inf"))
         z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
@@ -126,4 +164,4 @@ if HAS_TRITON:
         )
 
 
-__all__ = ["hc_mix", "hc_mix_reference"]
+__all__ = ["hc_mix", "hc_mix_parts", "hc_mix_reference"]

@@ -128,6 +128,11 @@ def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
 
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """New streams ``(N, hc, H)`` = post ⊗ block output + combᵀ @ old streams (one ``baddbmm``)."""
+    if streams.is_cuda and streams.is_contiguous() and block_out.is_contiguous():
+        from kernels import fused  # one Triton kernel (prefill: the baddbmm ran a slow sm80 kernel)
+
+        if fused.use_triton(streams):
+            return fused.hc_merge(post, comb, block_out, streams)
     dtype = streams.dtype
     mix = comb.to(dtype).transpose(-1, -2).contiguous()  # (N, hc, hc); a strided view is 10x slower in bmm
     return torch.baddbmm(post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2), mix, streams)

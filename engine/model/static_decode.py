@@ -52,10 +52,14 @@ from engine.model.layers import (
 from engine.model.moe import MoE
 from engine.model.rope import Rotary, apply_rope
 from engine.model.state import CompressorState, LayerState, SequenceState
+from kernels import fused as fk
+from kernels._common import use_triton
 from kernels.compressor import gated_pool
 from kernels.decode_attention import decode_attention
 from kernels.indexer import indexer_scores, mask_topk
-from kernels.mhc import hc_mix
+from kernels.mhc import hc_mix, hc_mix_parts
+from kernels.moe import moe_experts, route
+from kernels.moe_fp8 import moe_experts_fp8
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -92,6 +96,9 @@ class StaticDecoder:
 
     ``max_slots`` sequences of up to ``max_tokens`` tokens each (prompt and decoded tokens).
     ``use_graphs`` (default: on CUDA) captures one CUDA graph per bucket on its first use.
+    ``fused`` (default on where the Triton kernels run): the step's glue through
+    ``kernels.fused`` (norms + RoPE, mHC pre/merge, compressor token, shared-expert SwiGLU) and
+    the routing kernel, instead of the general path's PyTorch ops (~5x fewer launches).
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class StaticDecoder:
         max_tokens: int,
         use_graphs: bool | None = None,
         buckets: Sequence[int] = BUCKETS,
+        fused: bool = True,
     ) -> None:
         self.model = model
         self.cfg = model.config
@@ -141,6 +149,14 @@ class StaticDecoder:
             self._turn = 0
         self.num_tokens = [0] * max_slots
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
+        self.fused = fused and use_triton(self._inputs)
+        self._rope_tab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.fused:  # cos/sin of every position, as Rotary.cos_sin gives them per step
+            with torch.inference_mode():
+                every = torch.arange(max_tokens + 1, device=dev)
+                for kind, rot in model.rotary.items():
+                    cos, sin = rot.cos_sin(every, dt)
+                    self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _comp_pool(self, comp: Compressor, s1: int) -> CompPool:
@@ -318,6 +334,86 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def _forward(self, b: int) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(b)
+        return self._forward_plain(b)
+
+    def _forward_fused(self, b: int) -> torch.Tensor:
+        """``_forward_plain`` with the glue in ``kernels.fused`` (same math, same roundings)."""
+        model, cfg = self.model, self.cfg
+        ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
+        embeds = model.model.embed_tokens(ids)  # (b, H)
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
+        for layer, lp in zip(model.model.layers, self.pools):
+            attn = layer.self_attn
+            post, comb, x = _hyper_connection_fused(layer.attn_hc, streams, layer.input_layernorm)
+            out = self._attention_fused(attn, lp, x, pos, slots)
+            streams = fk.hc_merge(post, comb, out, streams)
+            post, comb, x = _hyper_connection_fused(layer.ffn_hc, streams, layer.post_attention_layernorm)
+            streams = fk.hc_merge(post, comb, self._moe_fused(layer.mlp, x, ids), streams)
+        hidden = model.model.norm(model.model.hc_head(streams))  # (b, H)
+        return F.linear(hidden, model.lm_head.weight).float()
+
+    def _attention_fused(self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        cos, sin = self._rope_tab[attn.rope_kind]
+        q_res = fk.norm_rope(attn.q_a_proj(x)[:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
+        q = fk.norm_rope(attn.q_b_proj(q_res).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        kv = fk.norm_rope(attn.kv_proj(x)[:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos)[:, 0]
+        w = attn.window
+        lp.swa.index_put_((slots, pos % w), kv)
+        swa_len = torch.clamp(pos + 1, max=w)
+        if attn.compressor is None:
+            out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling)
+        else:
+            comp = attn.compressor
+            ccos, csin = self._rope_tab["compress"]
+            self._compress_fused(comp, lp.comp, x, pos, slots, ccos, csin)
+            tc = lp.comp.rows.shape[1] - 1
+            row_len = torch.div(pos + 1, comp.rate, rounding_mode="floor")
+            row_start = slots * (tc + 1)
+            row_idx = None
+            idx = attn.indexer
+            if idx is not None:
+                self._compress_fused(idx, lp.index, x, pos, slots, ccos, csin)
+                idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+                scores = indexer_scores(
+                    idx_q, idx.scorer.weights_proj(x), lp.index.rows.view(-1, idx.width), row_start, row_len,
+                    idx.softmax_scale * idx.weights_scaling, t_max=tc,
+                )  # fmt: skip
+                row_idx = mask_topk(scores, idx.topk)
+            out = decode_attention(
+                q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
+                swa_slot=slots, scale=attn.scaling, max_rows=tc,
+            )  # fmt: skip
+        out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
+        grouped = attn.o_a_proj(out.view(b, attn.o_groups, -1)).flatten(1)
+        return attn.o_b_proj(grouped)
+
+    def _compress_fused(self, comp: Compressor, cp: CompPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        fk.compress_step(
+            comp.kv_proj(x), comp.gate_proj(x), pos, slots, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate,
+            comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, cos, sin, cp.rows,
+        )  # fmt: skip
+
+    def _moe_fused(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+            return self._moe(moe, x, ids)
+        gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+        logits = F.linear(x, gate.weight)
+        if gate.hash_routed:
+            weights, indices = route(logits, gate.top_k, gate.scaling, tid2eid=gate.tid2eid, token_ids=ids, scoring_func=gate.scoring_func)
+        else:
+            weights, indices = route(logits, gate.top_k, gate.scaling, bias=gate.e_score_correction_bias, scoring_func=gate.scoring_func)
+        fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts
+        if fp8 is not None:
+            routed = moe_experts_fp8(x, weights, indices, *fp8, ex.limit)
+        else:
+            routed = moe_experts(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit)
+        shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
+        return routed + shared
+
+    def _forward_plain(self, b: int) -> torch.Tensor:
         """The fixed-shape step body on ``self._inputs[:, :b]`` (no host reads). → ``(b, V)`` fp32."""
         model, cfg = self.model, self.cfg
         ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
@@ -475,6 +571,14 @@ class StaticDecoder:
             (ys * weights.reshape(-1, 1)).to(x.dtype).view(x.shape[0], k, -1).sum(dim=1)
         )
         return routed + moe.shared_experts(x)
+
+
+def _hyper_connection_fused(hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_hyper_connection`` + the block's input ``RMSNorm`` in three kernels: split-K norm and
+    mixes, gates + Sinkhorn, collapse + norm."""
+    parts = fk.hc_pre_parts(streams, hc.fn.float())
+    pre, post, comb = hc_mix_parts(parts, streams.shape[1] * streams.shape[2], hc.norm_eps, hc.scale, hc.base, hc.hc, hc.iters, hc.hc_eps)
+    return post, comb, fk.collapse_norm(pre, streams, norm.weight, norm.eps)
 
 
 def _hyper_connection(

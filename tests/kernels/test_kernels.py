@@ -197,3 +197,86 @@ def test_hc_mix(n) -> None:
     for a, b in zip(got, want):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() <= 1e-5
+
+
+# ---- fused static-decode glue (kernels.fused) and FP8 experts (kernels.moe_fp8) ----------------
+FUSED_DTYPES = DTYPES if DEV == "cuda" else [torch.float32]  # the interpreter's bf16 casts truncate
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("n", [1, 5])
+def test_fused_hyper_connection(dtype, n) -> None:
+    from engine.model.layers import collapse, unweighted_rms_norm
+    from kernels import fused as fk
+    from kernels.mhc import hc_mix_parts, hc_mix_reference
+
+    hc, h, iters, eps, norm_eps = 4, (256 if SMALL else 4096), 20, 1e-6, 1e-6
+    g = torch.Generator().manual_seed(21)
+    streams = torch.randn(n, hc, h, generator=g).to(DEV, dtype)
+    fn = (0.05 * torch.randn((2 + hc) * hc, hc * h, generator=g)).to(DEV)
+    scale = (1 + 0.2 * torch.randn(3, generator=g)).to(DEV)
+    base = (0.5 * torch.randn((2 + hc) * hc, generator=g)).to(DEV)
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(DEV)
+    flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
+    pre_r, post_r, comb_r = hc_mix_reference(flat @ fn.t(), scale, base, hc, iters, eps)
+    x_r = fk.collapse_norm_reference(pre_r, streams, w, norm_eps)
+    parts = fk.hc_pre_parts(streams, fn, target_programs=7)
+    pre, post, comb = hc_mix_parts(parts, hc * h, norm_eps, scale, base, hc, iters, eps)
+    for a, b in ((pre, pre_r), (post, post_r), (comb, comb_r)):
+        assert (a - b).abs().max().item() <= 1e-4
+    assert rel_err(fk.collapse_norm(pre_r, streams, w, norm_eps), x_r) <= TOL[dtype]
+    out = torch.randn(n, h, generator=g).to(DEV, dtype)
+    want = fk.hc_merge_reference(post_r, comb_r, out, streams)
+    assert rel_err(fk.hc_merge(post_r, comb_r, out, streams), want) <= TOL[dtype]
+    assert collapse(pre_r, streams).shape == (n, h)
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_fused_norm_rope(dtype, mode) -> None:
+    from engine.model.config import RopeParams
+    from engine.model.rope import Rotary
+    from kernels import fused as fk
+
+    n, heads, d, rope_dim = 3, 4, (128 if SMALL else 512), 64
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(n, heads, d + 16, generator=g).to(DEV, dtype)[..., :d]  # strided rows
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEV)
+    rot = Rotary(RopeParams(rope_type="default", theta=10000.0), rope_dim, 4096)
+    cos, sin = rot.cos_sin(torch.arange(5000, device=DEV), dtype)
+    pos = torch.tensor([0, 7, 4099], device=DEV)
+    for sign, div in ((1.0, 1), (-1.0, 1), (1.0, 4)):
+        want = fk.norm_rope_reference(x, w, mode, 1e-6, cos, sin, pos, div, sign)
+        got = fk.norm_rope(x, w, mode, 1e-6, cos, sin, pos, div, sign)
+        assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(fk.norm_rope(x, w, mode, 1e-6), fk.norm_rope_reference(x, w, mode, 1e-6, None, None, None)) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
+def test_fused_swiglu(dtype) -> None:
+    from kernels import fused as fk
+
+    g = torch.Generator().manual_seed(23)
+    a, b = (4 * torch.randn(2, 3, 300, generator=g)).to(DEV, dtype).unbind(0)
+    assert rel_err(fk.swiglu(a, b, 7.0), fk.swiglu_reference(a, b, 7.0)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("n", [1, 13, 64])
+def test_moe_experts_fp8(n) -> None:
+    """FP8 block-scaled experts against the bf16/fp32 reference on the dequantized weights."""
+    from kernels.moe_fp8 import dequantize_blocks, moe_experts_fp8, quantize_blocks
+
+    if DEV == "cpu" and n > 13:
+        pytest.skip("interpreter: small cases only")
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    e, h, i, k = (8, 256, 128, 3) if SMALL else (32, 4096, 2048, 6)
+    g = torch.Generator().manual_seed(24)
+    gq, gs = quantize_blocks((torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(DEV))
+    dq, ds = quantize_blocks((torch.randn(e, h, i, generator=g) / i**0.5).to(DEV))
+    x = torch.randn(n, h, generator=g).to(DEV, dtype)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(DEV)
+    w = torch.rand(n, k, generator=g).to(DEV)
+    want = moe_experts_reference(x, w, idx, dequantize_blocks(gq, gs, dtype), dequantize_blocks(dq, ds, dtype), 10.0)
+    poison(DEV)
+    got = moe_experts_fp8(x, w, idx, gq, gs, dq, ds, 10.0)
+    assert rel_err(got, want) <= TOL[dtype]

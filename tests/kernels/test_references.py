@@ -142,7 +142,9 @@ def test_moe_experts_reference_matches_experts(cfg) -> None:
     w = torch.rand(9, 2, generator=g)
     want = experts(x, w, idx)
     got = moe_experts_reference(x, w, idx, experts.gate_up_proj.detach(), experts.down_proj.detach(), experts.limit)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Experts runs small CPU batches densely (all experts in two GEMMs, engine/model/moe.py): the
+    # same sums in another order, so equal to fp32 rounding rather than bitwise
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_public_functions_fall_back_to_references_on_cpu() -> None:

@@ -153,6 +153,90 @@ def profile_step(dec, batch: int, out_prefix: str) -> None:
         f.write(head + "\n" + table)
 
 
+def time_static(dec, batch: int, base, nxt, iters: int) -> tuple[float, float]:
+    """(host-inclusive ``step`` seconds, bare replay seconds) of ``dec`` at ``batch`` rows."""
+    from engine.model.static_decode import bucket_for
+
+    for i in range(batch):
+        dec.load(i, base)
+    slots = list(range(batch))
+    t_step = _sync_time(lambda: dec.step(slots, nxt), 2, iters)
+    t_replay = float("nan")
+    if dec.use_graphs:
+        graph, _ = dec._graphs[bucket_for(batch, dec.buckets)]
+        for i in range(batch):
+            dec.load(i, base)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        t_replay = start.elapsed_time(end) / iters / 1e3
+    return t_step, t_replay
+
+
+def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
+    """CUDA kernels of one ``n``-token general-path prefill, by total time (where prefill goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(2, vocab, (n,)).tolist()
+    model([(model.new_state(), ids)])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        model([(model.new_state(), ids)])
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time for e in events)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    head = f"prefill {n}: {len(events)} kernels, {total / 1e3:.2f} ms of kernel time"
+    print(head)
+    print(table)
+    with open(f"{out_prefix}_prefill{n}.txt", "w") as f:
+        f.write(head + "\n" + table)
+
+
+def fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows) -> None:
+    """Static graph step with the routed experts in FP8 (``engine.model.fp8``), first context."""
+    from engine.model.fp8 import attach_fp8_experts
+    from engine.model.static_decode import StaticDecoder
+
+    context = int(args.contexts.split(",")[0])
+    base, extra = bases[context]
+    nbytes = attach_fp8_experts(ours)
+    print(f"fp8 experts: {nbytes / 2**30:.2f} GiB", flush=True)
+    dec = StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra)
+    for batch in batches:
+        nxt = torch.randint(2, vocab, (batch,), generator=gen).tolist()
+        states = [base.clone() for _ in range(batch)]
+        want = ours([(st, [t]) for st, t in zip(states, nxt)])  # bf16 experts
+        del states
+        for i in range(batch):
+            dec.load(i, base)
+        got = dec.step(list(range(batch)), nxt).float()
+        rel_err = ((got - want).abs().max() / want.abs().max()).item()
+        argmax_agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        t_step, t_replay = time_static(dec, batch, base, nxt, args.graph_iters)
+        # the fp8-expert floor: the touched experts' bytes halve
+        dense, expert = layer_weight_params(cfg)
+        e = cfg.n_routed_experts
+        touched = e * (1 - (1 - cfg.num_experts_per_tok / e) ** batch)
+        floor = (decode_floor_bytes(cfg, batch, context) - cfg.num_hidden_layers * expert * touched) / bw
+        row = {
+            "what": f"decode fp8-experts b={batch} ctx={context}", "ours_ms": float("nan"), "graph_ms": t_step * 1e3,
+            "replay_ms": t_replay * 1e3, "transformers_ms": None, "floor_ms": floor * 1e3,
+            "graph_rel_err": rel_err, "graph_argmax_agree": argmax_agree,
+            "bf16_floor_ms": decode_floor_bytes(cfg, batch, context) / bw * 1e3,
+        }  # fmt: skip
+        print(row, flush=True)
+        rows.append(row)
+    for layer in ours.model.layers:
+        del layer.mlp.experts.fp8
+    del dec
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="gpu_slice.json")
@@ -167,6 +251,9 @@ def main() -> None:
         default="",
         help="prefix of kernel-profile files of the static step (first context)",
     )
+    ap.add_argument("--no-plain", action="store_true", help="skip the unfused static step rows")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-expert static step rows")
+    ap.add_argument("--profile-prefill", type=int, default=0, help="profile one prefill of this many tokens")
     ap.add_argument(
         "--small",
         action="store_true",
@@ -234,6 +321,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     vocab = cfg.vocab_size
     rows = []
+    bases = {}
     gen = torch.Generator().manual_seed(1)
     for context in [int(c) for c in args.contexts.split(",") if c]:
         prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
@@ -254,6 +342,11 @@ def main() -> None:
             f"static pool {dec.nbytes() / 2**30:.2f} GiB for {max(batches)} slots × {context + extra} tokens",
             flush=True,
         )
+        first = context == int(args.contexts.split(",")[0])
+        dec_plain = None
+        if first and not args.no_plain:
+            dec_plain = StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra, fused=False)
+        bases[context] = (base, extra)
         for batch in batches:
             floor = decode_floor_bytes(cfg, batch, context) / bw
             nxt = torch.randint(2, vocab, (batch,), generator=gen).tolist()
@@ -264,9 +357,10 @@ def main() -> None:
             want = ours([(st, [t]) for st, t in zip(states, nxt)])
             try:
                 got = dec.step(list(range(batch)), nxt).float()
-            except Exception:  # noqa: BLE001 - report the capture failure, time the eager static step
+            except Exception:  # noqa: BLE001 - report the failure; retry unfused, then eager
                 traceback.print_exc()
-                dec.use_graphs = False
+                dec.fused = dec.use_graphs = False
+                dec._graphs.clear()
                 for i in range(batch):
                     dec.load(i, base)
                 got = dec.step(list(range(batch)), nxt).float()
@@ -303,6 +397,9 @@ def main() -> None:
                 end.record()
                 torch.cuda.synchronize()
                 t_replay = start.elapsed_time(end) / args.graph_iters / 1e3
+            t_plain = r_plain = float("nan")
+            if dec_plain is not None:  # run 4's step (PyTorch glue) in the same run
+                t_plain, r_plain = time_static(dec_plain, batch, base, nxt, args.graph_iters)
             t_hf = None
             if not args.skip_hf and str(context) in args.hf_contexts.split(","):
                 try:
@@ -329,12 +426,23 @@ def main() -> None:
                 "what": f"decode b={batch} ctx={context}", "ours_ms": t_ours * 1e3, "graph_ms": t_graph * 1e3,
                 "replay_ms": t_replay * 1e3, "transformers_ms": None if t_hf is None else t_hf * 1e3,
                 "floor_ms": floor * 1e3, "graph_rel_err": rel_err, "graph_argmax_agree": argmax_agree,
+                "plain_graph_ms": t_plain * 1e3, "plain_replay_ms": r_plain * 1e3, "fused": dec.fused,
             }  # fmt: skip
             print(row, flush=True)
             rows.append(row)
-        del dec
+        del dec, dec_plain
         if cuda:
             torch.cuda.empty_cache()
+    if cuda and not args.no_fp8:  # FP8 routed experts (engine.model.fp8) in the static step
+        try:
+            fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows)
+        except Exception:  # noqa: BLE001 - keep the other rows
+            traceback.print_exc()
+    if cuda and args.profile_prefill:
+        try:
+            profile_prefill(ours, args.profile_prefill, vocab, args.profile or "prof")
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
     for n in [int(x) for x in args.prefill.split(",") if x]:
         ids = torch.randint(2, vocab, (1, n), device=device)
         flops = prefill_flops(cfg, n)
@@ -364,7 +472,7 @@ def main() -> None:
         f"{name}  copy bandwidth {bw / 1e12:.2f} TB/s  bf16 matmul {mm / 1e12:.0f} TFLOP/s  params {n_params / 1e9:.1f}B"
     )
     print(
-        f"{'case':24s} {'ours ms':>9s} {'graph ms':>9s} {'replay ms':>9s} {'hf ms':>8s} {'floor ms':>9s} {'graph/floor':>11s} {'hf/graph':>8s} {'rel err':>8s} {'argmax':>6s}"
+        f"{'case':34s} {'ours ms':>9s} {'run4-step':>9s} {'graph ms':>9s} {'replay ms':>9s} {'hf ms':>8s} {'floor ms':>9s} {'graph/floor':>11s} {'hf/graph':>8s} {'rel err':>8s} {'argmax':>6s}"
     )
     for r in rows:
         hf_ms = "-" if r["transformers_ms"] is None else f"{r['transformers_ms']:.2f}"
@@ -375,11 +483,11 @@ def main() -> None:
                 else f"{r['transformers_ms'] / r['graph_ms']:.1f}x"
             )
             print(
-                f"{r['what']:24s} {r['ours_ms']:9.2f} {r['graph_ms']:9.3f} {r['replay_ms']:9.3f} {hf_ms:>8s} {r['floor_ms']:9.3f} {r['graph_ms'] / r['floor_ms']:10.2f}x {vs:>8s} {r['graph_rel_err']:8.1e} {r['graph_argmax_agree']:6.2f}"
+                f"{r['what']:34s} {r['ours_ms']:9.2f} {r.get('plain_graph_ms', float('nan')):9.3f} {r['graph_ms']:9.3f} {r['replay_ms']:9.3f} {hf_ms:>8s} {r['floor_ms']:9.3f} {r['graph_ms'] / r['floor_ms']:10.2f}x {vs:>8s} {r['graph_rel_err']:8.1e} {r['graph_argmax_agree']:6.2f}"
             )
         else:
             print(
-                f"{r['what']:24s} {r['ours_ms']:9.2f} {'':>9s} {'':>9s} {hf_ms:>8s} {r['floor_ms']:9.3f}   ({r['pct_of_matmul']:.0f}% of the matmul rate)"
+                f"{r['what']:34s} {r['ours_ms']:9.2f} {'':>9s} {'':>9s} {'':>9s} {hf_ms:>8s} {r['floor_ms']:9.3f}   ({r['pct_of_matmul']:.0f}% of the matmul rate)"
             )
     with open(args.output, "w") as f:
         json.dump(

@@ -48,7 +48,9 @@ def _requests(n: int, seed: int, max_tokens: int = 24, lengths=(150, 300, 40, 26
     ]
 
 
-async def _collect(router: Router, req: GenerateRequest) -> tuple[list[int], list[float], set[str]]:
+async def _collect(router: Router, req: GenerateRequest, seen: list[str] | None = None) -> tuple[list[int], list[float], set[str]]:
+    """A request's tokens, logprobs and the workers that sent them (``seen``: every token
+    event's worker, appended live, for scenarios that act mid-stream)."""
     tokens, lps, workers = [], [], set()
     async for ev in router.generate(GenerateRequest.from_dict(req.to_dict())):
         assert ev.finish_reason != "error", ev.error
@@ -56,14 +58,16 @@ async def _collect(router: Router, req: GenerateRequest) -> tuple[list[int], lis
         lps += [lp.logprob for lp in ev.logprobs or []]
         if ev.worker_id:
             workers.add(ev.worker_id)
+            if seen is not None and ev.token_ids:
+                seen.append(ev.worker_id)
     return tokens, lps, workers
 
 
-async def _run_all(config: RouterConfig, reqs: list[GenerateRequest], during=None):
+async def _run_all(config: RouterConfig, reqs: list[GenerateRequest], during=None, seen: list[str] | None = None):
     router = Router(config)
     await router.start()
     try:
-        tasks = [asyncio.create_task(_collect(router, r)) for r in reqs]
+        tasks = [asyncio.create_task(_collect(router, r, seen)) for r in reqs]
         if during is not None:
             await during(router)
         return await asyncio.gather(*tasks)
@@ -84,20 +88,20 @@ def test_disaggregated_equals_colocated(cluster) -> None:
 def test_decode_worker_killed_mid_stream_migrates(cluster, tmp_path) -> None:
     victim = start_workers(cluster["model"], cluster["kv"], ["decode"], cluster["logs"])[0]
     survivor = cluster["decode"][0]
-    reqs = _requests(20, seed=2, max_tokens=30, lengths=(120, 60, 200, 90))
+    reqs = _requests(20, seed=2, max_tokens=60, lengths=(120, 60, 200, 90))
     reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), reqs))
 
+    seen: list[str] = []  # worker of every token event, live
+
     async def kill_when_streaming(router: Router) -> None:
-        await asyncio.sleep(0.5)
-        for _ in range(200):  # wait until the victim is generating for someone
-            if any(victim.url in str(getattr(w, "url", "")) and getattr(w, "in_flight", 0) for w in router.registry.workers()):
+        for _ in range(4000):  # until the victim has streamed tokens to someone
+            if sum(w.startswith("decode-0") for w in seen) >= 3:
                 break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
-        victim.kill()
+            await asyncio.sleep(0.005)
+        victim.kill()  # 60-token streams: the victim's are mid-stream
 
     try:
-        out = asyncio.run(_run_all(_config(prefill=(cluster["prefill"].url,), decode=(victim.url, survivor.url)), reqs, during=kill_when_streaming))
+        out = asyncio.run(_run_all(_config(prefill=(cluster["prefill"].url,), decode=(victim.url, survivor.url)), reqs, during=kill_when_streaming, seen=seen))
     finally:
         victim.terminate()
     assert victim.proc.returncode is not None

@@ -104,14 +104,17 @@ def parse_tools(spec: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def tool_call_structural_tag(spec: str, *, required: bool, version: DsmlVersion = "v4") -> xgr.StructuralTag:
-    """The structural tag for ``tool_call`` (``required=False``) or ``tool_call_required``."""
+def tool_call_structural_tag(
+    spec: str, *, required: bool, version: DsmlVersion = "v4", max_whitespace: int | None = None
+) -> xgr.StructuralTag:
+    """The structural tag for ``tool_call`` (``required=False``) or ``tool_call_required``;
+    ``max_whitespace`` caps each run of whitespace inside the arguments (None: unbounded)."""
     sp = SPELLINGS[version]
     tools = parse_tools(spec)
     invokes = [
         st.TagFormat(
             begin=sp.invoke_prefix + name + INVOKE_SUFFIX,
-            content=st.JSONSchemaFormat(json_schema=params, style=sp.xml_style),
+            content=st.JSONSchemaFormat(json_schema=params, style=sp.xml_style, max_whitespace_cnt=max_whitespace),
             end=sp.invoke_end,
         )
         for name, params in tools

@@ -16,6 +16,9 @@ exceed the tokenizer's: ids past the tokenizer are never allowed. The tokenizer'
 (chat markers, ``<think>``, FIM, placeholders, ...) are never allowed inside constrained output
 either: a ``<｜User｜>`` token inside a JSON string would corrupt the next turn. Only the DSML
 token is kept (the model writes tool calls with it), and the EOS ids, which end the grammar.
+Tool-call grammars also mask every token that could spell the DSML marker's bar ``｜`` in plain
+text (``dsml_only_bar``): deepseek-recipe parses markup from the DSML token, so a plain-text
+``｜DSML｜`` would stay content. Their argument whitespace runs are capped like JSON's.
 
 Trigger tokens. With ``trigger_token_ids`` (thinking mode: the ``</think>`` id) the grammar is
 inactive, and the output unconstrained, until one of them is sampled; from the next token on the
@@ -90,10 +93,13 @@ def _vocab_type(data: dict) -> tuple[xgr.VocabType, bool]:
 class GrammarState:
     """One request's walk through its grammar (not thread-safe; the engine loop owns it)."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, trigger_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, trigger_token_ids: Sequence[int] = (), allowed: torch.Tensor | None = None
+    ) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
         self.trigger_token_ids = frozenset(trigger_token_ids)
         self.active = not self.trigger_token_ids
+        self.allowed = allowed  # (ceil(V/32),) int32 bits ANDed into every mask, or None
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
         """Write the allowed-token bits into ``bitmask[row]`` (int32, (B, ceil(V/32))).
@@ -103,6 +109,8 @@ class GrammarState:
         if not self.active:
             return False
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed is not None:
+            bitmask[row].bitwise_and_(self.allowed)
         return True
 
     def accept(self, token_id: int) -> bool:
@@ -145,6 +153,7 @@ class GrammarCompilerCache:
         self._cache: OrderedDict[GrammarKey, xgr.CompiledGrammar] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
+        self._dsml_allowed: torch.Tensor | None = None
 
     @classmethod
     def from_tokenizer_json(
@@ -169,7 +178,30 @@ class GrammarCompilerCache:
             return compiled
 
     def new_state(self, constraint: OutputConstraint) -> GrammarState:
-        return GrammarState(self.compile(constraint), constraint.trigger_token_ids)
+        allowed = self.dsml_only_bar() if constraint.kind in ("tool_call", "tool_call_required") else None
+        return GrammarState(self.compile(constraint), constraint.trigger_token_ids, allowed)
+
+    def dsml_only_bar(self) -> torch.Tensor:
+        """Token bits for DSML output: every token except those that could spell the fullwidth
+        bar ``｜`` (U+FF5C) of the DSML marker in plain text — tokens containing its UTF-8 bytes
+        or ending in an unfinished prefix of them — with the DSML token itself kept. Under this
+        mask the markup's ``｜DSML｜`` can only be the DSML token, the form deepseek-recipe's
+        stream processor parses as markup (a plain-text spelling decodes to the same characters
+        but stays content)."""
+        with self._lock:
+            if self._dsml_allowed is None:
+                bar = "｜".encode()
+                dsml = DSML_TOKEN.encode()
+                banned = [
+                    i
+                    for i, b in enumerate(self.tokenizer_info.decoded_vocab)
+                    if b != dsml and (bar in b or b.endswith(bar[:1]) or b.endswith(bar[:2]))
+                ]
+                mask = allocate_bitmask(1, self.vocab_size)[0]
+                for i in banned:
+                    mask[i // 32] &= ~(1 << (i % 32))
+                self._dsml_allowed = mask
+            return self._dsml_allowed
 
     def _compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
         c = self._compiler
@@ -184,7 +216,9 @@ class GrammarCompilerCache:
             if kind == "ebnf":
                 return c.compile_grammar(spec)
             if kind in ("tool_call", "tool_call_required"):
-                tag = tool_call_structural_tag(spec, required=kind == "tool_call_required", version=self.dsml_version)
+                tag = tool_call_structural_tag(
+                    spec, required=kind == "tool_call_required", version=self.dsml_version, max_whitespace=self.json_max_whitespace
+                )
                 return c.compile_structural_tag(tag)
         except InvalidConstraintError:
             raise

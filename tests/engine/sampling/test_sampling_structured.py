@@ -202,6 +202,17 @@ def test_tool_call_required_generations_parse_into_valid_calls(v4_sampler, tool_
         assert_valid_calls(parse(convert("required"), tokens))
 
 
+def test_tool_call_required_unbiased_random_logits_parse(v4_sampler, tokenizer):
+    """A random model with no help: whitespace runs are capped, and the DSML marker can only be
+    the DSML token (plain-text spellings of its bar are masked), so every call parses."""
+    req = convert("required")
+    dsml = tokenizer.token_to_id("｜DSML｜")
+    for tokens in generate(v4_sampler, constraint_of(req), 12, torch.zeros(V4_VOCAB), seed=11, max_steps=400):
+        text_tokens = [tokenizer.id_to_token(t) or "" for t in tokens if t not in (dsml, EOS)]
+        assert not any("｜" in tokenizer.decode([tokenizer.token_to_id(t)]) for t in text_tokens if tokenizer.token_to_id(t) is not None)
+        assert_valid_calls(parse(convert("required"), tokens))
+
+
 def test_tool_call_auto_generations_parse(v4_sampler, tokenizer, bias, tool_bias):
     req = convert("auto")
     c = constraint_of(req)

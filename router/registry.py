@@ -281,7 +281,10 @@ class WorkerRegistry:
         elif fixed_role is not None and report.role != fixed_role and report.role != "mixed":
             log.warning("worker %s reports role %s but is configured as %s", w.url, report.role, fixed_role)
         w.model, w.block_size = report.model, report.block_size
-        w.fingerprint = str(d.get("fingerprint", "") or "")
+        fp = str(d.get("fingerprint", "") or "")
+        if fp != w.fingerprint:
+            w.fingerprint = fp
+            self._bump()  # the router re-reads fingerprint() when the version moves
         if report.draining:
             w.accepting = False
         by_rank = {r.dp_rank: r for r in report.ranks}
@@ -348,10 +351,10 @@ class WorkerRegistry:
                 await asyncio.wait_for(w.wake.wait(), cfg.load_interval_s)
 
     async def _poll_kv(self, w: Worker) -> None:
-        seq, events = await w.client.kv_events(w.kv_seq)
+        seq, events = await w.client.kv_events_raw(w.kv_seq)
         if seq < w.kv_seq:  # the worker restarted: its cursor and cache are new
             self.index.remove_worker(w.worker_id)
-            seq, events = await w.client.kv_events(0)
+            seq, events = await w.client.kv_events_raw(0)
         w.kv_seq = seq
         if events:
-            self.index.apply(w.worker_id, events)
+            self.index.apply_raw(w.worker_id, events)

@@ -111,6 +111,7 @@ class Router:
         self.registry = registry or WorkerRegistry(cfg, metrics=self.metrics, poll_kv_events=self.placer.needs_block_keys)
         self.registry.add_listener(self._wake_queue)
         self.hasher = PromptHasher(cfg.block_size, cfg.fingerprint)
+        self._fp_version = -1  # registry version the hasher's fingerprint was read at
         self._queue = AdmissionQueue(cfg.max_queue)
         self._flights: dict[str, _Flight] = {}
         self._pools_cache: tuple[int, Pools] | None = None
@@ -167,7 +168,9 @@ class Router:
     def route_request(self, req: GenerateRequest) -> RouteRequest:
         keys: tuple[str, ...] = ()
         if self.placer.needs_block_keys and len(req.prompt_token_ids) >= self.config.block_size:
-            self.hasher.fingerprint = self.registry.fingerprint()
+            if self._fp_version != self.registry.version:  # a worker's fingerprint may have changed
+                self.hasher.fingerprint = self.registry.fingerprint()
+                self._fp_version = self.registry.version
             keys = self.hasher.keys(req.prompt_token_ids)
         return RouteRequest(
             request_id=req.request_id,

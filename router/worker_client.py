@@ -183,5 +183,11 @@ class WorkerClient:
 
     async def kv_events(self, since: int = 0) -> tuple[int, list[KVEvent]]:
         """``(seq, events after since)``; seq is the cursor for the next call."""
+        seq, events = await self.kv_events_raw(since)
+        return seq, [KVEvent.from_dict(e) for e in events]
+
+    async def kv_events_raw(self, since: int = 0) -> tuple[int, list[dict[str, Any]]]:
+        """``kv_events`` as the worker's JSON objects (``KVIndex.apply_raw`` takes them as they
+        are: no ``KVEvent`` per event on the router's loop)."""
         d = await self._get_json(f"/kv_events?since={since}")
-        return int(d.get("seq", 0)), [KVEvent.from_dict(e) for e in d.get("events", [])]
+        return int(d.get("seq", 0)), d.get("events") or []

@@ -56,6 +56,19 @@ class CacheAware(Policy):
     def eligible(self, request: RouteRequest, candidates: Sequence[RankView]) -> list[RankView]:
         """Candidates that pass the DP-group and load guards (never empty)."""
         cfg = self.config
+        if len({v.worker_id for v in candidates}) == len(candidates):
+            out: Sequence[RankView] = candidates  # one rank per worker: no DP guard to apply
+        else:
+            out = self._dp_eligible(request, candidates)
+        if len(out) == 1:
+            return [out[0]]
+        loads = [v.num_requests for v in out]
+        lo = min(loads)
+        limit = max(lo + cfg.balance_abs_threshold, lo * cfg.balance_rel_threshold)
+        return [v for v, n in zip(out, loads) if n <= limit]
+
+    def _dp_eligible(self, request: RouteRequest, candidates: Sequence[RankView]) -> list[RankView]:
+        cfg = self.config
         out: list[RankView] = []
         keys = request.block_keys
         for ranks in group_by_worker(candidates).values():
@@ -70,9 +83,7 @@ class CacheAware(Policy):
                 for v in even_band(ranks, cfg.dp_seq_slack):
                     if v is not even and v.token_load <= lo_tok + cfg.dp_token_slack and v.cached_blocks(keys) > base:
                         out.append(v)
-        lo = min(v.num_requests for v in out)
-        limit = max(lo + cfg.balance_abs_threshold, lo * cfg.balance_rel_threshold)
-        return [v for v in out if v.num_requests <= limit]
+        return out
 
     def costs(self, request: RouteRequest, ranks: Sequence[RankView]) -> list[float]:
         """The cost of each rank (see module docstring), in tokens."""
@@ -80,12 +91,14 @@ class CacheAware(Policy):
         cache = ranks[0].cache
         m = cache.match(request.block_keys) if cache is not None and request.block_keys else _NO_MATCH
         bs, p = request.block_size, request.num_prompt_tokens
+        local_of, shared = m.local.get, m.shared
+        hit_w, pw, dw = cfg.shared_hit_weight, cfg.prefill_weight, cfg.decode_weight
         out = []
         for v in ranks:
-            local = m.local.get(v.key, 0)
-            saved = bs * local + (bs * (m.shared - local) * cfg.shared_hit_weight if m.shared > local else 0.0)
+            local = local_of(v.key, 0) if m.local else 0
+            saved = bs * local + (bs * (shared - local) * hit_w if shared > local else 0.0)
             uncached = p - saved if saved < p else 0.0
-            out.append(cfg.prefill_weight * (v.prefill_backlog + uncached) + cfg.decode_weight * v.decode_tokens)
+            out.append(pw * (v.prefill_backlog + uncached) + dw * v.decode_tokens)
         return out
 
     def select(self, request: RouteRequest, candidates: Sequence[RankView]) -> RankView:
@@ -95,7 +108,13 @@ class CacheAware(Policy):
         costs = self.costs(request, ranks)
         if self.config.temperature > 0:
             return ranks[self._sample(costs)]
-        best = min(range(len(ranks)), key=lambda i: (costs[i], ranks[i].num_requests, i))
+        best, best_key = 0, (costs[0], ranks[0].num_requests)
+        for i in range(1, len(ranks)):
+            c = costs[i]
+            if c <= best_key[0]:
+                key = (c, ranks[i].num_requests)
+                if key < best_key:
+                    best, best_key = i, key
         return ranks[best]
 
     def _sample(self, costs: list[float]) -> int:

@@ -58,3 +58,88 @@ def test_bounded_size_drops_least_recently_used():
     idx.add_predicted(("a", 0), ["k4"])  # evicts k2
     assert len(idx) == 3
     assert idx.match(("k1",)).local and not idx.match(("k2",)).local
+
+
+# ---- fast paths: the same answers as the reference code -------------------------------------
+def test_prompt_hasher_equals_engine_keys():
+    """The router's keys must be the engine's (``KVConnector.keys``), or no KV event matches."""
+    import random
+    from types import SimpleNamespace
+
+    from engine.kv_connector import KVConnector
+    from router.kv_index import PromptHasher
+
+    rng = random.Random(0)
+    fp = "abc123-bfloat16"
+    engine = SimpleNamespace(unit=128, fingerprint=fp)
+    h = PromptHasher(128, fp)
+    base = [rng.randrange(200_000) for _ in range(700)]
+    prompts = [base, base[:256], base + [1, 2, 3] * 100, [rng.randrange(-3, 1 << 40) for _ in range(1000)], [0] * 127, [5] * 128, []]
+    for p in prompts * 2:  # second pass: memo hits
+        want = KVConnector.keys(engine, p)
+        assert list(h.keys(p)) == want == PromptHasher.reference(p, 128, fp)
+        assert list(h.keys(tuple(p))) == want
+    h.fingerprint = "other"  # a new fingerprint drops the memo
+    assert list(h.keys(base)) == chain_keys(base, 128, "other")
+    small = PromptHasher(128, fp, max_entries=2)
+    for p in prompts:
+        assert list(small.keys(p)) == chain_keys(p, 128, fp)
+    assert len(small._memo) <= 2
+
+
+def _reference_match(idx: KVIndex, keys, now: float) -> dict:
+    local: dict = {}
+    alive = None
+    for depth, k in enumerate(keys, 1):
+        h = idx._holders.get(k)
+        if not h:
+            break
+        alive = {r for r, e in h.items() if e > now} if alive is None else {r for r in alive if h.get(r, 0.0) > now}
+        if not alive:
+            break
+        for r in alive:
+            local[r] = depth
+    return local
+
+
+def test_match_equals_reference_walk():
+    import random
+
+    rng = random.Random(1)
+    clock = Clock()
+    keys = tuple(f"k{i}" for i in range(12))
+    ranks = [("a", 0), ("a", 1), ("b", 0)]
+    for trial in range(300):
+        idx = KVIndex(predicted_ttl_s=10, clock=clock)
+        clock.t = 0.0
+        for r in ranks:
+            n = rng.randrange(len(keys) + 1)
+            held = list(keys[:n]) if rng.random() < 0.7 else rng.sample(keys, n)
+            if rng.random() < 0.5:
+                idx.add_predicted(r, held)
+            else:
+                idx.apply(r[0], [KVEvent("stored", held, dp_rank=r[1])])
+        clock.t = rng.choice([0.0, 11.0])
+        assert dict(idx.match(keys).local) == _reference_match(idx, keys, clock.t), trial
+
+
+def test_apply_raw_equals_apply():
+    evs = [
+        KVEvent("stored", ["k1", "k2", "k3"]),
+        KVEvent("stored", ["k1", "k2"], dp_rank=1),
+        KVEvent("stored", ["k1", "k9"], tier="redis"),
+        KVEvent("removed", ["k2"]),
+        KVEvent("removed", ["k9"], tier="redis"),
+    ]
+    a, b = KVIndex(), KVIndex()
+    a.apply("w", evs)
+    b.apply_raw("w", [e.to_dict() for e in evs])
+    assert a._holders == b._holders and list(a._holders) == list(b._holders) and a._shared == b._shared
+    keys = ("k1", "k2", "k3")
+    assert a.match(keys) == b.match(keys) == b.match(keys)
+    version = b._version
+    try:
+        b.apply_raw("w", [{"kind": "stored", "keys": ["k7"]}, {"keys": ["k8"]}])  # malformed second event
+    except KeyError:
+        pass
+    assert b._version > version  # what was applied is seen by the next match

@@ -78,3 +78,26 @@ def test_deregister_with_drain_waits_for_in_flight(spawn):
             await reg.stop()
 
     asyncio.run(main())
+
+
+def test_router_rehashes_when_a_worker_reports_a_new_fingerprint():
+    """The router reads the fingerprint only when the registry's version moves; a changed
+    fingerprint in a load report must move it."""
+    from engine.protocol import GenerateRequest, SamplingParams
+    from kvstore.keys import chain_keys
+    from router.circuit_breaker import CircuitBreaker
+    from router.policies.base import RankView
+    from router.registry import Worker
+    from router.router import Router
+
+    r = Router(RouterConfig(policy="cache_aware"))
+    reg = r.registry
+    w = Worker(url="u", worker_id="w", role="mixed", client=None, breaker=CircuitBreaker(2, 1.0), alive=True, accepting=True)
+    w.ranks = [RankView(worker_id="w", cache=reg.index)]
+    reg._workers["w"] = w
+    load = {"worker_id": "w", "role": "mixed", "ranks": [{"dp_rank": 0}], "block_size": 128}
+    prompt = list(range(300))
+    req = GenerateRequest(request_id="r", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1))
+    for fp in ("fp-1", "fp-1", "fp-2", ""):
+        reg._apply_load(w, {**load, "fingerprint": fp})
+        assert list(r.route_request(req).block_keys) == chain_keys(prompt, 128, fp)

@@ -21,9 +21,12 @@ box req/s depends on how the OS shares the cores between client, router and work
 router's CPU per request does not.
 
 Run: ``python -m bench.peer_routers --output bench/results/peers.json`` (prints a Markdown table).
-Only the throughput scenario, both our policies, three interleaved rounds, with a summary of
-ranges and ratios: ``python -m bench.peer_routers --scenarios throughput --policies round_robin
-cache_aware --routers deepserve vllm-router --repeat 3``.
+Only the throughput scenario, both our policies, ten short interleaved rounds (each round starts
+one run later in the order, so no router always runs first), with median and interquartile range
+of router CPU µs/request and req/s, and their per-round ratios against vllm-router's round-robin:
+``python -m bench.peer_routers --scenarios throughput --policies round_robin cache_aware --routers
+deepserve vllm-router --repeat 10``. ``--pin-router/--pin-workers/--pin-client CPUS`` pin the
+processes with ``taskset -c`` (client: ``sched_setaffinity``).
 """
 
 from __future__ import annotations
@@ -106,7 +109,10 @@ def router_cmd(router: str, port: int, workers: list[str], policy: str) -> tuple
 
 
 def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads) and its children (Linux)."""
+    """CPU seconds of process ``pid`` (all its threads) and its children (Linux): the run time
+    in nanoseconds of each thread (``/proc/PID/task/TID/schedstat``), or clock ticks of 10 ms
+    (``/proc/PID/stat``) where schedstat is missing; a 3,000-request run at ~100 µs/request is
+    300 ms of CPU, too few ticks for a per-request figure to the microsecond."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for entry in os.listdir("/proc"):
@@ -117,7 +123,10 @@ def _cpu_s(pid: int) -> float:
         except OSError:
             continue
         if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent pid
-            total += (int(fields[11]) + int(fields[12])) / tick
+            try:
+                total += sum(int(Path(f"/proc/{entry}/task/{t}/schedstat").read_text().split()[0]) for t in os.listdir(f"/proc/{entry}/task")) / 1e9
+            except (OSError, ValueError, IndexError):
+                total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 
@@ -128,13 +137,29 @@ class Result:
     policy: str
     summary: dict
     command: list[str] = field(default_factory=list)
+    round: int = 0
 
 
-def run_one(sc: Scenario, router: str, policy: str, log_dir: Path, say: Callable[[str], None]) -> Result:
+@dataclass(frozen=True)
+class Pinning:
+    """CPU lists for ``taskset -c`` (None: not pinned): the router, the fake workers, the client."""
+
+    router: str | None = None
+    workers: str | None = None
+    client: str | None = None
+
+    def wrap(self, cmd: list[str], cpus: str | None) -> list[str]:
+        return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} on CPU {v}" for k, v in self.__dict__.items() if v) or "not pinned"
+
+
+def run_one(sc: Scenario, router: str, policy: str, log_dir: Path, say: Callable[[str], None], pin: Pinning = Pinning(), rnd: int = 0) -> Result:
     wl = make_workload(sc.workload, sc.num_requests, seed=0)
     ports = [procs.free_port() for _ in range(sc.workers)]
     workers = [
-        procs.start(procs.fake_worker_cmd(p, *sc.worker_args, "--worker-id", f"w{i}"), f"http://127.0.0.1:{p}/health", log_dir / f"worker{i}.log")
+        procs.start(pin.wrap(procs.fake_worker_cmd(p, *sc.worker_args, "--worker-id", f"w{i}"), pin.workers), f"http://127.0.0.1:{p}/health", log_dir / f"worker{i}.log")
         for i, p in enumerate(ports)
     ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -146,6 +171,7 @@ def run_one(sc: Scenario, router: str, policy: str, log_dir: Path, say: Callable
         else:
             port = procs.free_port()
             cmd, health, endpoint = router_cmd(router, port, urls, policy)
+            cmd = pin.wrap(cmd, pin.router)
             proc = procs.start(cmd, health, log_dir / f"{router}.log", timeout=90)
             url = f"http://127.0.0.1:{port}"
             time.sleep(1.5)  # first load / KV-event polls
@@ -160,7 +186,7 @@ def run_one(sc: Scenario, router: str, policy: str, log_dir: Path, say: Callable
         say(f"  {sc.name:<10} {router:<14} {policy:<12} {s['request_throughput']:8.1f} req/s  TTFT p50 {s['ttft_s']['p50'] * 1e3 if s['ttft_s']['p50'] else float('nan'):7.2f} ms"
             f"  hit {s['cache_hit_rate'] if s['cache_hit_rate'] is not None else float('nan'):.3f}  errors {s['errors'] or 'none'}"
             f"  CPU us/req router {s['cpu_us_per_req']['router']:.0f} workers {s['cpu_us_per_req']['workers']:.0f} client {s['cpu_us_per_req']['client']:.0f}")
-        return Result(sc.name, router, policy, s, cmd)
+        return Result(sc.name, router, policy, s, cmd, rnd)
     finally:
         if proc is not None:
             procs.stop(proc)
@@ -222,7 +248,8 @@ def ranges(results: list[Result], reference: str = "vllm-router") -> str:
         refs = [r for r in results if (r.scenario, r.router, r.policy) == (sc, reference, "round_robin")]
         rps = [r.summary["request_throughput"] for r in mine]
         cpu = [r.summary["cpu_us_per_req"]["router"] for r in mine]
-        pairs = list(zip(mine, refs))  # round i of each (runs are interleaved)
+        ref_of = {r.round: r for r in refs}
+        pairs = [(a, ref_of[a.round]) for a in mine if a.round in ref_of]  # same round (runs are interleaved)
         rr = [a.summary["request_throughput"] / b.summary["request_throughput"] for a, b in pairs]
         cr = [a.summary["cpu_us_per_req"]["router"] / b.summary["cpu_us_per_req"]["router"] for a, b in pairs if b.summary["cpu_us_per_req"]["router"]]
 
@@ -234,6 +261,69 @@ def ranges(results: list[Result], reference: str = "vllm-router") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cpu_set(cpus: str) -> set[int]:
+    """``"0,2-3"`` -> {0, 2, 3} (taskset's list syntax)."""
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(q1, median, q3), linear interpolation between order statistics."""
+    xs = sorted(xs)
+
+    def q(p: float) -> float:
+        i = p * (len(xs) - 1)
+        lo = int(i)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+    return q(0.25), q(0.5), q(0.75)
+
+
+def _mq(xs: list[float], fmt: str) -> str:
+    if not xs:
+        return "-"
+    q1, med, q3 = _quartiles(xs)
+    return f"{med:{fmt}} [{q1:{fmt}}–{q3:{fmt}}]" if len(xs) > 1 else f"{med:{fmt}}"
+
+
+def stats(results: list[Result], reference: str = "vllm-router") -> list[dict]:
+    """Per (scenario, router, policy) over the rounds: medians and quartiles of req/s, router CPU
+    µs/request and added TTFT p50 (over direct of the same round), and of the per-round ratios
+    against ``reference``'s round_robin in the same round."""
+    out = []
+    for sc, router, policy in dict.fromkeys((r.scenario, r.router, r.policy) for r in results):
+        mine = [r for r in results if (r.scenario, r.router, r.policy) == (sc, router, policy)]
+        ref = {r.round: r.summary for r in results if (r.scenario, r.router, r.policy) == (sc, reference, "round_robin")}
+        direct = {r.round: r.summary for r in results if (r.scenario, r.router) == (sc, "direct")}
+        rps = [r.summary["request_throughput"] for r in mine]
+        cpu = [r.summary["cpu_us_per_req"]["router"] for r in mine] if router != "direct" else []
+        rps_ratio = [r.summary["request_throughput"] / ref[r.round]["request_throughput"] for r in mine if r.round in ref]
+        cpu_ratio = [r.summary["cpu_us_per_req"]["router"] / ref[r.round]["cpu_us_per_req"]["router"]
+                     for r in mine if r.round in ref and ref[r.round]["cpu_us_per_req"]["router"] and router != "direct"]
+        added = [r.summary["ttft_s"]["p50"] - direct[r.round]["ttft_s"]["p50"] for r in mine
+                 if SCENARIOS[sc].stream and SCENARIOS[sc].added and r.round in direct and r.summary["ttft_s"]["p50"] is not None
+                 and direct[r.round]["ttft_s"]["p50"] is not None and router != "direct"]
+        out.append({"scenario": sc, "router": router, "policy": policy if router != "direct" else "-", "rounds": len(mine),
+                    "req_per_s": rps, "cpu_us_per_req": cpu, "req_per_s_vs_ref": rps_ratio, "cpu_vs_ref": cpu_ratio,
+                    "added_ttft_p50_s": added})
+    return out
+
+
+def stats_markdown(rows: list[dict], reference: str = "vllm-router") -> str:
+    """``stats`` as a table: median [q1–q3] of every measure."""
+    lines = [f"| scenario | router | policy | rounds | router CPU µs/req | CPU vs {reference} RR | req/s | req/s vs {reference} RR | added TTFT p50 (ms) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['router']} | {r['policy']} | {r['rounds']} | {_mq(r['cpu_us_per_req'], '.0f')} | "
+                     f"{_mq(r['cpu_vs_ref'], '.2f')} | {_mq(r['req_per_s'], ',.0f')} | {_mq(r['req_per_s_vs_ref'], '.2f')} | "
+                     f"{_mq([1e3 * x for x in r['added_ttft_p50_s']], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=["throughput", "latency", "cache"])
@@ -241,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None, help="override each scenario's request count")
     ap.add_argument("--policies", nargs="+", choices=sorted(PEER_POLICY), default=None, help="override each scenario's policies")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every (scenario, policy, router) run, interleaved")
+    ap.add_argument("--pin-router", default=None, metavar="CPUS", help="taskset -c CPUS for the router process")
+    ap.add_argument("--pin-workers", default=None, metavar="CPUS", help="taskset -c CPUS for the fake workers")
+    ap.add_argument("--pin-client", default=None, metavar="CPUS", help="CPU affinity of this process (the load client)")
     ap.add_argument("--output", default=None, help="JSON with every summary, commands and versions")
     ap.add_argument("--log-dir", default="/tmp/deepserve-peer-routers")
     args = ap.parse_args(argv)
@@ -248,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     vers = versions()
     print(f"versions: {vers}", file=sys.stderr)
+    pin = Pinning(args.pin_router, args.pin_workers, args.pin_client)
+    if pin.client:
+        os.sched_setaffinity(0, _cpu_set(pin.client))
+    print(f"pinning: {pin.describe()}", file=sys.stderr)
     results: list[Result] = []
     for name in args.scenarios:
         sc = SCENARIOS[name]
@@ -256,23 +353,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.policies:
             sc = Scenario(**{**sc.__dict__, "policies": tuple(args.policies)})
         SCENARIOS[name] = sc
-        for _ in range(args.repeat):
-            for policy in sc.policies:
-                for router in args.routers:
-                    if router == "direct" and policy != sc.policies[0]:
-                        continue
-                    try:
-                        results.append(run_one(sc, router, policy, log_dir, lambda m: print(m, file=sys.stderr)))
-                    except Exception as exc:  # noqa: BLE001 (record and go on: one broken peer must not lose the run)
-                        print(f"  {name} {router} {policy}: FAILED: {exc!r}", file=sys.stderr)
+        runs = [(policy, router) for policy in sc.policies for router in args.routers if router != "direct" or policy == sc.policies[0]]
+        for rnd in range(args.repeat):
+            k = rnd % len(runs)  # each round starts one run later: no router always goes first
+            for policy, router in runs[k:] + runs[:k]:
+                try:
+                    results.append(run_one(sc, router, policy, log_dir, lambda m: print(m, file=sys.stderr), pin, rnd))
+                except Exception as exc:  # noqa: BLE001 (record and go on: one broken peer must not lose the run)
+                    print(f"  {name} {router} {policy}: FAILED: {exc!r}", file=sys.stderr)
     table = markdown(results)
+    rows = stats(results)
     if args.repeat > 1:
-        table += "\n" + ranges(results)
+        table += "\n" + ranges(results) + "\nMedian [interquartile range] over the rounds; ratios per round:\n\n" + stats_markdown(rows)
     print(table)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         doc = {"versions": vers, "machine": machine_info(), "scenarios": {k: SCENARIOS[k].__dict__ for k in args.scenarios},
-               "results": [r.__dict__ for r in results], "markdown": table}
+               "pinning": pin.__dict__, "results": [r.__dict__ for r in results], "stats": rows, "markdown": table}
         Path(args.output).write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -88,8 +88,12 @@ def _window_keys(window: int, seqs: list[SeqSlice], kv: torch.Tensor) -> tuple[t
                 keys[i, keep - c : keep] = t
         keys[:, keep] = kv
         bias = hide(torch.arange(window, device=kv.device)[None, :] < torch.tensor([keep - c for c in counts], device=kv.device)[:, None], kv.dtype)
-    for i, (s, c) in enumerate(zip(seqs, counts)):
-        s.state.swa = keys[i, window - min(c + 1, keep) :]  # the last min(n+1, W-1) keys
+    if bias is None:  # every window full: the same slice for all, one unbind for the views
+        for s, view in zip(seqs, keys[:, 1:].unbind(0)):
+            s.state.swa = view  # the last W-1 keys
+    else:
+        for i, (s, c) in enumerate(zip(seqs, counts)):
+            s.state.swa = keys[i, window - min(c + 1, keep) :]  # the last min(n+1, W-1) keys
     return keys, bias
 
 
@@ -175,8 +179,8 @@ def compress_decode(comp: Compressor, states: list[CompressorState], kv: torch.T
         else:
             g_kv, g_gate = g_kv.unsqueeze(1), g_gate.unsqueeze(1)
         if n + 1 < comp.rate:
-            for j, st in enumerate(sub):
-                st.buf_kv, st.buf_gate = g_kv[j], g_gate[j]
+            for st, b_kv, b_gate in zip(sub, g_kv.unbind(0), g_gate.unbind(0)):
+                st.buf_kv, st.buf_gate = b_kv, b_gate
         else:
             _close_windows(comp, sub, g_kv, g_gate, rotary)
 
@@ -200,8 +204,8 @@ def _close_windows(comp: Compressor, states: list[CompressorState], ckv: torch.T
                 pool_kv[j, :r] = states[j].overlap_kv.to(pool_kv.dtype)
                 pool_gate[j, :r] = states[j].overlap_gate.to(pool_gate.dtype)
         overlap_kv, overlap_gate = ckv[..., :d].clone(), cgate[..., :d].clone()  # (G, r, d)
-        for j, st in enumerate(states):
-            st.overlap_kv, st.overlap_gate = overlap_kv[j], overlap_gate[j]
+        for st, o_kv, o_gate in zip(states, overlap_kv.unbind(0), overlap_gate.unbind(0)):
+            st.overlap_kv, st.overlap_gate = o_kv, o_gate
     else:
         pool_kv, pool_gate = ckv, cgate
     pooled = (pool_kv * pool_gate.softmax(dim=1, dtype=torch.float32).to(pool_kv.dtype)).sum(dim=1)  # (G, d)
@@ -210,6 +214,6 @@ def _close_windows(comp: Compressor, states: list[CompressorState], ckv: torch.T
     cos, sin = rotary.cos_sin(positions, rows.dtype)
     rows = apply_rope(rows, cos, sin)  # (G, d)
     empty = ckv.new_empty(0, ckv.shape[-1])
-    for j, st in enumerate(states):
-        st.rows = torch.cat([st.rows, rows[j : j + 1]])
+    for st, row in zip(states, rows.unsqueeze(1).unbind(0)):
+        st.rows = torch.cat([st.rows, row])
         st.buf_kv, st.buf_gate = empty, empty

@@ -253,6 +253,7 @@ def main() -> None:
     )
     ap.add_argument("--no-plain", action="store_true", help="skip the unfused static step rows")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-expert static step rows")
+    ap.add_argument("--no-unmerged", action="store_true", help="skip the one-GEMM-per-projection static step rows")
     ap.add_argument("--profile-prefill", type=int, default=0, help="profile one prefill of this many tokens")
     ap.add_argument(
         "--small",
@@ -346,6 +347,9 @@ def main() -> None:
         dec_plain = None
         if first and not args.no_plain:
             dec_plain = StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra, fused=False)
+        dec_um = None
+        if first and not args.no_unmerged:  # run 5's fused step: one GEMM per projection of x
+            dec_um = StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra, merge_proj=False)
         bases[context] = (base, extra)
         for batch in batches:
             floor = decode_floor_bytes(cfg, batch, context) / bw
@@ -400,6 +404,9 @@ def main() -> None:
             t_plain = r_plain = float("nan")
             if dec_plain is not None:  # run 4's step (PyTorch glue) in the same run
                 t_plain, r_plain = time_static(dec_plain, batch, base, nxt, args.graph_iters)
+            t_um = r_um = float("nan")
+            if dec_um is not None:
+                t_um, r_um = time_static(dec_um, batch, base, nxt, args.graph_iters)
             t_hf = None
             if not args.skip_hf and str(context) in args.hf_contexts.split(","):
                 try:
@@ -427,10 +434,11 @@ def main() -> None:
                 "replay_ms": t_replay * 1e3, "transformers_ms": None if t_hf is None else t_hf * 1e3,
                 "floor_ms": floor * 1e3, "graph_rel_err": rel_err, "graph_argmax_agree": argmax_agree,
                 "plain_graph_ms": t_plain * 1e3, "plain_replay_ms": r_plain * 1e3, "fused": dec.fused,
+                "unmerged_graph_ms": t_um * 1e3, "unmerged_replay_ms": r_um * 1e3, "merge_proj": dec.merge_proj,
             }  # fmt: skip
             print(row, flush=True)
             rows.append(row)
-        del dec, dec_plain
+        del dec, dec_plain, dec_um
         if cuda:
             torch.cuda.empty_cache()
     if cuda and not args.no_fp8:  # FP8 routed experts (engine.model.fp8) in the static step

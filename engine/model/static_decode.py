@@ -82,6 +82,10 @@ class LayerPool:
     swa: torch.Tensor  # (S+1, W, D)
     comp: CompPool | None
     index: CompPool | None
+    # the fused step's projections of the attention input x in one GEMM (``merge_proj``):
+    # rows [q_a | kv | comp kv | comp gate | indexer kv | indexer gate | indexer weights]
+    xproj: torch.Tensor | None = None
+    xsplit: tuple[int, ...] = ()
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
@@ -109,6 +113,7 @@ class StaticDecoder:
         use_graphs: bool | None = None,
         buckets: Sequence[int] = BUCKETS,
         fused: bool = True,
+        merge_proj: bool = True,
     ) -> None:
         self.model = model
         self.cfg = model.config
@@ -157,6 +162,19 @@ class StaticDecoder:
                 for kind, rot in model.rotary.items():
                     cos, sin = rot.cos_sin(every, dt)
                     self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
+        self.merge_proj = merge_proj and self.fused
+        if self.merge_proj:  # our own concatenated copy; the model's parameters stay as they are
+            with torch.inference_mode():
+                for layer, lp in zip(model.model.layers, self.pools):
+                    attn = layer.self_attn
+                    mods = [attn.q_a_proj, attn.kv_proj]
+                    if attn.compressor is not None:
+                        mods += [attn.compressor.kv_proj, attn.compressor.gate_proj]
+                        if attn.indexer is not None:
+                            idx = attn.indexer
+                            mods += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
+                    lp.xproj = torch.cat([m.weight for m in mods]).contiguous()
+                    lp.xsplit = tuple(m.weight.shape[0] for m in mods)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _comp_pool(self, comp: Compressor, s1: int) -> CompPool:
@@ -279,12 +297,17 @@ class StaticDecoder:
 
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
-        """One decode token per listed slot → float32 logits ``(n, V)`` (module docstring)."""
+    def step(self, slots: Sequence[int], token_ids: Sequence[int], bucket: int | None = None) -> torch.Tensor:
+        """One decode token per listed slot → float32 logits ``(n, V)`` (module docstring).
+
+        ``bucket`` (one of ``self.buckets``, at least ``n``) forces the padded batch size; with it
+        ``n`` may be 0 (every row scratch: expert-parallel ranks must all run each step)."""
         n = len(slots)
-        if n != len(token_ids) or n == 0:
+        if n != len(token_ids) or (n == 0 and bucket is None):
             raise ValueError("one token per slot, at least one slot")
-        b = bucket_for(n, self.buckets)
+        if bucket is not None and (bucket not in self.buckets or bucket < n):
+            raise ValueError(f"bucket {bucket} is not a bucket of at least {n} rows")
+        b = bucket_for(n, self.buckets) if bucket is None else bucket
         for s in slots:
             if self.num_tokens[s] >= self.max_tokens:
                 raise ValueError(f"slot {s} is full ({self.max_tokens} tokens)")
@@ -357,9 +380,18 @@ class StaticDecoder:
     def _attention_fused(self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
         cos, sin = self._rope_tab[attn.rope_kind]
-        q_res = fk.norm_rope(attn.q_a_proj(x)[:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
+        if lp.xproj is not None:  # one GEMM for every projection of x, then column views
+            parts = list(F.linear(x, lp.xproj).split(lp.xsplit, dim=-1))
+        else:
+            parts = [attn.q_a_proj(x), attn.kv_proj(x)]
+            if attn.compressor is not None:
+                parts += [attn.compressor.kv_proj(x), attn.compressor.gate_proj(x)]
+                if attn.indexer is not None:
+                    idx = attn.indexer
+                    parts += [idx.kv_proj(x), idx.gate_proj(x), idx.scorer.weights_proj(x)]
+        q_res = fk.norm_rope(parts[0][:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
         q = fk.norm_rope(attn.q_b_proj(q_res).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
-        kv = fk.norm_rope(attn.kv_proj(x)[:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos)[:, 0]
+        kv = fk.norm_rope(parts[1][:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos)[:, 0]
         w = attn.window
         lp.swa.index_put_((slots, pos % w), kv)
         swa_len = torch.clamp(pos + 1, max=w)
@@ -368,17 +400,17 @@ class StaticDecoder:
         else:
             comp = attn.compressor
             ccos, csin = self._rope_tab["compress"]
-            self._compress_fused(comp, lp.comp, x, pos, slots, ccos, csin)
+            self._compress_fused(comp, lp.comp, parts[2], parts[3], pos, slots, ccos, csin)
             tc = lp.comp.rows.shape[1] - 1
             row_len = torch.div(pos + 1, comp.rate, rounding_mode="floor")
             row_start = slots * (tc + 1)
             row_idx = None
             idx = attn.indexer
             if idx is not None:
-                self._compress_fused(idx, lp.index, x, pos, slots, ccos, csin)
+                self._compress_fused(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
                 idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
                 scores = indexer_scores(
-                    idx_q, idx.scorer.weights_proj(x), lp.index.rows.view(-1, idx.width), row_start, row_len,
+                    idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
                     idx.softmax_scale * idx.weights_scaling, t_max=tc,
                 )  # fmt: skip
                 row_idx = mask_topk(scores, idx.topk)
@@ -390,9 +422,9 @@ class StaticDecoder:
         grouped = attn.o_a_proj(out.view(b, attn.o_groups, -1)).flatten(1)
         return attn.o_b_proj(grouped)
 
-    def _compress_fused(self, comp: Compressor, cp: CompPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def _compress_fused(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         fk.compress_step(
-            comp.kv_proj(x), comp.gate_proj(x), pos, slots, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate,
+            kv, gate, pos, slots, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate,
             comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, cos, sin, cp.rows,
         )  # fmt: skip
 
@@ -405,13 +437,16 @@ class StaticDecoder:
             weights, indices = route(logits, gate.top_k, gate.scaling, tid2eid=gate.tid2eid, token_ids=ids, scoring_func=gate.scoring_func)
         else:
             weights, indices = route(logits, gate.top_k, gate.scaling, bias=gate.e_score_correction_bias, scoring_func=gate.scoring_func)
-        fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts
-        if fp8 is not None:
-            routed = moe_experts_fp8(x, weights, indices, *fp8, ex.limit)
-        else:
-            routed = moe_experts(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit)
+        routed = self._routed(ex, x, weights, indices)
         shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
         return routed + shared
+
+    def _routed(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The routed experts on CUDA bf16/fp16 (``engine.parallel.ep.EPDecoder`` overrides this)."""
+        fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts
+        if fp8 is not None:
+            return moe_experts_fp8(x, weights, indices, *fp8, ex.limit)
+        return moe_experts(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit)
 
     def _forward_plain(self, b: int) -> torch.Tensor:
         """The fixed-shape step body on ``self._inputs[:, :b]`` (no host reads). → ``(b, V)`` fp32."""

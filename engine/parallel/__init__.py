@@ -1,0 +1,1 @@
+"""Multi-GPU execution: expert parallelism with data-parallel attention (``ep.py``)."""

@@ -168,16 +168,19 @@ class KVConnector:
                     comp.overlap_gate = snap.tensors[f"L{li}.{part}.overlap_gate"].to(dev)
 
     # ---- save -------------------------------------------------------------------------
+    def save_due(self, seq: Sequence) -> bool:
+        """Whether ``save`` would store something now (``num_computed`` ends a unit to store)."""
+        n = seq.num_computed
+        if not self.write or n % self.unit or n == 0 or n <= seq.saved_upto:
+            return False
+        return not (n // self.unit) % self.interval or n == seq.snapshot_at
+
     def save(self, seq: Sequence, model: DeepseekV4ForCausalLM) -> None:
         """Store every whole unit up to ``seq.num_computed`` not yet saved, with a snapshot at its
         end when ``num_computed`` sits exactly on a unit boundary (the only place it is exact)."""
-        if not self.write or seq.state is None:
+        if seq.state is None or not self.save_due(seq):
             return
         n = seq.num_computed
-        if n % self.unit or n == 0 or n <= seq.saved_upto:
-            return
-        if (n // self.unit) % self.interval and n != seq.snapshot_at:
-            return
         keys = self.keys(seq.tokens[:n])
         first = seq.saved_upto // self.unit
         items = []

@@ -174,6 +174,10 @@ class HeadRows:
             return self.hidden
         return self.hidden.index_select(0, torch.as_tensor(rows, device=self.hidden.device))
 
+    def subset(self, rows: list[int]) -> HeadRows:
+        """The same source over ``rows`` only (in that order)."""
+        return HeadRows(self.head, self._rows(rows))
+
     def logits(self, rows: list[int]) -> torch.Tensor:
         return self.head.logits(self._rows(rows))
 

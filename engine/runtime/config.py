@@ -16,6 +16,8 @@ class EngineConfig:
     derives it from ``gpu_memory_utilization`` and free memory, on CPU it is given directly.
     ``snapshot_interval``: besides the prompt end and the output end, store a boundary snapshot
     every this many tokens (0 = off), in units of 128-token cache units.
+    ``static_decode``: decode steps through fixed-shape slots (CUDA graphs on GPU,
+    ``engine/runtime/static_runner.py``); the slots' memory comes on top of the state budget.
     """
 
     max_num_batched_tokens: int = 2048
@@ -27,6 +29,8 @@ class EngineConfig:
     kv_cache: Literal["off", "read", "write", "readwrite"] = "readwrite"
     snapshot_interval_units: int = 0
     max_queue: int = 4096
+    static_decode: bool | None = None  # decode through StaticDecoder slots; None = on CUDA only
+    static_max_tokens: int = 8192  # tokens per static slot; longer sequences decode on the general path
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

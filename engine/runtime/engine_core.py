@@ -21,6 +21,7 @@ from engine.runtime.config import EngineConfig
 from engine.runtime.metrics import EngineMetrics
 from engine.runtime.scheduler import Scheduler, SchedulerOutput
 from engine.runtime.sequence import Sequence
+from engine.runtime.static_runner import StaticRunner
 from engine.runtime.state_pool import StatePool
 from engine.sampling import Sampler
 
@@ -35,6 +36,9 @@ class KVConnector(Protocol):
 
     def snapshot_stop(self, seq: Sequence) -> int | None:
         """Token count at which the first prefill chunk must stop (the prompt's last whole unit)."""
+
+    def save_due(self, seq: Sequence) -> bool:
+        """Whether ``save`` would store something for ``seq`` now."""
 
     def save(self, seq: Sequence, model: DeepseekV4ForCausalLM) -> None:
         """Store ``seq``'s whole units and a boundary snapshot if ``num_computed`` ends a unit."""
@@ -67,6 +71,9 @@ class EngineCore:
         self._pending: list[TokenEvent] = []
         self._kv_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
         self._kv_loading: set[Future] = set()
+        self.static: StaticRunner | None = None
+        if config.static_decode or (config.static_decode is None and model.device.type == "cuda"):
+            self.static = StaticRunner(model, config.max_num_seqs, min(config.static_max_tokens, config.max_model_len))
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
@@ -104,6 +111,8 @@ class EngineCore:
         if seq is None:
             return False
         self.scheduler.remove(seq)
+        if self.static is not None:
+            self.static.release(seq, keep_state=False)
         self._pending.append(TokenEvent(request_id, finish_reason="abort", num_prompt_tokens=seq.num_prompt))
         return True
 
@@ -117,15 +126,18 @@ class EngineCore:
         if self.kv is not None:
             self._poll_kv_loads()
         out = self.scheduler.schedule()
+        if self.static is not None:
+            for seq in out.preempted:  # recompute preemption: the slot's state goes too
+                self.static.release(seq, keep_state=False)
         if not out.scheduled:
             if self.kv is not None and self._kv_loading:
                 wait(self._kv_loading, timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
             return events
         t0 = time.perf_counter()
-        hidden = self._run(out)
+        result = self._run(out)
         if self.kv is not None and out.num_tokens > 2 * len(out.scheduled):
             self.kv.observe_prefill(out.num_tokens, time.perf_counter() - t0)
-        events.extend(self._make_output(out, hidden))
+        events.extend(self._make_output(out, result))
         if self.metrics:
             self.metrics.on_step(self)
         return events
@@ -151,33 +163,51 @@ class EngineCore:
             seq.kv_checked = True
             seq.snapshot_at = self.kv.snapshot_stop(seq)
 
-    def _run(self, out: SchedulerOutput) -> torch.Tensor:
+    def _run(self, out: SchedulerOutput) -> HeadRows | torch.Tensor:
+        """Run the step's batch; the result covers the scheduled sequences in order: last hidden
+        states as a ``HeadRows`` source, or float32 logits ``(B, V)`` when some rows decoded
+        through the static runner."""
+        general: list[int] = []
+        static: list[int] = []
         chunks = []
         now = time.monotonic()
-        for seq, n in out.scheduled:
-            if seq.state is None:
-                seq.state = self.model.new_state()
+        for i, (seq, n) in enumerate(out.scheduled):
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
                 if self.metrics:
                     self.metrics.on_scheduled(now - seq.arrival)
+            if self.static is not None and self.static.takes(seq, n):
+                static.append(i)
+                continue
+            if seq.state is None:
+                seq.state = self.model.new_state()
+            general.append(i)
             chunks.append((seq.state, seq.tokens[seq.num_computed : seq.num_computed + n]))
-        return self.model(chunks, logits="hidden")  # (B, H) last hidden states
+        if not static:
+            return HeadRows(self.model.head, self.model(chunks, logits="hidden"))  # (B, H)
+        assert self.static is not None
+        static_logits = self.static.step([out.scheduled[i][0] for i in static])
+        if not general:
+            return static_logits
+        logits = static_logits.new_empty(len(out.scheduled), static_logits.shape[1])
+        logits[static] = static_logits
+        logits[general] = self.model(chunks)
+        return logits
 
-    def _make_output(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[TokenEvent]:
+    def _make_output(self, out: SchedulerOutput, result: HeadRows | torch.Tensor) -> list[TokenEvent]:
         rows, ready = [], []
         for i, (seq, n) in enumerate(out.scheduled):
             seq.num_computed += n
             if self.kv is not None:
-                self.kv.save(seq, self.model)  # stores units only on whole-unit boundaries
+                self._save(seq)  # stores units only on whole-unit boundaries
             if seq.remaining == 0:
                 rows.append(i)
                 ready.append(seq)
         if not ready:
             return []
-        if len(rows) < hidden.shape[0]:
-            hidden = hidden[rows]  # (R, H) the sequences sampled this step
-        sample = self.sampler.sample(HeadRows(self.model.head, hidden), [s.sampling for s in ready])
+        if len(rows) < len(out.scheduled):  # the sequences sampled this step
+            result = result[rows] if isinstance(result, torch.Tensor) else result.subset(rows)
+        sample = self.sampler.sample(result, [s.sampling for s in ready])
         now = time.monotonic()
         events = []
         for j, seq in enumerate(ready):
@@ -207,9 +237,25 @@ class EngineCore:
             events.append(ev)
         return events
 
+    def _save(self, seq: Sequence) -> None:
+        """KV-store save; a sequence in a static slot lends its state for it."""
+        assert self.kv is not None
+        if self.static is not None and self.static.holds(seq):
+            if not self.kv.save_due(seq):
+                return
+            seq.state = self.static.export(seq)
+            try:
+                self.kv.save(seq, self.model)
+            finally:
+                seq.state = None
+            return
+        self.kv.save(seq, self.model)
+
     def _finish(self, seq: Sequence, reason: str, emit: bool) -> None:
         self.seqs.pop(seq.request_id, None)
         self.scheduler.remove(seq)
+        if self.static is not None:
+            self.static.release(seq, keep_state=False)
         if self.metrics:
             self.metrics.on_finish(seq, reason)
         if emit:

@@ -1,0 +1,88 @@
+"""Decode steps through the static, CUDA-graph decoder (``engine/model/static_decode.py``).
+
+The general path serves every prefill chunk; a sequence whose next step feeds one token (decode)
+moves into a ``StaticDecoder`` slot — its state is copied in once, then every decode step of all
+slotted sequences is one fixed-shape step (one CUDA graph replay per batch bucket on GPU).
+While a sequence sits in a slot its ``seq.state`` is ``None``: the slot holds the state, and
+``export`` hands it back whenever something needs it (a KV-store save at a unit boundary, a
+sequence that outgrows the slot's ``max_tokens``). Preemption, abort and finish free the slot.
+
+Which sequences move: decode sequences whose state is in the normal compressor mode (not a
+KV-replay state) and shorter than ``max_tokens``, while slots are free; the others keep the
+general path, so the result of a step is the same either way (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.model import DeepseekV4ForCausalLM
+from engine.model.state import SequenceState
+from engine.model.static_decode import StaticDecoder
+from engine.runtime.sequence import Sequence
+
+
+class StaticRunner:
+    """Slot bookkeeping between an ``EngineCore`` and one ``StaticDecoder``."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, max_slots: int, max_tokens: int, use_graphs: bool | None = None) -> None:
+        self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs)
+        self.max_tokens = max_tokens
+        self._free = list(range(max_slots - 1, -1, -1))
+        self._slot: dict[int, int] = {}  # id(seq) -> slot
+        self.steps = 0  # static steps run (tests and metrics read it)
+
+    def holds(self, seq: Sequence) -> bool:
+        return id(seq) in self._slot
+
+    def takes(self, seq: Sequence, n: int) -> bool:
+        """Whether this step's ``n`` tokens of ``seq`` run here; moves ``seq`` into a slot (or out
+        of one that is full) as needed."""
+        slot = self._slot.get(id(seq))
+        if slot is not None:
+            if n == 1 and self.decoder.num_tokens[slot] < self.max_tokens:
+                return True
+            seq.state = self.release(seq)  # full slot (or not a decode step): back to the general path
+            return False
+        if n != 1 or seq.remaining != 1 or not self._free or seq.state is None:
+            return False
+        if seq.state.num_tokens >= self.max_tokens or not _normal_mode(seq.state, self.decoder):
+            return False
+        slot = self._free.pop()
+        self.decoder.load(slot, seq.state)
+        self._slot[id(seq)] = slot
+        seq.state = None
+        return True
+
+    def step(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode token for each (slotted) sequence → float32 logits ``(len(seqs), V)``, a
+        copy (the decoder's output buffer is reused by the next step)."""
+        slots = [self._slot[id(s)] for s in seqs]
+        tokens = [s.tokens[s.num_computed] for s in seqs]
+        self.steps += 1
+        return self.decoder.step(slots, tokens).clone()
+
+    def export(self, seq: Sequence) -> SequenceState:
+        """A copy of a slotted sequence's state (it stays in its slot)."""
+        return self.decoder.export(self._slot[id(seq)])
+
+    def release(self, seq: Sequence, keep_state: bool = True) -> SequenceState | None:
+        """Free ``seq``'s slot; returns its state (or None with ``keep_state=False``)."""
+        slot = self._slot.pop(id(seq), None)
+        if slot is None:
+            return None
+        state = self.decoder.export(slot) if keep_state else None
+        self.decoder.free(slot)
+        self._free.append(slot)
+        return state
+
+
+def _normal_mode(state: SequenceState, decoder: StaticDecoder) -> bool:
+    """The state can be loaded: every compressor has consumed exactly its complete windows."""
+    n = state.num_tokens
+    for layer, ls in zip(decoder.model.model.layers, state.layers):
+        attn = layer.self_attn
+        for comp, cs in ((attn.compressor, ls.comp), (attn.indexer, ls.index)):
+            if comp is not None and (cs.windows is not None or cs.rows.shape[0] * comp.rate + cs.buf_kv.shape[0] != n):
+                return False
+    return True

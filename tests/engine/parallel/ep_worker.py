@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import random
+import sys
 
 import torch
 import torch.distributed as dist
@@ -84,8 +85,15 @@ def run(rank: int, world: int, init: str, model_dir: str, backend: str, dtype: s
              "experts": full.model.layers[0].mlp.experts.gate_up_proj.shape[0]}, f,
         )  # fmt: skip
     dist.barrier()
-    dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
+    if use_graphs and backend == "nccl":
+        # NCCL communicators captured in live CUDA graphs hang destroy_process_group (seen on two
+        # H200s: both ranks waited there with every result written); the results are on disk,
+        # so the process leaves without the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
 
 
 def spawn(tmp_path, model_dir, backend: str, dtype: str = "float32", use_graphs: bool = False) -> list[dict]:

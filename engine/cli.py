@@ -61,6 +61,8 @@ def _engine(args: argparse.Namespace) -> int:
         role=args.role,
         kv_cache=args.kv_cache,
         snapshot_interval_units=args.snapshot_interval,
+        static_decode={"auto": None, "on": True, "off": False}[args.static_decode],
+        static_max_tokens=args.static_max_tokens,
     )
     run_worker(
         WorkerConfig(
@@ -122,6 +124,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--state-memory-bytes", type=int, default=2 << 30)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache", default=env("DEEPSERVE_KV_CACHE", "readwrite"), choices=["off", "read", "write", "readwrite"])
+    e.add_argument("--static-decode", default="auto", choices=["auto", "on", "off"],
+                   help="decode through fixed-shape slots with CUDA graphs (auto: on CUDA devices)")  # fmt: skip
+    e.add_argument("--static-max-tokens", type=int, default=8192, help="tokens per static decode slot")
     e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
     e.add_argument("--register", action="append", default=[], metavar="ROUTER_URL", help="register with this router service (repeatable); deregister on drain")
     e.add_argument("--advertise-url", default=None, help="URL routers should use for this worker (default http://HOST:PORT)")

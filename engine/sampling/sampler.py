@@ -18,7 +18,8 @@ Per step, for the (B, V) float32 logits of the scheduled sequences, in this orde
    (``finish.py``).
 The logits tensor is consumed: steps 2-3 modify it in place.
 
-``sample`` also takes a ``LogitSource`` instead of a tensor: rows that are plain greedy (no
+``sample`` also takes a ``LogitSource`` instead of a tensor (a tensor on an accelerator is
+wrapped in one, ``DeviceLogits``): rows that are plain greedy (no
 logprobs, penalties or grammar) then take the source's exact argmax (on CPU the model's int8
 screen + exact recheck, ``engine/model/lm_head.py``) and only the other rows' logits are made.
 
@@ -72,6 +73,25 @@ class LogitSource(Protocol):
     def argmax(self, rows: list[int]) -> torch.Tensor:
         """``logits(rows).argmax(-1)`` exactly, ``(len(rows),)`` int64, however computed."""
         ...
+
+
+class DeviceLogits:
+    """A ``LogitSource`` over logits on an accelerator: plain greedy rows take their argmax
+    there (only token ids cross to the host); other rows are copied to the host as float32."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.full = logits  # (B, V)
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        if len(rows) == self.full.shape[0]:
+            return self.full
+        return self.full.index_select(0, torch.as_tensor(rows, device=self.full.device))
+
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        return self._rows(rows).to("cpu", torch.float32)
+
+    def argmax(self, rows: list[int]) -> torch.Tensor:
+        return self._rows(rows).argmax(-1).cpu()  # first maximal index, as on the host
 
 
 @dataclass(frozen=True)
@@ -160,6 +180,8 @@ class Sampler:
         not be passed again.
         """
         assert not any(s.finished for s in states), "a finished request was scheduled for sampling"
+        if isinstance(logits, torch.Tensor) and logits.device.type != "cpu":
+            logits = DeviceLogits(logits)  # greedy rows: argmax where the logits are, ids copied back
         if isinstance(logits, torch.Tensor):
             tokens, logprobs = self._choose(logits, states)
         else:

@@ -487,3 +487,19 @@ def test_logit_source_all_plain_greedy_never_makes_logits():
     out = s.sample(source, [s.new_state(SamplingParams(temperature=0.0, max_tokens=1), [1]) for _ in range(3)])
     assert torch.equal(out.token_ids, logits.argmax(-1))
     assert source.logit_rows == [] and out.finish_reasons == ["length"] * 3
+
+
+def test_device_logits_source_matches_the_tensor_path():
+    """``DeviceLogits`` (what a GPU logits tensor is wrapped in) gives the tensor path's result;
+    checked here with host tensors, its code is device-agnostic."""
+    from engine.sampling.sampler import DeviceLogits
+
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(9))
+    logits[3, 17] = logits[3, 400] = logits[3].max() + 1.0  # a tie: the first index wins
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=2), SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]  # fmt: skip
+    a, b = sampler(), sampler()
+    ref = a.sample(logits.clone(), [a.new_state(p, [1]) for p in params])
+    got = b.sample(DeviceLogits(logits.clone()), [b.new_state(p, [1]) for p in params])
+    assert torch.equal(ref.token_ids, got.token_ids) and ref.logprobs == got.logprobs
+    assert got.token_ids[3] == 17

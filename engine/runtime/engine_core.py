@@ -73,7 +73,12 @@ class EngineCore:
         self._kv_loading: set[Future] = set()
         self.static: StaticRunner | None = None
         if config.static_decode or (config.static_decode is None and model.device.type == "cuda"):
-            self.static = StaticRunner(model, config.max_num_seqs, min(config.static_max_tokens, config.max_model_len))
+            try:
+                self.static = StaticRunner(model, config.max_num_seqs, min(config.static_max_tokens, config.max_model_len))
+            except (RuntimeError, ValueError) as e:  # e.g. no memory left for the slot pools
+                if config.static_decode:
+                    raise
+                log.warning("static decode off (%s); decoding on the general path", e)
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:

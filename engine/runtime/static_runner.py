@@ -49,7 +49,11 @@ class StaticRunner:
         if seq.state.num_tokens >= self.max_tokens or not _normal_mode(seq.state, self.decoder):
             return False
         slot = self._free.pop()
-        self.decoder.load(slot, seq.state)
+        try:
+            self.decoder.load(slot, seq.state)
+        except ValueError:  # a state the slots cannot hold: it stays on the general path
+            self._free.append(slot)
+            return False
         self._slot[id(seq)] = slot
         seq.state = None
         return True

@@ -15,7 +15,6 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.layers import SharedMLP, swiglu
 
-
 DENSE_MACS = 1 << 23  # CPU: run all experts densely while that costs at most this many MACs
 
 

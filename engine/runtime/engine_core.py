@@ -21,8 +21,8 @@ from engine.runtime.config import EngineConfig
 from engine.runtime.metrics import EngineMetrics
 from engine.runtime.scheduler import Scheduler, SchedulerOutput
 from engine.runtime.sequence import Sequence
-from engine.runtime.static_runner import StaticRunner
 from engine.runtime.state_pool import StatePool
+from engine.runtime.static_runner import StaticRunner
 from engine.sampling import Sampler
 
 log = logging.getLogger(__name__)

@@ -195,7 +195,7 @@ class GrammarCompilerCache:
                 banned = [
                     i
                     for i, b in enumerate(self.tokenizer_info.decoded_vocab)
-                    if b != dsml and (bar in b or b.endswith(bar[:1]) or b.endswith(bar[:2]))
+                    if b != dsml and (bar in b or b.endswith((bar[:1], bar[:2])))
                 ]
                 mask = allocate_bitmask(1, self.vocab_size)[0]
                 for i in banned:

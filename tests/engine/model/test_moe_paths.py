@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import engine.model.moe as moe
+from engine.model import moe
 
 
 @pytest.mark.parametrize("n,k", [(1, 2), (5, 2), (12, 6)])

@@ -181,7 +181,8 @@ def _row_line(r: dict[str, Any]) -> str:
 
 def render(report: dict[str, Any]) -> str:
     lines = [
-        "output tokens/s, greedy, fp32, 1 thread; transformers batches equal-length prompts (no padding)",
+        f"output tokens/s, greedy, fp32, {report['machine'].get('threads', 1)} intra-op thread(s) per side; "
+        "transformers batches equal-length prompts (no padding)",
         f"{'prompt':>6}  {'conc':>4}  {'new':>4}  {'ours':>10}  {'transformers':>10}  {'ratio':>7}  {'same':>6}",
     ]
     lines += [_row_line(r) for r in report["throughput"]]

@@ -12,6 +12,7 @@ from engine.kv_connector import KVConnector, snapshot_key
 from engine.model.loader import load_model
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine
+from engine.runtime.config import EngineConfig
 from engine.runtime.sequence import Sequence
 from kvstore import KVStoreConfig, build_store
 from prometheus_client import CollectorRegistry
@@ -139,8 +140,11 @@ def _run(engine, rid: str, prompt: list[int], n: int = 12) -> tuple[list[int], i
     return tokens, cached
 
 
-def test_multi_turn_conversation_hits_previous_turn(tiny, tiny_model_dir) -> None:
-    engine = build_engine(tiny_model_dir, model=tiny)
+@pytest.mark.parametrize("static", [False, True], ids=["general", "static-runner"])
+def test_multi_turn_conversation_hits_previous_turn(tiny, tiny_model_dir, static: bool) -> None:
+    """Each turn hits the units the previous turn stored (prompt and decode units; with the
+    static runner, decode units come from states its slots hand back) and gives the cold tokens."""
+    engine = build_engine(tiny_model_dir, EngineConfig(static_decode=static, static_max_tokens=1024), model=tiny)
     engine.kv = KVConnector(_store(), tiny)
     cold = build_engine(tiny_model_dir, model=tiny)
     prompt = _tokens(150, 8)
@@ -152,6 +156,7 @@ def test_multi_turn_conversation_hits_previous_turn(tiny, tiny_model_dir) -> Non
             assert cached >= (computed_before // 128) * 128 > 0
         computed_before = len(prompt) + len(out) - 1
         prompt = prompt + out + _tokens(30, 100 + turn)
+    assert (engine.static is not None and engine.static.steps > 0) == static
 
 
 def test_corrupt_record_on_disk_is_a_miss(tiny, tiny_model_dir, tmp_path: Path) -> None:

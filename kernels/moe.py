@@ -22,6 +22,8 @@ Weights are transformers' stacked layout: ``gate_up (E, 2I, H)`` (rows ``[:I]`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -146,26 +148,47 @@ def moe_experts(
     """Routed experts' weighted sum ``(N, H)`` (layout in the module docstring)."""
     if not use_triton(x):
         return moe_experts_reference(x, weights, indices, gate_up, down, limit)
+    return grouped_experts(
+        x, weights, indices, gate_up.shape[0], gate_up.shape[1] // 2, limit,
+        lambda xs, offs, counts: _grouped_linear(xs, gate_up, offs, counts),
+        lambda act, offs, counts: _grouped_linear(act, down, offs, counts),
+    )  # fmt: skip
+
+
+GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    n_exp: int,
+    inter: int,
+    limit: float,
+    up: GroupedLinear,
+    down: GroupedLinear,
+) -> torch.Tensor:
+    """The routed-expert pipeline around two grouped GEMMs (bf16 ``moe_experts``, FP8
+    ``moe_experts_fp8``): slots sorted by expert, ``up`` (gate/up) and ``down`` on the grouped
+    rows — each called as ``(rows, group end offsets, group counts)`` — the fused SwiGLU between
+    them and the weighted combine after. No host sync anywhere (CUDA-graph capturable: CUDA
+    bincount reads max() on the host, a scatter_add of ones does not)."""
     n, hidden = x.shape
     k = indices.shape[1]
-    n_exp, two_i, _ = gate_up.shape
-    inter = two_i // 2
     flat = indices.reshape(-1)  # (N*k,)
-    # bf16: no host sync anywhere (CUDA-graph capturable; the static decode step relies on it):
-    # CUDA bincount reads max() on the host, a scatter_add of ones does not
     order = torch.argsort(flat, stable=True)  # (N*k,) sorted slot -> flat (token, j) slot
     counts = torch.zeros(n_exp, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))  # flat slot -> sorted row
     xs = x.index_select(0, order // k)  # (N*k, H) tokens grouped by expert
-    h = _grouped_linear(xs, gate_up, offs, counts)  # (N*k, 2I)
+    h = up(xs, offs, counts)  # (N*k, 2I)
     act = torch.empty(h.shape[0], inter, dtype=x.dtype, device=x.device)
     if h.shape[0]:
         block = min(1024, next_pow2(inter))
         _swiglu_kernel[(h.shape[0], triton.cdiv(inter, block))](
             h, act, inter, h.stride(0), act.stride(0), float(limit), BLOCK=block, num_warps=4
         )
-    y = _grouped_linear(act, down, offs, counts)  # (N*k, H)
+    y = down(act, offs, counts)  # (N*k, H)
     out = torch.empty_like(x)
     if n:
         block = min(1024, next_pow2(hidden))

@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import HAS_TRITON, dot_precision, mma, next_pow2, tl, triton, use_triton
+from kernels._common import (
+    HAS_TRITON,
+    dot_precision,
+    mma,
+    next_pow2,
+    tl,
+    triton,
+    use_triton,
+)
 
 BLOCK = 128  # the checkpoint's scale block
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -79,38 +87,17 @@ def moe_experts_fp8(
     limit: float,
 ) -> torch.Tensor:
     """``kernels.moe.moe_experts`` with FP8 block-scaled expert weights (module docstring)."""
-    from kernels.moe import _combine_kernel, _swiglu_kernel, moe_experts_reference
+    from kernels.moe import grouped_experts, moe_experts_reference
 
     if not use_triton(x):
         gu = dequantize_blocks(gate_up_q, gate_up_s, x.dtype)
         dn = dequantize_blocks(down_q, down_s, x.dtype)
         return moe_experts_reference(x, weights, indices, gu, dn, limit)
-    n, hidden = x.shape
-    k = indices.shape[1]
-    n_exp, two_i, _ = gate_up_q.shape
-    inter = two_i // 2
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_exp, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    xs = x.index_select(0, order // k)
-    h = fp8_grouped_linear(xs, gate_up_q, gate_up_s, offs)  # (N*k, 2I)
-    act = torch.empty(h.shape[0], inter, dtype=x.dtype, device=x.device)
-    if h.shape[0]:
-        block = min(1024, next_pow2(inter))
-        _swiglu_kernel[(h.shape[0], triton.cdiv(inter, block))](
-            h, act, inter, h.stride(0), act.stride(0), float(limit), BLOCK=block, num_warps=4
-        )
-    y = fp8_grouped_linear(act, down_q, down_s, offs)  # (N*k, H)
-    out = torch.empty_like(x)
-    if n:
-        block = min(1024, next_pow2(hidden))
-        _combine_kernel[(n, triton.cdiv(hidden, block))](
-            y, inv, weights, out, hidden, y.stride(0), weights.stride(0), out.stride(0),
-            K=k, BLOCK=block, num_warps=4,
-        )  # fmt: skip
-    return out
+    return grouped_experts(
+        x, weights, indices, gate_up_q.shape[0], gate_up_q.shape[1] // 2, limit,
+        lambda xs, offs, _counts: fp8_grouped_linear(xs, gate_up_q, gate_up_s, offs),
+        lambda act, offs, _counts: fp8_grouped_linear(act, down_q, down_s, offs),
+    )  # fmt: skip
 
 
 if HAS_TRITON:

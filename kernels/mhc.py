@@ -19,30 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.layers import mix_gates
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 
-
-def hc_mix_reference(
-    mixes: torch.Tensor,
-    scale: torch.Tensor,
-    base: torch.Tensor,
-    hc: int,
-    iters: int,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The math of ``HyperConnection.forward`` after its ``F.linear``. → pre, post, comb (fp32)."""
-    from engine.model.layers import sinkhorn
-
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-    pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = (
-        torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1)
-        + eps
-    )
-    return pre, post, sinkhorn(comb, iters, eps)
+hc_mix_reference = mix_gates  # the math of ``HyperConnection.forward`` after its ``F.linear``
 
 
 def hc_mix(

@@ -23,7 +23,7 @@ except ImportError:  # the eager path stays
 
 
 def _hc_mix(
-    mixes: np.ndarray, base: np.ndarray, scale: np.ndarray, hc: int, iters: int, hc_eps: float
+    mixes: np.ndarray, scale: np.ndarray, base: np.ndarray, hc: int, iters: int, hc_eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = mixes.shape[0]
     one, two = np.float32(1.0), np.float32(2.0)
@@ -102,7 +102,7 @@ def available() -> bool:
         ok = numba is not None
         if ok:
             try:
-                _hc_mix(np.zeros((1, 24), np.float32), np.zeros(24, np.float32), np.ones(3, np.float32), 4, 2, 1e-6)
+                _hc_mix(np.zeros((1, 24), np.float32), np.ones(3, np.float32), np.zeros(24, np.float32), 4, 2, 1e-6)
                 _rope(np.zeros((1, 1, 4), np.float32), np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32))
             except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
                 ok = False
@@ -111,12 +111,12 @@ def available() -> bool:
 
 
 def hc_mix(
-    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, hc_eps: float
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, hc_eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pre (N, hc)``, ``post (N, hc)``, ``comb (N, hc, hc)`` from ``mixes (N, (2+hc)·hc)``
-    (fp32 CPU tensors; see ``HyperConnection``)."""
+    """``layers.mix_gates`` in one loop: ``pre (N, hc)``, ``post (N, hc)``, ``comb (N, hc, hc)``
+    from ``mixes (N, (2+hc)·hc)`` (fp32 CPU tensors)."""
     pre, post, comb = _hc_mix(
-        mixes.detach().contiguous().numpy(), base.detach().numpy(), scale.detach().numpy(), hc, iters, hc_eps
+        mixes.detach().contiguous().numpy(), scale.detach().numpy(), base.detach().numpy(), hc, iters, hc_eps
     )
     return torch.from_numpy(pre), torch.from_numpy(post), torch.from_numpy(comb)
 

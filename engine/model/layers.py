@@ -92,16 +92,25 @@ class HyperConnection(nn.Module):
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)  # (N, hc*H)
         mixes = F.linear(flat, self.fn.float())  # (N, (2+hc)*hc)
         if self.fused and mixes.device.type == "cpu" and not mixes.requires_grad and cpu_fused.available():
-            pre, post, comb = cpu_fused.hc_mix(mixes, self.base, self.scale, hc, self.iters, self.hc_eps)
-            return post, comb, collapse(pre, streams)
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps  # (N, hc)
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)  # (N, hc)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + self.hc_eps
-        comb = sinkhorn(comb, self.iters, self.hc_eps)  # (N, hc, hc)
+            pre, post, comb = cpu_fused.hc_mix(mixes, self.scale, self.base, hc, self.iters, self.hc_eps)
+        else:
+            pre, post, comb = mix_gates(mixes, self.scale, self.base, hc, self.iters, self.hc_eps)
         return post, comb, collapse(pre, streams)
+
+
+def mix_gates(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC gates from ``mixes (N, (2+hc)*hc)`` (fp32): ``pre (N, hc)``, ``post (N, hc)`` and the
+    doubly-stochastic ``comb (N, hc, hc)`` (eager PyTorch; the reference of the fused versions
+    ``cpu_fused.hc_mix`` and ``kernels.mhc.hc_mix``)."""
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + eps
+    return pre, post, sinkhorn(comb, iters, eps)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -129,7 +138,9 @@ def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """New streams ``(N, hc, H)`` = post ⊗ block output + combᵀ @ old streams (one ``baddbmm``)."""
     if streams.is_cuda and streams.is_contiguous() and block_out.is_contiguous():
-        from kernels import fused  # one Triton kernel (prefill: the baddbmm ran a slow sm80 kernel)
+        from kernels import (
+            fused,  # one Triton kernel (prefill: the baddbmm ran a slow sm80 kernel)
+        )
 
         if fused.use_triton(streams):
             return fused.hc_merge(post, comb, block_out, streams)

@@ -37,8 +37,8 @@ def test_hc_mix_is_per_token() -> None:
     """A token's mixing does not depend on the other tokens of the batch."""
     mixes = torch.randn(9, 24)
     base, scale = torch.randn(24), torch.ones(3)
-    whole = cpu_fused.hc_mix(mixes, base, scale, 4, 20, 1e-6)
-    alone = cpu_fused.hc_mix(mixes[4:5], base, scale, 4, 20, 1e-6)
+    whole = cpu_fused.hc_mix(mixes, scale, base, 4, 20, 1e-6)
+    alone = cpu_fused.hc_mix(mixes[4:5], scale, base, 4, 20, 1e-6)
     for a, b in zip(whole, alone):
         assert torch.equal(a[4:5], b)
 

@@ -173,7 +173,6 @@ def grouped_experts(
     rows — each called as ``(rows, group end offsets, group counts)`` — the fused SwiGLU between
     them and the weighted combine after. No host sync anywhere (CUDA-graph capturable: CUDA
     bincount reads max() on the host, a scatter_add of ones does not)."""
-    n, hidden = x.shape
     k = indices.shape[1]
     flat = indices.reshape(-1)  # (N*k,)
     order = torch.argsort(flat, stable=True)  # (N*k,) sorted slot -> flat (token, j) slot
@@ -181,20 +180,32 @@ def grouped_experts(
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))  # flat slot -> sorted row
     xs = x.index_select(0, order // k)  # (N*k, H) tokens grouped by expert
-    h = up(xs, offs, counts)  # (N*k, 2I)
-    act = torch.empty(h.shape[0], inter, dtype=x.dtype, device=x.device)
+    act = swiglu_rows(up(xs, offs, counts), limit)  # (N*k, I)
+    return combine_rows(down(act, offs, counts), inv, weights, x)
+
+
+def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU of rows ``h (M, 2I)`` (gate | up) → ``(M, I)`` (Triton)."""
+    inter = h.shape[1] // 2
+    act = torch.empty(h.shape[0], inter, dtype=h.dtype, device=h.device)
     if h.shape[0]:
         block = min(1024, next_pow2(inter))
         _swiglu_kernel[(h.shape[0], triton.cdiv(inter, block))](
             h, act, inter, h.stride(0), act.stride(0), float(limit), BLOCK=block, num_warps=4
         )
-    y = down(act, offs, counts)  # (N*k, H)
+    return act
+
+
+def combine_rows(y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out[t] = Σ_j weights[t, j] · y[row_of_slot[t·k + j]]`` (fp32 sum in ``j`` order, Triton)
+    → ``(N, H)`` like ``x``."""
+    n, hidden = x.shape
     out = torch.empty_like(x)
     if n:
         block = min(1024, next_pow2(hidden))
         _combine_kernel[(n, triton.cdiv(hidden, block))](
-            y, inv, weights, out, hidden, y.stride(0), weights.stride(0), out.stride(0),
-            K=k, BLOCK=block, num_warps=4,
+            y, row_of_slot, weights, out, hidden, y.stride(0), weights.stride(0), out.stride(0),
+            K=weights.shape[1], BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from engine.model.layers import swiglu
 from engine.model.static_decode import StaticDecoder, bucket_for
-from kernels._common import next_pow2, triton, use_triton
+from kernels._common import use_triton
 
 
 def shard_experts(model, rank: int, world: int) -> None:
@@ -71,7 +71,7 @@ def _local_experts(rows: torch.Tensor, eid: torch.Tensor, ex) -> torch.Tensor:
     fp8 = getattr(ex, "fp8", None)
     grouped = use_triton(rows) and rows.dtype in (torch.bfloat16, torch.float16)
     if grouped and (fp8 is not None or rows.dtype == torch.bfloat16):
-        from kernels.moe import _grouped_linear, _swiglu_kernel
+        from kernels.moe import _grouped_linear, swiglu_rows
         from kernels.moe_fp8 import fp8_grouped_linear
 
         key = torch.where(eid < 0, n_loc, eid)
@@ -83,13 +83,7 @@ def _local_experts(rows: torch.Tensor, eid: torch.Tensor, ex) -> torch.Tensor:
             h = fp8_grouped_linear(xs, fp8[0], fp8[1], offs)
         else:
             h = _grouped_linear(xs, ex.gate_up_proj, offs, counts[:n_loc])
-        inter = h.shape[1] // 2
-        act = torch.empty(h.shape[0], inter, dtype=rows.dtype, device=rows.device)
-        if h.shape[0]:
-            block = min(1024, next_pow2(inter))
-            _swiglu_kernel[(h.shape[0], triton.cdiv(inter, block))](
-                h, act, inter, h.stride(0), act.stride(0), float(ex.limit), BLOCK=block, num_warps=4
-            )  # fmt: skip
+        act = swiglu_rows(h, ex.limit)
         if fp8 is not None:
             y = fp8_grouped_linear(act, fp8[2], fp8[3], offs)
         else:
@@ -157,18 +151,11 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, indices: 
     """``out[n] = Σ_j weights[n, j] · y[pos[n·k + j]]`` as one GPU combines: the Triton kernel
     (fp32 sum in ``j`` order) on CUDA bf16/fp16, else ``Experts.forward``'s weighted
     ``index_add_`` in ascending expert order."""
-    n, k = indices.shape
+    k = indices.shape[1]
     if use_triton(x) and x.dtype in (torch.bfloat16, torch.float16):
-        from kernels.moe import _combine_kernel
+        from kernels.moe import combine_rows
 
-        out = torch.empty_like(x)
-        if n:
-            hidden = x.shape[1]
-            block = min(1024, next_pow2(hidden))
-            _combine_kernel[(n, triton.cdiv(hidden, block))](
-                y, pos, weights, out, hidden, y.stride(0), weights.stride(0), out.stride(0), K=k, BLOCK=block, num_warps=4,
-            )  # fmt: skip
-        return out
+        return combine_rows(y, pos, weights, x)
     order = torch.argsort(indices.reshape(-1), stable=True)  # ascending expert, slot order within
     ys = (y.index_select(0, pos.index_select(0, order)) * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, order // k, ys)

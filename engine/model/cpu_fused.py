@@ -3,12 +3,15 @@ hundreds of tiny ops.
 
 At decode on CPU a batch holds a few to a few dozen tokens, and the mHC mixing of one layer
 (sigmoids, a 4×4 softmax, 20 Sinkhorn rounds) is ~120 PyTorch calls on ``(N, 4, 4)`` tensors:
-the dispatch costs, not the arithmetic (likewise the ~12 ops of a partial RoPE, ``rope``).
-``hc_mix`` does the same arithmetic in one compiled
-loop per token, in fp32, in transformers' order (row-wise softmax, then columns, then ``iters-1``
-rounds of rows and columns, each ``x / (sum + eps)``); only the rounding of ``exp`` may differ
-from PyTorch's vectorised one by an ulp. Every token is computed alone, so results do not depend
-on the batch. ``available()`` is False when numba is missing or fails: callers keep the eager path.
+the dispatch costs, not the arithmetic (likewise the ~12 ops of a partial RoPE, ``rope``, the
+~25 of a small MoE block, ``experts``, and the stream merge, ``hc_merge``).
+``hc_mix`` does the mHC arithmetic in fp32 in transformers' order (row-wise softmax, then
+columns, then ``iters-1`` rounds of rows and columns, each ``x / (sum + eps)``) with the token
+axis innermost, so it vectorises; only the rounding of ``exp`` may differ from PyTorch's by an
+ulp. The products (``collapse``, ``hc_merge``, the experts) stream along contiguous output
+axes and sum in a fixed order, so they differ from BLAS's summation order by rounding only.
+Every token is computed alone, so results do not depend on the batch. ``available()`` is False
+when numba is missing or fails: callers keep the eager path.
 """
 
 from __future__ import annotations
@@ -25,51 +28,149 @@ except ImportError:  # the eager path stays
 def _hc_mix(
     mixes: np.ndarray, scale: np.ndarray, base: np.ndarray, hc: int, iters: int, hc_eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pre ``(hc, N)``, post ``(N, hc)``, comb ``(hc_i, hc_j, N)``: every loop runs along the
+    token axis (contiguous), so the divisions and sums vectorise; per element the operations and
+    their order are those of one token alone."""
     n = mixes.shape[0]
     one, two = np.float32(1.0), np.float32(2.0)
     eps = np.float32(hc_eps)
-    pre = np.empty((n, hc), np.float32)
+    m = np.ascontiguousarray(mixes.T)  # (M, N)
+    pre = np.empty((hc, n), np.float32)
     post = np.empty((n, hc), np.float32)
-    comb = np.empty((n, hc, hc), np.float32)
+    c = np.empty((hc, hc, n), np.float32)
+    for s in range(hc):
+        for t in range(n):
+            pre[s, t] = one / (one + np.exp(-(m[s, t] * scale[0] + base[s]))) + eps
+            post[t, s] = two * (one / (one + np.exp(-(m[hc + s, t] * scale[1] + base[hc + s]))))
+    row_max = np.empty(n, np.float32)
+    total = np.empty(n, np.float32)
+    for i in range(hc):  # softmax over j, + eps
+        row_max[:] = -np.inf
+        for j in range(hc):
+            k = 2 * hc + i * hc + j
+            for t in range(n):
+                v = m[k, t] * scale[2] + base[k]
+                c[i, j, t] = v
+                row_max[t] = max(row_max[t], v)
+        total[:] = 0.0
+        for j in range(hc):
+            for t in range(n):
+                c[i, j, t] = np.exp(c[i, j, t] - row_max[t])
+                total[t] += c[i, j, t]
+        for j in range(hc):
+            for t in range(n):
+                c[i, j, t] = c[i, j, t] / total[t] + eps
+    _normalise(c, hc, eps, total, False)
+    for _ in range(iters - 1):
+        _normalise(c, hc, eps, total, True)
+        _normalise(c, hc, eps, total, False)
+    return pre, post, c
+
+
+def _normalise(c: np.ndarray, hc: int, eps: np.float32, total: np.ndarray, rows: bool) -> None:
+    """``x / (sum + eps)`` over each row (``rows``) or column of every token's ``c[:, :, t]``."""
+    n = c.shape[2]
+    for a in range(hc):
+        total[:] = 0.0
+        for b in range(hc):
+            i, j = (a, b) if rows else (b, a)
+            for t in range(n):
+                total[t] += c[i, j, t]
+        for t in range(n):
+            total[t] += eps
+        for b in range(hc):
+            i, j = (a, b) if rows else (b, a)
+            for t in range(n):
+                c[i, j, t] = c[i, j, t] / total[t]
+
+
+def _collapse(pre: np.ndarray, streams: np.ndarray) -> np.ndarray:
+    """``Σ_s pre[s, t] · streams[t, s, :]`` → ``(N, H)``, summed in stream order."""
+    n, hc, h = streams.shape
+    out = np.empty((n, h), np.float32)
     for t in range(n):
-        for s in range(hc):
-            pre[t, s] = one / (one + np.exp(-(mixes[t, s] * scale[0] + base[s]))) + eps
-            post[t, s] = two * (one / (one + np.exp(-(mixes[t, hc + s] * scale[1] + base[hc + s]))))
-        c = comb[t]
-        for i in range(hc):  # softmax over j, + eps
-            row_max = np.float32(-np.inf)
-            for j in range(hc):
-                k = 2 * hc + i * hc + j
-                v = mixes[t, k] * scale[2] + base[k]
-                c[i, j] = v
-                row_max = max(row_max, v)
-            total = np.float32(0.0)
-            for j in range(hc):
-                c[i, j] = np.exp(c[i, j] - row_max)
-                total += c[i, j]
-            for j in range(hc):
-                c[i, j] = c[i, j] / total + eps
-        _normalise_columns(c, hc, eps)
-        for _ in range(iters - 1):
-            for i in range(hc):  # rows
-                total = np.float32(0.0)
-                for j in range(hc):
-                    total += c[i, j]
-                total += eps
-                for j in range(hc):
-                    c[i, j] = c[i, j] / total
-            _normalise_columns(c, hc, eps)
-    return pre, post, comb
+        p = pre[0, t]
+        for k in range(h):
+            out[t, k] = p * streams[t, 0, k]
+        for s in range(1, hc):
+            p = pre[s, t]
+            for k in range(h):
+                out[t, k] += p * streams[t, s, k]
+    return out
 
 
-def _normalise_columns(c: np.ndarray, hc: int, eps: np.float32) -> None:
-    for j in range(hc):
-        total = np.float32(0.0)
+def _merge(post: np.ndarray, comb: np.ndarray, block: np.ndarray, streams: np.ndarray) -> np.ndarray:
+    """New streams ``out[t, i] = Σ_j comb[j, i, t] · streams[t, j] + post[t, i] · block[t]``
+    (``comb`` as ``(hc_j, hc_i, N)``; the mixing summed in stream order, then the block term)."""
+    n, hc, h = streams.shape
+    out = np.empty((n, hc, h), np.float32)
+    for t in range(n):
         for i in range(hc):
-            total += c[i, j]
-        total += eps
-        for i in range(hc):
-            c[i, j] = c[i, j] / total
+            w = comb[0, i, t]
+            for k in range(h):
+                out[t, i, k] = w * streams[t, 0, k]
+            for j in range(1, hc):
+                w = comb[j, i, t]
+                for k in range(h):
+                    out[t, i, k] += w * streams[t, j, k]
+            p = post[t, i]
+            for k in range(h):
+                out[t, i, k] += p * block[t, k]
+    return out
+
+
+def _experts(
+    x: np.ndarray, weights: np.ndarray, indices: np.ndarray, gate_up_t: np.ndarray, down_t: np.ndarray,
+    shared_gate_up_t: np.ndarray, shared_down_t: np.ndarray, limit: float,
+) -> np.ndarray:
+    """Routed experts plus the shared expert for a few tokens: ``x (N, H)``, ``weights/indices
+    (N, k)``, weights pre-transposed so every product streams along a contiguous output axis:
+    ``gate_up_t (E, H, 2I)``, ``down_t (E, I, H)``, shared ``(H, 2I')``, ``(I', H)``. Per token,
+    the chosen experts' weighted outputs are added in ascending expert order, then the shared
+    expert's output (``Experts.forward`` + ``SharedMLP.forward``)."""
+    n, h = x.shape
+    k = indices.shape[1]
+    out = np.zeros((n, h), np.float32)
+    y = np.empty(h, np.float32)
+    order = np.empty(k, np.int64)
+    for t in range(n):
+        for j in range(k):
+            order[j] = j
+        for a in range(1, k):  # stable insertion sort of the k slots by expert id
+            b = a
+            while b > 0 and indices[t, order[b - 1]] > indices[t, order[b]]:
+                order[b - 1], order[b] = order[b], order[b - 1]
+                b -= 1
+        for j in range(k):
+            e = indices[t, order[j]]
+            _mlp(x[t], gate_up_t[e], down_t[e], limit, y)
+            w = weights[t, order[j]]
+            for c in range(h):
+                out[t, c] += y[c] * w
+        _mlp(x[t], shared_gate_up_t, shared_down_t, limit, y)
+        for c in range(h):
+            out[t, c] += y[c]
+    return out
+
+
+def _mlp(x: np.ndarray, gate_up_t: np.ndarray, down_t: np.ndarray, limit: float, y: np.ndarray) -> None:
+    """``y = down(silu(min(gate, limit)) · clamp(up, ±limit))`` for one token; ``gate_up_t (H, 2I)``
+    (gate columns first), ``down_t (I, H)``."""
+    two_i = gate_up_t.shape[1]
+    i_dim = two_i // 2
+    lim = np.float32(limit)
+    gu = np.zeros(two_i, np.float32)
+    for c in range(x.shape[0]):
+        v = x[c]
+        for o in range(two_i):
+            gu[o] += v * gate_up_t[c, o]
+    y[:] = 0.0
+    for o in range(i_dim):
+        g = min(gu[o], lim)
+        u = min(max(gu[i_dim + o], -lim), lim)
+        act = g / (np.float32(1.0) + np.exp(-g)) * u
+        for c in range(y.shape[0]):
+            y[c] += act * down_t[o, c]
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -89,8 +190,12 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 if numba is not None:
-    _normalise_columns = numba.njit(cache=True, nogil=True)(_normalise_columns)
+    _normalise = numba.njit(cache=True, nogil=True)(_normalise)
     _hc_mix = numba.njit(cache=True, nogil=True)(_hc_mix)
+    _collapse = numba.njit(cache=True, nogil=True)(_collapse)
+    _merge = numba.njit(cache=True, nogil=True)(_merge)
+    _mlp = numba.njit(cache=True, nogil=True)(_mlp)
+    _experts = numba.njit(cache=True, nogil=True)(_experts)
     _rope = numba.njit(cache=True, nogil=True)(_rope)
 
 _state = {"ok": None}
@@ -102,7 +207,11 @@ def available() -> bool:
         ok = numba is not None
         if ok:
             try:
-                _hc_mix(np.zeros((1, 24), np.float32), np.ones(3, np.float32), np.zeros(24, np.float32), 4, 2, 1e-6)
+                pre, post, comb = _hc_mix(np.zeros((1, 24), np.float32), np.ones(3, np.float32), np.zeros(24, np.float32), 4, 2, 1e-6)
+                streams = np.zeros((1, 4, 8), np.float32)
+                _merge(post, comb, _collapse(pre, streams), streams)
+                w = np.zeros((1, 8, 2), np.float32)
+                _experts(np.zeros((1, 8), np.float32), np.ones((1, 1), np.float32), np.zeros((1, 1), np.int64), w, w.transpose(0, 2, 1).copy(), w[0], w[0].T.copy(), 1.0)
                 _rope(np.zeros((1, 1, 4), np.float32), np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32))
             except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
                 ok = False
@@ -110,15 +219,52 @@ def available() -> bool:
     return bool(_state["ok"])
 
 
+def usable(x: torch.Tensor) -> bool:
+    """True when ``x`` is an fp32 CPU tensor without grad and the compiled loops run here."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad and available()
+
+
 def hc_mix(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, hc_eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``layers.mix_gates`` in one loop: ``pre (N, hc)``, ``post (N, hc)``, ``comb (N, hc, hc)``
-    from ``mixes (N, (2+hc)·hc)`` (fp32 CPU tensors)."""
-    pre, post, comb = _hc_mix(
-        mixes.detach().contiguous().numpy(), scale.detach().numpy(), base.detach().numpy(), hc, iters, hc_eps
-    )
-    return torch.from_numpy(pre), torch.from_numpy(post), torch.from_numpy(comb)
+    """``layers.mix_gates`` in one compiled call: ``pre (N, hc)``, ``post (N, hc)``, ``comb (N,
+    hc, hc)`` (a view of an ``(hc, hc, N)`` array) from ``mixes (N, (2+hc)·hc)`` (fp32 CPU)."""
+    pre, post, comb = _hc_mix(mixes.contiguous().numpy(), scale.detach().numpy(), base.detach().numpy(), hc, iters, hc_eps)
+    return torch.from_numpy(pre).t(), torch.from_numpy(post), torch.from_numpy(comb).permute(2, 0, 1)
+
+
+def hc_pre(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, streams: torch.Tensor, iters: int, hc_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_mix`` then ``layers.collapse``: ``post (N, hc)``, ``comb (N, hc, hc)`` and the block
+    input ``(N, H)`` from fp32 CPU ``mixes`` and ``streams (N, hc, H)``."""
+    hc = streams.shape[1]
+    pre, post, comb = _hc_mix(mixes.contiguous().numpy(), scale.detach().numpy(), base.detach().numpy(), hc, iters, hc_eps)
+    x = _collapse(pre, streams.contiguous().numpy())
+    return torch.from_numpy(post), torch.from_numpy(comb).permute(2, 0, 1), torch.from_numpy(x)
+
+
+def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """``layers.hc_merge`` for fp32 CPU tensors in one compiled loop (``comb (N, hc, hc)``)."""
+    c = comb.permute(1, 2, 0)  # (hc_j, hc_i, N): contiguous when comb came from hc_mix/hc_pre
+    return torch.from_numpy(_merge(post.contiguous().numpy(), c.contiguous().numpy(), block_out.contiguous().numpy(), streams.contiguous().numpy()))
+
+
+def experts(
+    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, packed: tuple[np.ndarray, ...], limit: float
+) -> torch.Tensor:
+    """Routed + shared experts of a few fp32 CPU tokens in one compiled loop; ``packed`` from
+    ``pack_experts``."""
+    out = _experts(x.contiguous().numpy(), weights.float().contiguous().numpy(), indices.contiguous().numpy(), *packed, limit)
+    return torch.from_numpy(out)
+
+
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """The transposed copies ``experts`` streams over (a second copy of the expert weights)."""
+    def t(w: torch.Tensor) -> np.ndarray:
+        return np.ascontiguousarray(w.detach().float().transpose(-1, -2).numpy())
+
+    return t(gate_up), t(down), t(torch.cat([shared_gate, shared_up])), t(shared_down)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -91,10 +91,9 @@ class HyperConnection(nn.Module):
         hc = self.hc
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)  # (N, hc*H)
         mixes = F.linear(flat, self.fn.float())  # (N, (2+hc)*hc)
-        if self.fused and mixes.device.type == "cpu" and not mixes.requires_grad and cpu_fused.available():
-            pre, post, comb = cpu_fused.hc_mix(mixes, self.scale, self.base, hc, self.iters, self.hc_eps)
-        else:
-            pre, post, comb = mix_gates(mixes, self.scale, self.base, hc, self.iters, self.hc_eps)
+        if self.fused and cpu_fused.usable(streams) and not mixes.requires_grad:
+            return cpu_fused.hc_pre(mixes, self.scale, self.base, streams, self.iters, self.hc_eps)
+        pre, post, comb = mix_gates(mixes, self.scale, self.base, hc, self.iters, self.hc_eps)
         return post, comb, collapse(pre, streams)
 
 
@@ -135,8 +134,13 @@ def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return torch.bmm(pre.unsqueeze(1), streams.float()).squeeze(1).to(streams.dtype)
 
 
-def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """New streams ``(N, hc, H)`` = post ⊗ block output + combᵀ @ old streams (one ``baddbmm``)."""
+def hc_merge(
+    post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor, fused: bool = True
+) -> torch.Tensor:
+    """New streams ``(N, hc, H)`` = post ⊗ block output + combᵀ @ old streams (one ``baddbmm``;
+    ``fused``: one compiled loop on fp32 CPU tensors, ``cpu_fused.hc_merge``)."""
+    if fused and cpu_fused.usable(streams) and block_out.dtype == torch.float32:
+        return cpu_fused.hc_merge(post, comb, block_out, streams)
     if streams.is_cuda and streams.is_contiguous() and block_out.is_contiguous():
         from kernels import (
             fused,  # one Triton kernel (prefill: the baddbmm ran a slow sm80 kernel)

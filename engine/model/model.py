@@ -52,9 +52,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)  # streams (N, hc, H)
         attn = self.self_attn(self.input_layernorm(x), positions, rope, rotary, seqs)
-        streams = hc_merge(post, comb, attn, streams)
+        streams = hc_merge(post, comb, attn, streams, self.attn_hc.fused)
         post, comb, x = self.ffn_hc(streams)
-        return hc_merge(post, comb, self.mlp(self.post_attention_layernorm(x), token_ids), streams)
+        return hc_merge(post, comb, self.mlp(self.post_attention_layernorm(x), token_ids), streams, self.ffn_hc.fused)
 
 
 class DeepseekV4Model(nn.Module):
@@ -98,7 +98,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Turn the exact fast paths (batched decode attention, ...) on or off (tests compare both)."""
         for layer in self.model.layers:
             layer.self_attn.fast_decode = enabled
-            layer.attn_hc.fused = layer.ffn_hc.fused = enabled
+            layer.attn_hc.fused = layer.ffn_hc.fused = layer.mlp.fused = enabled
 
     def new_state(self) -> SequenceState:
         """An empty state for a new sequence, on the model's device and dtype."""

@@ -12,10 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import cpu_fused
 from engine.model.config import ModelConfig
 from engine.model.layers import SharedMLP, swiglu
 
 DENSE_MACS = 1 << 23  # CPU: run all experts densely while that costs at most this many MACs
+FUSED_TOKENS = 64  # CPU: at most this many tokens go through the compiled experts loop
+FUSED_BYTES = 64 << 20  # ... when the experts' weights (copied transposed for it) fit in this
 
 
 def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -129,7 +132,27 @@ class MoE(nn.Module):
         self.gate = Router(cfg, cfg.mlp_layer_types[layer_idx] == "hash_moe", dtype)
         self.experts = Experts(cfg, dtype)
         self.shared_experts = SharedMLP(cfg, dtype)
+        self.fused = True  # CPU decode: routed + shared experts in one compiled loop (cpu_fused)
+        self._packed: tuple | None = None
+        self._packed_key: tuple[tuple[int, int], ...] | None = None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x, token_ids)
+        packed = self._fused_weights(x)
+        if packed is not None:
+            return cpu_fused.experts(x, weights, indices, packed, self.experts.limit)
         return self.experts(x, weights, indices) + self.shared_experts(x)
+
+    def _fused_weights(self, x: torch.Tensor) -> tuple | None:
+        """The transposed weights of ``cpu_fused.experts`` when it should run ``x``: a few fp32
+        CPU tokens, small experts; rebuilt whenever a weight changes (loaders ``copy_`` in)."""
+        if not (self.fused and x.shape[0] <= FUSED_TOKENS and cpu_fused.usable(x)):
+            return None
+        ex, sh = self.experts, self.shared_experts
+        params = (ex.gate_up_proj, ex.down_proj, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
+        if any(p.dtype != torch.float32 for p in params) or sum(p.numel() for p in params) * 4 > FUSED_BYTES:
+            return None
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if key != self._packed_key:
+            self._packed, self._packed_key = cpu_fused.pack_experts(*params), key
+        return self._packed

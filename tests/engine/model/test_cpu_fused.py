@@ -55,3 +55,16 @@ def test_rope_matches_eager_bitwise(shape: tuple[int, ...]) -> None:
     view = x.transpose(0, 1) if len(shape) > 2 else x  # a non-contiguous input
     a = torch.rand(view.shape[0], 4, generator=g) * 6
     assert torch.equal(cpu_fused.rope(view, a.cos(), a.sin()), apply_rope_eager(view, a.cos(), a.sin()))
+
+
+@pytest.mark.parametrize("n", [1, 5, 130])
+def test_hc_merge_matches_eager_and_is_per_token(n: int) -> None:
+    from engine.model.layers import hc_merge
+
+    g = torch.Generator().manual_seed(n)
+    mixes, base, scale = torch.randn(n, 24, generator=g), torch.randn(24, generator=g), torch.ones(3)
+    _, post, comb = cpu_fused.hc_mix(mixes, scale, base, 4, 20, 1e-6)
+    streams, block = torch.randn(n, 4, 32, generator=g), torch.randn(n, 32, generator=g)
+    fused = hc_merge(post, comb, block, streams)
+    torch.testing.assert_close(fused, hc_merge(post, comb, block, streams, fused=False), rtol=1e-5, atol=1e-6)
+    assert torch.equal(fused[n // 2 : n // 2 + 1], hc_merge(post[n // 2 : n // 2 + 1], comb[n // 2 : n // 2 + 1], block[n // 2 : n // 2 + 1], streams[n // 2 : n // 2 + 1]))

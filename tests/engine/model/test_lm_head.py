@@ -37,14 +37,30 @@ def test_bound_holds_and_argmax_is_exact(vocab: int, transposed: bool) -> None:
             x[:, int(torch.randint(0, 64, (1,), generator=g))] *= 25
         screen = head._screener(x)
         assert screen is not None
-        acc, bound = screen.screen(x)
+        qx, bound = screen.quantize(x)
+        acc = qx @ screen.qt.double()  # (B, V) the integer products the screen's GEMM computes
         xd = x.double()
         unit = xd.abs().amax(1) / 127 * screen.step  # (B,) value of one integer unit
         exact = xd @ head.linear.weight.detach().double().t()
-        err = (acc.double() * unit.unsqueeze(1) - exact).abs().amax(1)
+        err = (acc * unit.unsqueeze(1) - exact).abs().amax(1)
         assert bool((err <= bound * unit).all()), f"trial {trial}: error {err} over bound {bound * unit}"
         assert torch.equal(head.argmax(x), exact_argmax(head, x)), f"trial {trial}"
     assert head.screened_rows > 0
+
+
+@pytest.mark.parametrize("top", [1.0, 50.0, 1e9])  # every column saturated; some; a coarse range
+def test_uint8_range_saturated_or_coarse_stays_exact(top: float) -> None:
+    g = torch.Generator().manual_seed(2)
+    head = head_with(torch.randn(6000, 48, generator=g) * 0.03)
+    x = torch.randn(6, 48, generator=g)
+    screen = head._screener(x)
+    assert screen is not None and screen.packed is not None
+    for _ in range(3):  # the forced range, then the adapted ones
+        screen.top = top
+        y, _ = screen.screen(x)
+        assert y.dtype == torch.uint8
+        assert torch.equal(head.argmax(x), exact_argmax(head, x))
+        top = screen.top or top
 
 
 def test_ties_pick_the_lowest_id_like_argmax() -> None:

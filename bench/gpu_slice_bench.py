@@ -177,24 +177,94 @@ def time_static(dec, batch: int, base, nxt, iters: int) -> tuple[float, float]:
     return t_step, t_replay
 
 
+_ANNOTATED = False
+
+
+def annotate_modules() -> None:
+    """Wrap the model's parts in ``record_function`` ranges (``ds:...``), so a profile can be read
+    by module: mHC, attention's projections / compressors / indexer / attention core, MoE parts."""
+    global _ANNOTATED
+    if _ANNOTATED:
+        return
+    _ANNOTATED = True
+    import functools
+
+    from torch.profiler import record_function
+
+    from engine.model import attention as attn_mod
+    from engine.model import layers as layers_mod
+    from engine.model import model as model_mod
+    from engine.model import moe as moe_mod
+
+    def wrap(owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            with record_function("ds:" + label):
+                return fn(*a, **k)
+
+        setattr(owner, name, inner)
+
+    wrap(layers_mod.HyperConnection, "forward", "hc_pre")
+    wrap(model_mod, "hc_merge", "hc_merge")
+    wrap(attn_mod.Attention, "forward", "attn")
+    wrap(attn_mod.Attention, "_project", "attn.project")
+    wrap(attn_mod.Attention, "_chunk_windows", "attn.window")
+    wrap(attn_mod.Compressor, "update", "attn.compress")
+    wrap(attn_mod.Indexer, "topk_rows", "attn.indexer")
+    wrap(attn_mod, "attend_with_sinks", "attn.core")
+    wrap(moe_mod.MoE, "forward", "moe")
+    wrap(moe_mod.Router, "forward", "moe.route")
+    wrap(moe_mod.Experts, "forward", "moe.experts")
+    wrap(layers_mod.SharedMLP, "forward", "moe.shared")
+    wrap(layers_mod.HyperHead, "forward", "head.hc")
+    from kernels import fused as fk
+    from kernels import prefill as kp
+
+    wrap(kp, "hc_pre_norm", "hc_pre")  # the Triton path (CUDA bf16) calls these instead
+    wrap(kp, "prefill_attention", "attn.core")
+    wrap(kp, "prefill_topk", "attn.indexer")
+    wrap(fk, "norm_rope", "norm_rope")
+
+
 def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
-    """CUDA kernels of one ``n``-token general-path prefill, by total time (where prefill goes)."""
+    """CUDA kernels of one ``n``-token general-path prefill, by total time (where prefill goes),
+    plus the time per annotated module (``annotate_modules``)."""
     from torch.profiler import ProfilerActivity, profile
 
+    annotate_modules()
     ids = torch.randint(2, vocab, (n,)).tolist()
     model([(model.new_state(), ids)])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    _sync()
+    t0 = time.perf_counter()
+    model([(model.new_state(), ids)])
+    _sync()
+    wall = time.perf_counter() - t0
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
         model([(model.new_state(), ids)])
-        torch.cuda.synchronize()
+        _sync()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     total = sum(e.device_time for e in events)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    head = f"prefill {n}: {len(events)} kernels, {total / 1e3:.2f} ms of kernel time"
-    print(head)
-    print(table)
+    kern: dict[str, list[float]] = {}
+    for e in events:
+        k = kern.setdefault(e.name[:90], [0.0, 0])
+        k[0] += e.device_time
+        k[1] += 1
+    lines = [f"prefill {n}: wall {wall * 1e3:.2f} ms (unprofiled), {len(events)} kernels, {total / 1e3:.2f} ms of kernel time", "", "by module (device time of the kernels launched inside; nested ranges overlap):"]
+    mods = [e for e in prof.key_averages() if e.key.startswith("ds:")]
+    mods.sort(key=lambda e: -e.device_time_total)
+    for e in mods:
+        lines.append(f"  {e.key:34s} {e.count:6d} calls {e.device_time_total / 1e3:9.2f} ms  cpu {e.cpu_time_total / 1e3:9.2f} ms")
+    lines += ["", "kernels by total device time:"]
+    for name, (t, c) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:40]:
+        lines.append(f"  {t / 1e3:9.2f} ms {c:6d}x  {name}")
+    table = prof.key_averages().table(sort_by="cuda_time_total" if events else "cpu_time_total", row_limit=40, max_name_column_width=70)
+    text = "\n".join(lines)
+    print(text, flush=True)
     with open(f"{out_prefix}_prefill{n}.txt", "w") as f:
-        f.write(head + "\n" + table)
+        f.write(text + "\n\n" + table)
 
 
 def fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows) -> None:
@@ -254,7 +324,8 @@ def main() -> None:
     ap.add_argument("--no-plain", action="store_true", help="skip the unfused static step rows")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-expert static step rows")
     ap.add_argument("--no-unmerged", action="store_true", help="skip the one-GEMM-per-projection static step rows")
-    ap.add_argument("--profile-prefill", type=int, default=0, help="profile one prefill of this many tokens")
+    ap.add_argument("--profile-prefill", default="", help="profile one prefill of each of these many tokens (comma list)")
+    ap.add_argument("--attn-tune", default="", help="prefill attention variants 'block_h,block_n,warps,stages;...'")
     ap.add_argument(
         "--small",
         action="store_true",
@@ -446,11 +517,27 @@ def main() -> None:
             fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows)
         except Exception:  # noqa: BLE001 - keep the other rows
             traceback.print_exc()
-    if cuda and args.profile_prefill:
-        try:
-            profile_prefill(ours, args.profile_prefill, vocab, args.profile or "prof")
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+    if args.profile_prefill:
+        for n in [int(x) for x in str(args.profile_prefill).split(",") if x]:
+            try:
+                profile_prefill(ours, n, vocab, args.profile or "prof")
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    if args.attn_tune:  # prefill attention kernel variants: 8K prefill per variant
+        from kernels import prefill as kp
+
+        ids = torch.randint(2, vocab, (8192,)).tolist()
+        for spec in args.attn_tune.split(";"):
+            bh, bn, nw, ns = (int(v) for v in spec.split(","))
+            kp.ATTN_TUNE.clear()
+            kp.ATTN_TUNE.update(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+            try:
+                t = _sync_time(lambda: ours([(ours.new_state(), ids)]), 1, 3)
+                print(f"attn tune block_h={bh} block_n={bn} warps={nw} stages={ns}: prefill 8192 {t * 1e3:.2f} ms", flush=True)
+                rows.append({"what": f"attn tune {spec}", "prefill8192_ms": t * 1e3})
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+        kp.ATTN_TUNE.clear()
     for n in [int(x) for x in args.prefill.split(",") if x]:
         ids = torch.randint(2, vocab, (1, n), device=device)
         flops = prefill_flops(cfg, n)
@@ -483,6 +570,8 @@ def main() -> None:
         f"{'case':34s} {'ours ms':>9s} {'run4-step':>9s} {'graph ms':>9s} {'replay ms':>9s} {'hf ms':>8s} {'floor ms':>9s} {'graph/floor':>11s} {'hf/graph':>8s} {'rel err':>8s} {'argmax':>6s}"
     )
     for r in rows:
+        if "transformers_ms" not in r:
+            continue
         hf_ms = "-" if r["transformers_ms"] is None else f"{r['transformers_ms']:.2f}"
         if "graph_ms" in r:
             vs = (

@@ -179,6 +179,9 @@ class Attention(nn.Module):
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         self.fast_decode = True  # batch single-token chunks through attend_decode (decode.py)
+        # Triton prefill (kernels/prefill.py, fused norm+RoPE): None = on CUDA in bf16/fp16,
+        # True = wherever Triton runs (CUDA, or its CPU interpreter), False = never
+        self.fast_prefill: bool | None = None
         self.compressor: Compressor | None = None
         if self.layer_type != SLIDING:
             rate = cfg.compress_rate(self.layer_type)
@@ -213,6 +216,8 @@ class Attention(nn.Module):
         """
         n = x.shape[0]
         cos, sin = rope
+        if self.use_fast_prefill(x):
+            return self._forward_fast(x, positions, rope, rotary, seqs)
         p = self._project(x, rope)
         decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
         if len(decode) == n:  # every token is a decode token, rows in batch order
@@ -229,6 +234,93 @@ class Attention(nn.Module):
         out = apply_rope(out, cos, -sin)  # undo the rotation values picked up as keys
         grouped = self.o_a_proj(out.reshape(n, self.o_groups, -1)).flatten(1)  # (N, G*o_lora)
         return self.o_b_proj(grouped)
+
+    def use_fast_prefill(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` takes the Triton path (``fast_prefill``; CPU stays on the exact path)."""
+        if self.fast_prefill is False or not (x.is_cuda or x.device.type == "cpu" and self.fast_prefill):
+            return False
+        from kernels._common import use_triton
+
+        return use_triton(x) and (self.fast_prefill is True or x.dtype in (torch.bfloat16, torch.float16))
+
+    def _forward_fast(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: Rotary,
+        seqs: list[SeqSlice],
+    ) -> torch.Tensor:
+        """``forward`` through Triton: fused head norm + RoPE, flash attention over each query's
+        window and compressed rows, fused indexer scores (``kernels.prefill``)."""
+        from kernels import fused as fk
+
+        n = x.shape[0]
+        cos, sin = rope
+        at = torch.arange(n, device=x.device)  # row of each token in the cos/sin tables
+        p = self._project_fast(x, rope, at)
+        decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
+        if len(decode) == n:
+            out = attend_decode(self, decode, p, None, rotary)
+        elif len(seqs) == 1 and not decode:
+            out = self._attend_sequence_fast(seqs[0], p, positions, rotary)
+        else:
+            out = torch.empty_like(p.q)
+            if decode:
+                rows = torch.tensor([s.start for s in decode], device=x.device)
+                out[rows] = attend_decode(self, decode, p, rows, rotary)
+            batched = {id(s) for s in decode}
+            for s in seqs:
+                if id(s) not in batched:
+                    out[s.start : s.end] = self._attend_sequence_fast(s, p, positions, rotary)
+        out = fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0)  # undo the values' rotation
+        grouped = self.o_a_proj(out.view(n, self.o_groups, -1)).flatten(1)
+        return self.o_b_proj(grouped)
+
+    def _project_fast(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], at: torch.Tensor) -> Projected:
+        """``_project`` with the head norms and RoPE as one Triton pass each (``fused.norm_rope``)."""
+        from kernels import fused as fk
+
+        n = x.shape[0]
+        cos, sin = rope
+        q_res = self.q_a_norm(self.q_a_proj(x))  # (N, qr)
+        q = fk.norm_rope(self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim), None, 2, self.eps, cos, sin, at)
+        kv = fk.norm_rope(self.kv_proj(x)[:, None], self.kv_norm.weight, 1, self.kv_norm.eps, cos, sin, at)[:, 0]
+        comp_kv = comp_gate = idx_kv = idx_gate = idx_q = idx_w = None
+        if self.compressor is not None:
+            comp_kv, comp_gate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
+        idx = self.indexer
+        if idx is not None:
+            idx_kv, idx_gate = idx.kv_proj(x), idx.gate_proj(x)
+            idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, at)
+            idx_w = idx.scorer.weights_proj(x)  # (N, Hi)
+        return Projected(q, kv, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
+
+    def _attend_sequence_fast(self, s: SeqSlice, p: Projected, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """``_attend_sequence`` through ``kernels.prefill``: no score tensor, no per-tile loop."""
+        from kernels import prefill as kp
+
+        a, b, st = s.start, s.end, s.state
+        kv = p.kv[a:b]
+        keep = self.window - 1
+        prev = st.swa[max(0, st.swa.shape[0] - keep) :]
+        pad = keep - prev.shape[0]
+        keys = torch.cat([kv.new_zeros(pad, kv.shape[-1]), prev, kv])  # (W-1+S, D), as _chunk_windows
+        real = min(prev.shape[0] + kv.shape[0], keep)
+        st.swa = keys[keys.shape[0] - real :].clone()
+        rows = row_len = top = None
+        idx = self.indexer
+        if self.compressor is not None:
+            self.compressor.update(st.comp, p.comp_kv[a:b], p.comp_gate[a:b], rotary)
+            if idx is not None:
+                idx.update(st.index, p.idx_kv[a:b], p.idx_gate[a:b], rotary)
+            if st.comp.rows.shape[0]:
+                rows = st.comp.rows  # (T, D)
+                row_len = torch.div(positions[a:b] + 1, self.compressor.rate, rounding_mode="floor")
+                if idx is not None:
+                    scale = idx.softmax_scale * idx.weights_scaling
+                    top = kp.prefill_topk(p.idx_q[a:b], p.idx_w[a:b], st.index.rows, row_len, idx.topk, scale)
+        return kp.prefill_attention(p.q[a:b], keys, pad, self.sinks, self.window, rows, row_len, top, self.scaling)
 
     def _project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Projected:
         n = x.shape[0]

@@ -50,6 +50,14 @@ class DecoderLayer(nn.Module):
         rotary: Rotary,
         seqs: list[SeqSlice],
     ) -> torch.Tensor:
+        if self.self_attn.use_fast_prefill(streams):  # CUDA bf16/fp16: Triton mHC input + norm
+            from kernels import prefill as kp
+
+            post, comb, x = kp.hc_pre_norm(self.attn_hc, self.input_layernorm, streams)
+            attn = self.self_attn(x, positions, rope, rotary, seqs)
+            streams = hc_merge(post, comb, attn, streams)
+            post, comb, x = kp.hc_pre_norm(self.ffn_hc, self.post_attention_layernorm, streams)
+            return hc_merge(post, comb, self.mlp(x, token_ids), streams)
         post, comb, x = self.attn_hc(streams)  # streams (N, hc, H)
         attn = self.self_attn(self.input_layernorm(x), positions, rope, rotary, seqs)
         streams = hc_merge(post, comb, attn, streams, self.attn_hc.fused)

@@ -1,0 +1,260 @@
+"""Prefill pieces of DeepSeek-V4's general path on the GPU: attention, indexer top-k, mHC input.
+
+The general path (``engine.model.attention``) computes prefill attention with materialised
+scores per 512-query tile, the CSA indexer as an fp32 ``(S, Hi, T)`` product, and the mHC input
+mix with fp32 copies of the streams. On CUDA (bf16/fp16 by default) it calls these instead:
+
+``prefill_attention``: every query ``i`` of a chunk attends, with per-head sinks, over
+
+- its window: ``keys[max(i, pad) : i + W]`` of the padded chunk keys ``keys (W-1+S, D)`` (the
+  previous ``W-1`` key rows of the sequence, left-padded with ``pad`` rows that are never read,
+  then the chunk's own keys; row ``i + W - 1`` is query ``i``'s own key), and
+- its compressed rows ``rows (T, D)``: the first ``row_len[i]`` (HCA), or the ones ``row_idx[i]``
+  names (CSA top-k, local indices, ``-1`` = none, each ``< row_len[i]``).
+
+It is flash attention over a per-query virtual key list, the kernel of ``kernels.decode_attention``
+(one program per query and block of heads, online softmax in fp32, keys gathered by pointer): the
+window is handed over as a strided ``unfold`` view of ``keys`` (slot ``max(i, pad)``, ``swa_len``
+the count of real keys), so no ``(S, W, D)`` copy and no score tensor is ever built.
+
+``prefill_topk``: the indexer's top-k rows of every query, scores by ``kernels.indexer``'s fused
+kernel (``(Hi, Di) × (Di, BT)`` dot, relu, weighted head sum; the ``(S, Hi, T)`` logits never
+reach memory), then ``torch.topk``; queries in tiles so that the ``(S, T)`` fp32 scores stay small.
+
+``hc_pre_norm``: ``HyperConnection`` + the block's input ``RMSNorm``: the ``(N, hc·H) × (hc·H, M)``
+mix and the sum of squares as blocked dots over ``BM`` tokens (the static step's
+``hc_pre_parts`` re-reads ``fn`` per token, which costs ~2 ms at 8K tokens; the fp32 dot runs as
+``tf32x3`` on the tensor cores, ~fp32 accuracy: plain ``ieee`` FMA dots took 1.3 ms per call), then
+``kernels.mhc.hc_mix_parts`` (gates + Sinkhorn) and ``kernels.fused.collapse_norm``.
+
+Each has a PyTorch reference (the general path's math); off CUDA without the interpreter the
+public functions run those.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import HAS_TRITON, INTERPRET, next_pow2, tl, triton, use_triton
+
+INDEXER_QUERY_TILE = 4096  # queries per indexer scoring call: (4096, T) fp32 scores
+ATTN_TUNE: dict = {}
+_HC_PRECISION = "ieee" if INTERPRET else "tf32x3"  # block_h / block_n / num_warps / num_stages for the attention kernel (bench sweeps)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+def prefill_attention_reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    pad: int,
+    sinks: torch.Tensor,
+    window: int,
+    rows: torch.Tensor | None = None,
+    row_len: torch.Tensor | None = None,
+    row_idx: torch.Tensor | None = None,
+    scale: float | None = None,
+    tile: int = 512,
+) -> torch.Tensor:
+    """``attend_with_sinks`` per tile of queries, as ``Attention._attend_sequence`` calls it.
+    ``q (S, H, D)``, ``keys (W-1+S, D)`` → ``(S, H, D)``."""
+    from engine.model.attend import attend_with_sinks, hide
+
+    s, _, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    win = keys.unfold(0, window, 1).transpose(1, 2)  # (S, W, D)
+    i = torch.arange(s, device=q.device)[:, None]
+    j = torch.arange(window, device=q.device)[None, :]
+    win_bias = hide(i + j < pad, q.dtype) if pad else None
+    out = torch.empty_like(q)
+    for t0 in range(0, s, tile):
+        t = slice(t0, min(t0 + tile, s))
+        extra = extra_bias = None
+        if rows is not None and rows.shape[0]:
+            if row_idx is None:
+                vis = torch.arange(rows.shape[0], device=q.device)[None, :] < row_len[t, None]
+                extra, extra_bias = rows, hide(~vis, q.dtype)
+            else:
+                idx = row_idx[t].long()
+                ok = (idx >= 0) & (idx < row_len[t, None])
+                extra, extra_bias = rows[idx.clamp(min=0)], hide(~ok, q.dtype)
+        wb = None if win_bias is None else win_bias[t]
+        out[t] = attend_with_sinks(q[t], win[t], wb, extra, extra_bias, sinks, scale)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    pad: int,
+    sinks: torch.Tensor,
+    window: int,
+    rows: torch.Tensor | None = None,
+    row_len: torch.Tensor | None = None,
+    row_idx: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Prefill attention of one chunk (layout in the module docstring). → ``(S, H, D)``.
+
+    ``row_len (S,)`` int: rows visible to each query (HCA: the first ``row_len``; CSA: the bound
+    of ``row_idx (S, K)``). No host sync."""
+    if not use_triton(q):
+        return prefill_attention_reference(q, keys, pad, sinks, window, rows, row_len, row_idx, scale)
+    from kernels.decode_attention import decode_attention
+
+    s = q.shape[0]
+    assert keys.shape[0] == window - 1 + s and keys.stride(-1) == 1
+    win = keys.unfold(0, window, 1).transpose(1, 2)  # (S, W, D) view: win[i, j] = keys[i + j]
+    i = torch.arange(s, device=q.device, dtype=torch.int32)
+    slot = torch.clamp(i, min=pad)  # first real key of query i
+    swa_len = i + window - slot
+    tune = dict(ATTN_TUNE)
+    if not tune and q.dtype != torch.float32 and q.shape[1] >= 64:
+        # all 64 heads of a query per program (each key tile loaded once per query, M=64 dots):
+        # 8K prefill 70.1 ms against 74.5 with the decode default (16 heads, 4 warps), run 7
+        tune = {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 1}
+    has_rows = rows is not None and rows.shape[0] > 0
+    if has_rows:
+        row_start = torch.zeros(s, dtype=torch.int32, device=q.device)
+        row_len = row_len.to(torch.int32)
+        return decode_attention(
+            q, win, swa_len, sinks, rows, row_start, row_len, row_idx, swa_slot=slot, scale=scale,
+            max_rows=rows.shape[0], **tune,
+        )  # fmt: skip
+    return decode_attention(q, win, swa_len, sinks, swa_slot=slot, scale=scale, **tune)
+
+
+# ---- indexer top-k ------------------------------------------------------------------------------
+def prefill_topk_reference(
+    q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, row_len: torch.Tensor, k: int, scale: float
+) -> torch.Tensor:
+    """Scores as ``Indexer.scores`` (fp32), future rows at -inf, ``torch.topk``; ``-1`` where the
+    picked row is not visible. ``q (S, Hi, Di)``, ``weights (S, Hi)``, ``rows (T, Di)`` → ``(S, min(k, T))`` int32."""
+    t = rows.shape[0]
+    logits = torch.matmul(q.float(), rows.float().t())  # (S, Hi, T)
+    scores = (logits.relu() * weights.float().unsqueeze(-1)).sum(dim=-2) * scale
+    future = torch.arange(t, device=q.device)[None, :] >= row_len[:, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    vals, idx = scores.topk(min(k, t), dim=-1)
+    return torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
+
+
+def prefill_topk(
+    q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, row_len: torch.Tensor, k: int, scale: float
+) -> torch.Tensor:
+    """Each query's top-``k`` visible indexer rows (local indices, ``-1`` = none). → ``(S, min(k, T))`` int32."""
+    if not use_triton(q):
+        return prefill_topk_reference(q, weights, rows, row_len, k, scale)
+    from kernels.indexer import indexer_topk
+
+    s, t = q.shape[0], rows.shape[0]
+    row_len = row_len.to(torch.int32)
+    row_start = torch.zeros(s, dtype=torch.int32, device=q.device)
+    out = torch.empty(s, min(k, t), dtype=torch.int32, device=q.device)
+    for a in range(0, s, INDEXER_QUERY_TILE):
+        b = min(a + INDEXER_QUERY_TILE, s)
+        out[a:b] = indexer_topk(q[a:b], weights[a:b], rows, row_start[a:b], row_len[a:b], k, scale, t_max=t)
+    return out
+
+
+# ---- mHC input ----------------------------------------------------------------------------------
+def hc_pre_parts_reference(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """``(N, 1, MP)`` fp32: ``fn @ x`` in columns ``[:M]``, ``Σ x²`` in column ``M`` (x = fp32 streams)."""
+    n = streams.shape[0]
+    m = fn.shape[0]
+    x = streams.reshape(n, -1).float()
+    parts = torch.zeros(n, 1, max(16, next_pow2(m + 1)), dtype=torch.float32, device=streams.device)
+    parts[:, 0, :m] = x @ fn.float().t()
+    parts[:, 0, m] = (x * x).sum(dim=-1)
+    return parts
+
+
+def hc_pre_block_parts(
+    streams: torch.Tensor, fn: torch.Tensor, *, block_m: int = 64, block_k: int = 64, splits: int | None = None
+) -> torch.Tensor:
+    """The partial sums ``kernels.mhc.hc_mix_parts`` takes, for many tokens: ``(N, S, MP)`` fp32,
+    per split of the ``hc·H`` axis ``fn @ x`` (columns ``[:M]``) and ``Σ x²`` (column ``M``);
+    one program per ``block_m`` tokens and split, ``fn`` read once per program."""
+    if not use_triton(streams):
+        return hc_pre_parts_reference(streams, fn)
+    n = streams.shape[0]
+    x = streams.reshape(n, -1)
+    assert x.stride(-1) == 1 and fn.is_contiguous() and fn.dtype == torch.float32
+    k = x.shape[1]
+    m = fn.shape[0]
+    mp = max(16, next_pow2(m + 1))
+    nb = triton.cdiv(max(n, 1), block_m)
+    if splits is None:  # about two programs per SM, at most 8 splits (hc_mix_parts adds them serially)
+        from kernels._common import num_sms
+
+        splits = max(1, min(8, triton.cdiv(2 * num_sms(streams.device), nb)))
+    per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, per)
+    parts = torch.empty(n, splits, mp, dtype=torch.float32, device=streams.device)
+    global _HC_PRECISION
+    if n:
+        try:
+            _hc_pre_block_kernel[(nb, splits)](
+                x, fn, parts, n, k, m, x.stride(0), per, MP=mp, BM=block_m, BK=block_k,
+                PRECISION=_HC_PRECISION, num_warps=4,
+            )  # fmt: skip
+        except Exception:  # a Triton build without tf32x3: exact fp32 FMA dots instead
+            if _HC_PRECISION == "ieee":
+                raise
+            _HC_PRECISION = "ieee"
+            return hc_pre_block_parts(streams, fn, block_m=block_m, block_k=block_k, splits=splits)
+    return parts
+
+
+def hc_pre_norm(hc, norm, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``post, comb, norm(collapse(pre, streams))`` of ``HyperConnection`` ``hc`` and the block's
+    ``RMSNorm`` ``norm`` (Triton; the caller checks ``use_triton``)."""
+    from kernels.fused import collapse_norm
+    from kernels.mhc import hc_mix_parts
+
+    parts = hc_pre_block_parts(streams, hc.fn.float().contiguous())
+    pre, post, comb = hc_mix_parts(
+        parts, streams.shape[1] * streams.shape[2], hc.norm_eps, hc.scale, hc.base, hc.hc, hc.iters, hc.hc_eps
+    )
+    return post, comb, collapse_norm(pre, streams.contiguous(), norm.weight, norm.eps)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _hc_pre_block_kernel(
+        x_ptr, fn_ptr, part_ptr, N, K, M, stride_x, PER,
+        MP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        s = tl.program_id(1)
+        splits = tl.num_programs(1)
+        rows = pid * BM + tl.arange(0, BM)
+        r_ok = rows < N
+        m = tl.arange(0, MP)
+        m_ok = m < M
+        acc = tl.zeros((BM, MP), tl.float32)
+        sq = tl.zeros((BM,), tl.float32)
+        k0 = s * PER
+        for kk in range(0, PER, BK):
+            k = k0 + kk + tl.arange(0, BK)
+            k_ok = k < K
+            x = tl.load(
+                x_ptr + rows.to(tl.int64)[:, None] * stride_x + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
+            ).to(tl.float32)  # (BM, BK)
+            w = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)  # (BK, MP)
+            acc += tl.dot(x, w, input_precision=PRECISION)
+            sq += tl.sum(x * x, axis=1)
+        res = tl.where(m[None, :] == M, sq[:, None], acc)
+        ptrs = part_ptr + (rows.to(tl.int64)[:, None] * splits + s) * MP + m[None, :]
+        tl.store(ptrs, res, mask=r_ok[:, None])
+
+
+__all__ = [
+    "hc_pre_block_parts",
+    "hc_pre_norm",
+    "hc_pre_parts_reference",
+    "prefill_attention",
+    "prefill_attention_reference",
+    "prefill_topk",
+    "prefill_topk_reference",
+]

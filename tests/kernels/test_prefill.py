@@ -1,0 +1,141 @@
+"""``kernels.prefill`` (prefill attention, indexer top-k, mHC input) against their PyTorch references.
+
+bf16 rel. error ≤ 1e-2, fp32 ≤ 1e-4. On the GPU machine: ``pytest -m gpu tests/kernels``; on CPU
+under Triton's interpreter through ``test_interpret.py`` (fp32 only there: the interpreter's bf16
+``tl.dot`` is wrong, see ``kernels/_common.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import _common
+from kernels.prefill import (
+    hc_pre_block_parts,
+    hc_pre_norm,
+    hc_pre_parts_reference,
+    prefill_attention,
+    prefill_attention_reference,
+    prefill_topk,
+    prefill_topk_reference,
+)
+from kernels.testing import poison, rel_err
+
+pytestmark = pytest.mark.gpu
+if not _common.HAS_TRITON:
+    pytest.skip("needs Triton", allow_module_level=True)
+if torch.cuda.is_available():
+    DEV = "cuda"
+elif _common.INTERPRET:
+    DEV = "cpu"
+else:
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+SMALL = os.environ.get("KERNELS_TEST_SMALL", "1" if DEV == "cpu" else "0") == "1"
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+DTYPES = [torch.float32] if DEV == "cpu" else [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _case(s: int, prev: int, w: int, h: int, d: int, n_rows: int, dtype, seed: int):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(s, h, d, generator=g, device=DEV).to(dtype)
+    pad = max(0, w - 1 - prev)
+    keys = torch.randn(w - 1 + s, d, generator=g, device=DEV).to(dtype)
+    keys[:pad] = float("nan")  # padding is never read
+    sinks = torch.randn(h, generator=g, device=DEV)
+    rows = torch.randn(n_rows, d, generator=g, device=DEV).to(dtype) if n_rows else None
+    return q, keys, pad, sinks, rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["swa", "hca", "csa"])
+@pytest.mark.parametrize("prev", [0, 5, 200])
+def test_prefill_attention(dtype, mode, prev) -> None:
+    s, w, h, d = (40, 16, 4, 64) if SMALL else (700, 128, 64, 512)
+    n_rows = 0 if mode == "swa" else (12 if SMALL else 300)
+    q, keys, pad, sinks, rows = _case(s, prev, w, h, d, n_rows, dtype, seed=prev + len(mode))
+    g = torch.Generator().manual_seed(3)
+    row_len = row_idx = None
+    if rows is not None:
+        # rows visible to query i grow with its position (r = 4 tokens per row), capped at the pool
+        row_len = ((torch.arange(s) + prev + 1) // (4 if mode == "csa" else 2)).clamp(max=n_rows).to(DEV)
+        if mode == "csa":
+            k = 8 if SMALL else 64
+            row_idx = torch.full((s, k), -1, dtype=torch.int32)
+            for i in range(s):
+                n = int(row_len[i])
+                pick = torch.randperm(n, generator=g)[: min(n, k)]
+                place = torch.randperm(k, generator=g)[: pick.numel()]
+                row_idx[i, place] = pick.int()
+            row_idx = row_idx.to(DEV)
+    scale = d**-0.5
+    want = prefill_attention_reference(q.float(), keys.float().nan_to_num(), pad, sinks, w, None if rows is None else rows.float(), row_len, row_idx, scale)
+    poison(DEV)
+    got = prefill_attention(q, keys, pad, sinks, w, rows, row_len, row_idx, scale)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert rel_err(got, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_topk(dtype) -> None:
+    s, hi, di, t, k = (24, 4, 16, 9, 4) if SMALL else (1500, 64, 128, 400, 128)
+    g = torch.Generator(device=DEV).manual_seed(5)
+    q = torch.randn(s, hi, di, generator=g, device=DEV).to(dtype)
+    w = torch.randn(s, hi, generator=g, device=DEV).to(dtype)
+    rows = torch.randn(t, di, generator=g, device=DEV).to(dtype)
+    row_len = ((torch.arange(s, device=DEV) + 3) // 3).clamp(max=t)
+    scale = di**-0.5 * hi**-0.5
+    got = prefill_topk(q, w, rows, row_len, k, scale)
+    want = prefill_topk_reference(q, w, rows, row_len, k, scale)
+    assert got.shape == want.shape == (s, min(k, t)) and got.dtype == torch.int32
+    # same count of picked rows per query, each visible, and the picked scores are the top ones
+    assert torch.equal((got >= 0).sum(1), (want >= 0).sum(1))
+    assert bool(((got < row_len[:, None]) | (got < 0)).all())
+    logits = torch.matmul(q.float(), rows.float().t())
+    scores = (logits.relu() * w.float().unsqueeze(-1)).sum(dim=-2) * scale  # (S, T)
+    pick = lambda idx: torch.where(idx >= 0, scores.gather(1, idx.clamp(min=0).long()), 0.0).sort(dim=1).values
+    assert rel_err(pick(got), pick(want)) <= 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 70, 300])
+def test_hc_pre_block_parts(n) -> None:
+    hc, h = 4, (32 if SMALL else 4096)
+    g = torch.Generator(device=DEV).manual_seed(n)
+    streams = torch.randn(n, hc, h, generator=g, device=DEV).to(torch.bfloat16)
+    fn = torch.randn((2 + hc) * hc, hc * h, generator=g, device=DEV) * 0.01
+    got = hc_pre_block_parts(streams, fn)
+    want = hc_pre_parts_reference(streams, fn)
+    m = fn.shape[0]
+    assert got.shape[0] == n and got.shape[2] == want.shape[2]
+    assert rel_err(got.sum(1)[:, : m + 1], want[:, 0, : m + 1]) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hc_pre_norm(dtype) -> None:
+    from engine.model.config import ModelConfig
+    from engine.model.layers import HyperConnection, RMSNorm
+    from engine.model.tiny import tiny_config_dict
+
+    cfg = ModelConfig.from_dict(tiny_config_dict("tiny"))
+    hc = HyperConnection(cfg).to(DEV)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(DEV)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g, device=DEV) * 0.05)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g, device=DEV) * 0.1)
+        norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=g, device=DEV))
+    streams = torch.randn(150, cfg.hc_mult, cfg.hidden_size, generator=g, device=DEV).to(dtype)
+    hc.fused = False
+    with torch.no_grad():
+        post_w, comb_w, x_w = hc(streams)
+        x_w = norm(x_w)
+        post, comb, x = hc_pre_norm(hc, norm, streams)
+    assert rel_err(post, post_w) <= 1e-4 and rel_err(comb, comb_w) <= 1e-4
+    assert rel_err(x, x_w) <= TOL[dtype]

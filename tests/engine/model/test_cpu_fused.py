@@ -68,3 +68,13 @@ def test_hc_merge_matches_eager_and_is_per_token(n: int) -> None:
     fused = hc_merge(post, comb, block, streams)
     torch.testing.assert_close(fused, hc_merge(post, comb, block, streams, fused=False), rtol=1e-5, atol=1e-6)
     assert torch.equal(fused[n // 2 : n // 2 + 1], hc_merge(post[n // 2 : n // 2 + 1], comb[n // 2 : n // 2 + 1], block[n // 2 : n // 2 + 1], streams[n // 2 : n // 2 + 1]))
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (7, 4, 32), (64, 512)])
+def test_rms_norm_matches_eager(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(shape[0])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.rand(shape[-1], generator=g) + 0.5
+    eager = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(cpu_fused.rms_norm(x, None, 1e-6), eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cpu_fused.rms_norm(x, w, 1e-6), w * eager, rtol=1e-5, atol=1e-6)
+    assert torch.equal(cpu_fused.rms_norm(x[:1], w, 1e-6), cpu_fused.rms_norm(x, w, 1e-6)[:1])  # per row

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -47,7 +47,7 @@ from router.errors import NoWorkerAvailable, Overloaded, RequestRejected, Worker
 from router.kv_index import PromptHasher
 from router.metrics import RouterMetrics
 from router.placement import Lease, Placer, Pools, Stage
-from router.policies.base import RankView, RouteRequest
+from router.policies.base import Policy, RankView, RouteRequest
 from router.policies.registry import create_policy
 from router.registry import Worker, WorkerRegistry
 from router.http1 import HttpError
@@ -87,6 +87,9 @@ class _Flight:
     aborted: bool = False
     stats: tuple[int, int] | None = None  # (num_prompt_tokens, num_cached_tokens) first seen
     queue_entry: tuple | None = None
+    failed: set[str] = field(default_factory=set)  # worker ids that failed it
+    retries: int = 0  # re-dispatches before the first token
+    migrations: int = 0  # re-dispatches after it
 
 
 class Router:
@@ -197,7 +200,12 @@ class Router:
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[WireEvent]:
         """``generate`` at the wire level: each event's JSON line and fields (what the router
-        service sends on, without decoding and re-encoding the worker's lines)."""
+        service sends on, without decoding and re-encoding the worker's lines).
+
+        One generator for the whole request (placement, every attempt, repair): a request that
+        is one event long costs one generator, not one per layer (each layer adds an
+        asynchronous generator object, its registration with the loop and a ``GeneratorExit``
+        thrown through it when the caller closes the stream)."""
         t0 = time.perf_counter()
         if req.request_id in self._flights:
             raise RequestRejected(f"request {req.request_id!r} is already in flight")
@@ -205,15 +213,93 @@ class Router:
         self._flights[req.request_id] = flight
         try:
             stage = self.placer.first_stage(flight.route, self._pools())
-            view, waited = await self._admit(flight, stage)
-            if view is None:  # aborted while queued
-                flight.finished = True
-                yield _wire(TokenEvent(req.request_id, finish_reason="abort"))
-                return
+            view = None if len(self._queue) else self._pick(flight, stage, ())
+            waited = 0.0
+            if view is None:
+                view, waited = await self._admit(flight, stage)
+                if view is None:  # aborted while queued
+                    flight.finished = True
+                    yield _wire(TokenEvent(req.request_id, finish_reason="abort"))
+                    return
             self.metrics.added_latency.observe(time.perf_counter() - t0 - waited)
-            async with contextlib.aclosing(self._run(flight, stage, view)) as events:
-                async for ev in events:
-                    yield ev
+            if stage == "prefill":
+                self.metrics.disaggregated.inc()
+            while True:
+                if flight.aborted:
+                    flight.finished = True
+                    yield _wire(TokenEvent(req.request_id, finish_reason="abort"))
+                    return
+                worker = self.registry.worker_of(view)
+                body, lease, policy = self._dispatch(flight, stage, view, worker)
+                client = worker.client
+                conn = None
+                ok = handoff = False
+                error: str | None = None
+                try:
+                    try:
+                        conn = await client.pool.request("/internal/generate", body)
+                        while not handoff and (lines := await conn.read()) is not None:
+                            for line in lines:
+                                d = loads(line)
+                                toks = d.get("token_ids")
+                                if toks:
+                                    if lease.pending:
+                                        lease.first_token()
+                                    lease.add_tokens(len(toks))
+                                    flight.out.extend(toks)
+                                if d.get("num_prompt_tokens"):
+                                    if flight.stats is None:
+                                        flight.stats = (d["num_prompt_tokens"], d.get("num_cached_tokens", 0))
+                                    elif flight.stats != (d["num_prompt_tokens"], d.get("num_cached_tokens", 0)):
+                                        d["num_prompt_tokens"], d["num_cached_tokens"] = flight.stats
+                                        line = dumps(d)
+                                reason = d.get("finish_reason")
+                                if reason is None:
+                                    if toks:
+                                        yield WireEvent(line, d)
+                                    continue
+                                ok = True
+                                self.registry.record_success(worker)
+                                if stage == "prefill" and reason == "length" and len(req.output_token_ids) + len(flight.out) < req.sampling.max_tokens:
+                                    del d["finish_reason"]  # the request goes on to a decode rank
+                                    handoff = True
+                                    if toks:
+                                        yield WireEvent(dumps(d), d)
+                                    break
+                                flight.finished = True
+                                self.metrics.finished(reason)
+                                yield WireEvent(line, d)
+                                return
+                        if not handoff:
+                            raise WorkerUnavailable("stream ended without a finish event", client.url)
+                    except (HttpError, ValueError) as exc:
+                        raise client.error_for(exc) from exc
+                    finally:
+                        if conn is not None:
+                            client.pool.release(conn, ok)  # after the finish event: kept alive
+                        lease.release()
+                        policy.on_finish(flight.route, view, ok)
+                except WorkerError as exc:
+                    nxt = await self._recover(flight, stage, worker, exc)
+                    if isinstance(nxt, str):
+                        error = nxt
+                    else:
+                        if nxt is not None:
+                            view, stage = nxt
+                        continue
+                else:  # the prefill stage ended with a first token and the request goes on: decode
+                    stage = "decode"
+                    try:
+                        view = self._pick(flight, stage, flight.failed, capped=False)
+                        continue
+                    except NoWorkerAvailable as exc:
+                        if not flight.out:
+                            raise
+                        error = str(exc)
+                flight.finished = True
+                self.metrics.finished("error")
+                yield _wire(TokenEvent(req.request_id, finish_reason="error", error=error))
+                return
         finally:
             self._flights.pop(req.request_id, None)
             if not flight.finished and flight.worker is not None:
@@ -235,11 +321,8 @@ class Router:
 
     # ---- admission -----------------------------------------------------------------------------
     async def _admit(self, flight: _Flight, stage: Stage) -> tuple[RankView | None, float]:
-        """A rank for the first stage, waiting in the queue while all are full: (view, wait s)."""
-        if not len(self._queue):
-            view = self._pick(flight, stage, set())
-            if view is not None:
-                return view, 0.0
+        """A rank for the first stage once one is below its cap, waiting in the queue meanwhile:
+        (view or None if aborted, seconds waited)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.config.queue_timeout_s
         entry = self._queue.enter(flight.req.priority, self._retry_after())
@@ -255,7 +338,7 @@ class Router:
                     raise Overloaded(f"no capacity within {self.config.queue_timeout_s:.0f}s", retry_after=self._retry_after()) from None
                 if not go or flight.aborted:
                     return None, time.perf_counter() - t0
-                view = self._pick(flight, stage, set())
+                view = self._pick(flight, stage, ())
                 if view is not None:
                     self.metrics.queue_wait.observe(time.perf_counter() - t0)
                     self._wake_queue()  # there may be room for the next one too
@@ -265,7 +348,7 @@ class Router:
             flight.queue_entry = None
             self.metrics.queue_depth.set(len(self._queue))
 
-    def _pick(self, flight: _Flight, stage: Stage, exclude: set[str], capped: bool = True) -> RankView | None:
+    def _pick(self, flight: _Flight, stage: Stage, exclude: Collection[str], capped: bool = True) -> RankView | None:
         try:
             return self.placer.pick(stage, flight.route, self._pools(), exclude=exclude, capped=capped)
         except NoWorkerAvailable:
@@ -281,67 +364,36 @@ class Router:
         return min(30.0, max(0.1, self._ewma_s * (len(self._queue) + 1) / slots))
 
     # ---- sending and repair ------------------------------------------------------------------
-    async def _run(self, flight: _Flight, stage: Stage, view: RankView) -> AsyncIterator[WireEvent]:
-        cfg, req = self.config, flight.req
-        retries = migrations = 0
-        failed: set[str] = set()
-        if stage == "prefill":
-            self.metrics.disaggregated.inc()
-        while True:
-            if flight.aborted:
-                flight.finished = True
-                yield _wire(TokenEvent(req.request_id, finish_reason="abort"))
-                return
-            worker = self.registry.worker_of(view)
-            error: str | None = None
-            try:
-                async with contextlib.aclosing(self._attempt(flight, stage, view, worker)) as events:
-                    async for ev in events:
-                        yield ev
-                if flight.finished:
-                    return
-                # The prefill stage ended with a first token and the request goes on: decode.
-                stage = "decode"
-                view = self._pick(flight, stage, failed, capped=False)
-                continue
-            except WorkerError as exc:
-                if not exc.retryable:
-                    if not flight.out:
-                        raise RequestRejected(str(exc)) from exc
-                    error = str(exc)
-                else:
-                    self.registry.record_failure(worker, exc)
-                    if flight.aborted:
-                        continue
-                    failed.add(worker.worker_id)
-                    if flight.out:
-                        migrations += 1
-                        if migrations > cfg.max_migrations:
-                            error = f"gave up after {cfg.max_migrations} migrations: {exc}"
-                        else:
-                            self.metrics.migrations.inc()
-                            log.info("migrating %s after %d tokens: %s", req.request_id, len(flight.out), exc)
-                    else:
-                        retries += 1
-                        if retries > cfg.max_retries:
-                            raise NoWorkerAvailable(f"gave up after {cfg.max_retries} retries: {exc}") from exc
-                        self.metrics.retries.labels("connect" if exc.connect else "failure").inc()
-                    if error is None:
-                        try:
-                            view, stage = await self._repick(flight, stage, failed, retries)
-                            continue
-                        except NoWorkerAvailable as exc2:
-                            if not flight.out:
-                                raise
-                            error = str(exc2)
-            except NoWorkerAvailable as exc:  # no decode rank after the prefill stage
-                if not flight.out:
-                    raise
-                error = str(exc)
-            flight.finished = True
-            self.metrics.finished("error")
-            yield _wire(TokenEvent(req.request_id, finish_reason="error", error=error))
-            return
+    async def _recover(self, flight: _Flight, stage: Stage, worker: Worker, exc: WorkerError) -> tuple[RankView, Stage] | str | None:
+        """After ``worker`` failed the request: the (rank, stage) to try next, ``None`` when the
+        request was aborted meanwhile, or the error that ends a stream already under way.
+        Raises (``RequestRejected``, ``NoWorkerAvailable``) while nothing was streamed yet."""
+        cfg = self.config
+        if not exc.retryable:
+            if not flight.out:
+                raise RequestRejected(str(exc)) from exc
+            return str(exc)
+        self.registry.record_failure(worker, exc)
+        if flight.aborted:
+            return None
+        flight.failed.add(worker.worker_id)
+        if flight.out:
+            flight.migrations += 1
+            if flight.migrations > cfg.max_migrations:
+                return f"gave up after {cfg.max_migrations} migrations: {exc}"
+            self.metrics.migrations.inc()
+            log.info("migrating %s after %d tokens: %s", flight.req.request_id, len(flight.out), exc)
+        else:
+            flight.retries += 1
+            if flight.retries > cfg.max_retries:
+                raise NoWorkerAvailable(f"gave up after {cfg.max_retries} retries: {exc}") from exc
+            self.metrics.retries.labels("connect" if exc.connect else "failure").inc()
+        try:
+            return await self._repick(flight, stage, flight.failed, flight.retries)
+        except NoWorkerAvailable as exc2:
+            if not flight.out:
+                raise
+            return str(exc2)
 
     async def _repick(self, flight: _Flight, stage: Stage, failed: set[str], retries: int) -> tuple[RankView, Stage]:
         """The next rank after a failure (another worker if any is left; backoff if not)."""
@@ -362,26 +414,23 @@ class Router:
         assert view is not None
         return view, stage
 
-    async def _attempt(self, flight: _Flight, stage: Stage, view: RankView, worker: Worker) -> AsyncIterator[WireEvent]:
-        """One dispatch to one rank, yielding the caller's events.
-
-        Ends with ``flight.finished`` set, or (prefill stage) unset when the request goes on to
-        decode; raises ``WorkerError`` when the worker fails. Talks to the worker's HTTP/1.1
-        pool directly (``WorkerClient.generate`` without its two generator layers) and passes
-        each line on as received unless a field must change.
-        """
+    def _dispatch(self, flight: _Flight, stage: Stage, view: RankView, worker: Worker) -> tuple[bytes, Lease, Policy]:
+        """Book the request on ``view`` (lease, predicted KV units, policy and breaker hooks):
+        the body to send, the lease to release and the policy to tell when the attempt ends."""
         req, route = flight.req, flight.route
         prior = req.output_token_ids + flight.out if flight.out else req.output_token_ids
-        sub = GenerateRequest(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling,
-            priority=req.priority,
-            output_token_ids=prior,
-            prefill_only=stage == "prefill",
-            dp_rank=view.dp_rank,
-            session_key=req.session_key,
-            arrival_time=req.arrival_time,
+        body = encode_request(
+            GenerateRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling,
+                priority=req.priority,
+                output_token_ids=prior,
+                prefill_only=stage == "prefill",
+                dp_rank=view.dp_rank,
+                session_key=req.session_key,
+                arrival_time=req.arrival_time,
+            )
         )
         policy = self.placer.policy_for(stage)
         cached = view.cached_blocks(route.block_keys) * route.block_size if route.block_keys else 0
@@ -392,52 +441,7 @@ class Router:
         self.registry.dispatched(worker)
         self.metrics.decision(policy.name, stage)
         flight.worker = worker
-        client = worker.client
-        conn = None
-        ok = False
-        try:
-            try:
-                conn = await client.pool.request("/internal/generate", encode_request(sub))
-                while (lines := await conn.read()) is not None:
-                    for line in lines:
-                        d = loads(line)
-                        toks = d.get("token_ids")
-                        if toks:
-                            if lease.pending:
-                                lease.first_token()
-                            lease.add_tokens(len(toks))
-                            flight.out.extend(toks)
-                        if d.get("num_prompt_tokens"):
-                            if flight.stats is None:
-                                flight.stats = (d["num_prompt_tokens"], d.get("num_cached_tokens", 0))
-                            elif flight.stats != (d["num_prompt_tokens"], d.get("num_cached_tokens", 0)):
-                                d["num_prompt_tokens"], d["num_cached_tokens"] = flight.stats
-                                line = dumps(d)
-                        reason = d.get("finish_reason")
-                        if reason is None:
-                            if toks:
-                                yield WireEvent(line, d)
-                            continue
-                        ok = True
-                        if stage == "prefill" and reason == "length" and len(req.output_token_ids) + len(flight.out) < req.sampling.max_tokens:
-                            del d["finish_reason"]
-                            self.registry.record_success(worker)
-                            if toks:
-                                yield WireEvent(dumps(d), d)
-                            return
-                        flight.finished = True
-                        self.registry.record_success(worker)
-                        self.metrics.finished(reason)
-                        yield WireEvent(line, d)
-                        return
-            except (HttpError, ValueError) as exc:
-                raise client.error_for(exc) from exc
-            raise WorkerUnavailable("stream ended without a finish event", client.url)
-        finally:
-            if conn is not None:
-                client.pool.release(conn, ok)  # after the finish event: kept alive
-            lease.release()
-            policy.on_finish(route, view, ok)
+        return body, lease, policy
 
     def _background(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

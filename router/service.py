@@ -170,6 +170,7 @@ class RouterService:
             return _error(400, f"invalid request: {exc}", "invalid_request")
         try:
             if first.finished:  # the whole answer: no streaming needed
+                await anext(events, None)  # let the stream end (cheaper than closing it)
                 return Response(first.line + b"\n", 200, _NDJSON)
             out = request.stream(200, _NDJSON)
             await out.write(first.line + b"\n")

@@ -40,7 +40,8 @@ def attend_with_sinks(
     sink = sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)  # fp32, promotes the logits
     dtype = torch.promote_types(q.dtype, sink.dtype)
     combined = torch.cat([*(x.to(dtype) for x in parts), sink], dim=-1)  # (M, nh, W + E + 1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
+    # softmax subtracts the row max itself: subtracting it first (as transformers does) gives
+    # bitwise the same probabilities (the max element becomes exactly 0), so it is not repeated
     probs = torch.softmax(combined, dim=-1).to(q.dtype)
     w = win.shape[1]
     out = torch.matmul(probs[..., :w], win)  # (M, nh, D)

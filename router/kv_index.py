@@ -25,8 +25,8 @@ pays for one walk. Single-threaded (the router's event loop); no locking.
 from __future__ import annotations
 
 import math
+import struct
 import time
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from hashlib import blake2b
 from typing import Any
@@ -211,9 +211,9 @@ class PromptHasher:
     - a memo maps ``(parent key, hash(tuple(unit tokens)))`` to the unit's key, so a prompt
       sharing a prefix with an earlier one (the next turn of a conversation, a common system
       prompt) pays a tuple hash per shared unit (~1 µs per 128 tokens) instead of a blake2b;
-    - units missing from the memo are hashed from one int64 buffer of the whole prompt
-      (``array('q')``, built once, only when a unit misses), with the fingerprint and format
-      bytes encoded once, instead of ``numpy.asarray`` per unit (~3x cheaper per new unit).
+    - a unit missing from the memo is packed to int64 bytes with a precompiled ``struct``
+      (0.8 µs per 128 tokens; ``array('q')`` of the prompt took 2 µs, ``numpy.asarray`` per
+      unit more), with the fingerprint and format bytes encoded once.
 
     The 64-bit Python hash could collide: that would only misplace one request (the engine
     hashes on its own), never corrupt anything. The memo keeps ``max_entries`` units, oldest
@@ -226,6 +226,7 @@ class PromptHasher:
         self._fmt = fmt
         self._fingerprint = fingerprint
         self._suffix = (fingerprint + fmt).encode()
+        self._pack = struct.Struct(f"={block_size}q").pack  # a unit's int64 bytes, native order
         self._memo: dict[tuple[str, int], str] = {}
 
     @property
@@ -240,21 +241,24 @@ class PromptHasher:
             self._memo.clear()
 
     def keys(self, token_ids: Sequence[int]) -> tuple[str, ...]:
+        """The prompt's unit keys; ``ValueError`` for a token id outside int64."""
         bs = self.block_size
         n = len(token_ids) // bs
         if n == 0:
             return ()
-        memo = self._memo
-        parent, out, buf = ROOT_KEY, [], None
+        memo, pack, suffix = self._memo, self._pack, self._suffix
+        parent, out = ROOT_KEY, []
         for start in range(0, n * bs, bs):
-            mk = (parent, hash(tuple(token_ids[start : start + bs])))
+            unit = tuple(token_ids[start : start + bs])
+            mk = (parent, hash(unit))
             key = memo.get(mk)
             if key is None:
-                if buf is None:
-                    buf = memoryview(array("q", token_ids[: n * bs])).cast("B")
-                key = blake2b(parent.encode() + self._suffix, digest_size=16)
-                key.update(buf[start * 8 : (start + bs) * 8])
-                key = memo[mk] = key.hexdigest()
+                h = blake2b(parent.encode() + suffix, digest_size=16)
+                try:
+                    h.update(pack(*unit))
+                except struct.error as exc:
+                    raise ValueError(f"token ids must be int64: {exc}") from None
+                key = memo[mk] = h.hexdigest()
                 if len(memo) > self.max_entries:
                     del memo[next(iter(memo))]
             parent = key

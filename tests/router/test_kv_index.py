@@ -1,3 +1,5 @@
+import pytest
+
 from engine.protocol import KVEvent
 from kvstore.keys import chain_keys
 from router.kv_index import KVIndex
@@ -85,6 +87,8 @@ def test_prompt_hasher_equals_engine_keys():
     for p in prompts:
         assert list(small.keys(p)) == chain_keys(p, 128, fp)
     assert len(small._memo) <= 2
+    with pytest.raises(ValueError):  # the service answers 400, not 500
+        h.keys([1 << 63] * 128)
 
 
 def _reference_match(idx: KVIndex, keys, now: float) -> dict:

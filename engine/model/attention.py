@@ -138,7 +138,8 @@ class Indexer(Compressor):
     def scores(self, q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``Σ_h w_h · relu(q_h · row_t)`` in fp32: ``q (..., Hi, Di)``, ``weights (..., Hi)`` and
         ``rows (T, Di)`` (shared) or ``(..., T, Di)`` (per leading index) → ``(..., T)``."""
-        scores = torch.matmul(q.float(), rows.float().transpose(-1, -2))  # (..., Hi, T)
+        keys = rows.float().t().contiguous() if rows.dim() == 2 else rows.float().transpose(-1, -2)  # (Di, T): BLAS's fast layout
+        scores = torch.matmul(q.float(), keys)  # (..., Hi, T)
         scores = scores.relu_().mul_(self.softmax_scale)
         # the weights are scaled before they meet the scores, in transformers' order
         return scores.mul_((weights.float() * self.weights_scaling).unsqueeze(-1)).sum(dim=-2)

@@ -42,6 +42,17 @@ def _fused_norm(x: torch.Tensor) -> bool:
     return x.numel() <= cpu_fused.NORM_ROWS * x.shape[-1] and x.is_contiguous() and cpu_fused.usable(x)
 
 
+def normed_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, fold: bool = True) -> torch.Tensor:
+    """``F.linear(unweighted_rms_norm(x), weight)``. With ``fold`` on CPU, for more rows than
+    ``cpu_fused.NORM_ROWS``, the per-row RMS scale is applied to the (narrow) product instead of
+    the (wide) input — the same value up to rounding, one pass over ``x`` fewer (the mHC input
+    is ``hc·H`` wide, its product ``(2+hc)·hc``)."""
+    if fold and x.device.type == "cpu" and x.shape[0] > cpu_fused.NORM_ROWS:
+        scale = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps).to(x.dtype)  # (N, 1)
+        return F.linear(x, weight).mul_(scale)
+    return F.linear(unweighted_rms_norm(x, eps), weight)
+
+
 class GroupedLinear(nn.Module):
     """Block-diagonal projection: each of ``n_groups`` head groups maps to its own slice."""
 
@@ -98,8 +109,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hc = self.hc
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)  # (N, hc*H)
-        mixes = F.linear(flat, self.fn.float())  # (N, (2+hc)*hc)
+        mixes = normed_linear(streams.flatten(1).float(), self.fn.float(), self.norm_eps, self.fused)  # (N, (2+hc)*hc)
         if self.fused and cpu_fused.usable(streams) and not mixes.requires_grad:
             return cpu_fused.hc_pre(mixes, self.scale, self.base, streams, self.iters, self.hc_eps)
         pre, post, comb = mix_gates(mixes, self.scale, self.base, hc, self.iters, self.hc_eps)

@@ -28,9 +28,9 @@ def test_hc_mix_matches_eager(n: int, iters: int) -> None:
         fused = hc(streams)
         hc.fused = False
         eager = hc(streams)
-    for a, b in zip(fused, eager):
+    for a, b in zip(fused, eager):  # past 64 tokens the RMS scale is folded into the product: rounding
         assert a.shape == b.shape and a.dtype == b.dtype
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 if n <= 64 else 2e-5)
 
 
 def test_hc_mix_is_per_token() -> None:

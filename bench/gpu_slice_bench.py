@@ -307,6 +307,48 @@ def fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows) -> None:
     torch.cuda.empty_cache()
 
 
+def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
+    """2K and 8K prefill (best of 3) per variant of the folded norm/RoPE and the MoE grouped GEMM
+    configs; the defaults are restored after."""
+    from kernels import moe_grouped as mg
+    from kernels import prefill as kp
+
+    saved = (kp.FOLD_NORM_ROPE, mg.UP_CFG, mg.DOWN_CFG, mg.MAX_ROWS)
+
+    def cfg(v: str):
+        return None if v == "torch" else tuple(int(a) for a in v.split("."))
+
+    for item in spec.split(";"):
+        name, _, opts = item.partition(":")
+        kp.FOLD_NORM_ROPE, mg.UP_CFG, mg.DOWN_CFG, mg.MAX_ROWS = saved
+        kp.ATTN_TUNE.clear()
+        for kv in opts.split(","):
+            if not kv:
+                continue
+            key, val = kv.split("=")
+            if key == "fold":
+                kp.FOLD_NORM_ROPE = int(val)
+            elif key == "up":
+                mg.UP_CFG = cfg(val)
+            elif key == "down":
+                mg.DOWN_CFG = cfg(val)
+            elif key == "attn":
+                bh, bn, nw, ns = (int(a) for a in val.split("."))
+                kp.ATTN_TUNE.update(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+            elif key == "rows":
+                mg.MAX_ROWS = int(val)
+        for n in (8192, 2048):
+            ids = torch.randint(2, vocab, (n,)).tolist()
+            try:
+                t = _sync_time(lambda ids=ids: ours([(ours.new_state(), ids)]), 1, 3)
+                print(f"variant {name} ({opts}): prefill {n} {t * 1e3:.2f} ms", flush=True)
+                rows.append({"what": f"variant {name} {opts}", "n": n, "prefill_ms": t * 1e3})
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    kp.FOLD_NORM_ROPE, mg.UP_CFG, mg.DOWN_CFG, mg.MAX_ROWS = saved
+    kp.ATTN_TUNE.clear()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="gpu_slice.json")
@@ -326,6 +368,11 @@ def main() -> None:
     ap.add_argument("--no-unmerged", action="store_true", help="skip the one-GEMM-per-projection static step rows")
     ap.add_argument("--profile-prefill", default="", help="profile one prefill of each of these many tokens (comma list)")
     ap.add_argument("--attn-tune", default="", help="prefill attention variants 'block_h,block_n,warps,stages;...'")
+    ap.add_argument(
+        "--prefill-variants",
+        default="",
+        help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S;...' (kernels.prefill.FOLD_NORM_ROPE, kernels.moe_grouped, kernels.prefill.ATTN_TUNE)",
+    )
     ap.add_argument(
         "--small",
         action="store_true",
@@ -538,6 +585,8 @@ def main() -> None:
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
         kp.ATTN_TUNE.clear()
+    if args.prefill_variants:
+        prefill_variants(args.prefill_variants, ours, vocab, rows)
     for n in [int(x) for x in args.prefill.split(",") if x]:
         ids = torch.randint(2, vocab, (1, n), device=device)
         flops = prefill_flops(cfg, n)

@@ -98,8 +98,21 @@ def decode_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    q_norm_eps: float | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fold_q: int = 1,
+    rope_out: bool = True,
 ) -> torch.Tensor:
     """Decode attention for ``B`` sequences (layout in the module docstring). → ``(B, H, D)``.
+
+    ``q_norm_eps`` / ``rope = (cos, sin)`` (tables ``(B, R/2)``, row ``b`` for query ``b``): ``q`` is
+    raw, the kernel applies the unweighted RMS norm and the RoPE of the trailing ``R`` channels as it
+    loads it (the rounding of ``fused.norm_rope``), and un-rotates the output (``-sin``) before its
+    store — the prefill path's two ``norm_rope`` passes folded in (one split only). ``fold_q``: 0 = q
+    comes normalised and rotated (only the output is un-rotated), 1 = q is normalised and rotated in
+    registers as it loads, 2 = the main dot takes the raw q, the head norm scales the logits and a
+    second small dot over the 64 rope channels adds the rotation's difference (needs ``rope``);
+    ``rope_out``: un-rotate the output.
 
     ``max_rows`` (HCA, no ``row_idx``): an upper bound of ``row_len``; given, the call does no
     host sync (CUDA-graph capturable), else it reads ``row_len.max()``.
@@ -129,6 +142,8 @@ def decode_attention(
     tiles = max(1, triton.cdiv(w + k_rows, block_n))
     if num_splits is None:
         num_splits = max(1, min(2 * num_sms(q.device) // max(1, b_size * n_hb), tiles // 2))
+    if rope is not None or q_norm_eps is not None:
+        num_splits = 1  # the output's RoPE undo runs in the main kernel's epilogue
     num_splits = max(1, min(num_splits, tiles))
     tiles_per_split = triton.cdiv(tiles, num_splits)
     num_splits = triton.cdiv(tiles, tiles_per_split)
@@ -141,17 +156,28 @@ def decode_attention(
         part_ml = torch.empty(b_size, h, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
+    if fold_q == 2 and (rope is None or 2 * rope[0].shape[1] < 16):
+        fold_q = 1  # the correction dot needs K ≥ 16 rope channels on the GPU
+    if rope is not None:
+        cos_t, sin_t = rope
+        assert cos_t.is_contiguous() and sin_t.is_contiguous() and cos_t.shape[0] >= b_size
+        rope_dim = 2 * cos_t.shape[1]
+    else:
+        cos_t = sin_t = q
+        rope_dim = 0
     _decode_attn_kernel[(b_size, n_hb, num_splits)](
         q, swa, swa_len, swa_slot if swa_slot is not None else dummy_i,
         rows_t, row_start if has_rows else dummy_i, row_len if has_rows else dummy_i,
         row_idx if indexed else dummy_i, sinks,
-        out, part_acc, part_ml,
+        out, part_acc, part_ml, cos_t, sin_t, float(q_norm_eps or 0.0),
         h, d, w, k_rows,
         q.stride(0), q.stride(1), swa.stride(0), swa.stride(1), rows_t.stride(0),
         row_idx.stride(0) if indexed else 0, out.stride(0), out.stride(1),
         scale * LOG2E, tiles_per_split,
         D_PAD=d_pad, BH=block_h, BN=block_n, HAS_ROWS=has_rows, INDEXED=indexed,
         HAS_SLOT=swa_slot is not None, SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
+        Q_NORM=q_norm_eps is not None and fold_q > 0, ROPE=rope_dim, QMODE=fold_q if (q_norm_eps is not None or rope is not None) else 0,
+        ROPE_OUT=rope is not None and rope_out,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -165,15 +191,30 @@ def decode_attention(
 if HAS_TRITON:
 
     @triton.jit
+    def _rope_pairs(x, xp, cos_ptr, sin_ptr, p, offs_d, is_r, D, sign, ROPE: tl.constexpr):
+        """RoPE of fp32 ``x (BH, C)`` (channels ``offs_d``) given each channel's pair partner
+        ``xp`` (channel ``d ^ 1``): channels where ``is_r`` rotate by table row ``p`` (interleaved
+        pairs of the trailing ``ROPE`` channels), rounded to the table's dtype, as ``fused._rope_row``."""
+        ty = cos_ptr.dtype.element_ty
+        half = ROPE // 2
+        j = tl.where(is_r, (offs_d - (D - ROPE)) // 2, 0)
+        c = tl.load(cos_ptr + p.to(tl.int64) * half + j, mask=is_r, other=1.0).to(tl.float32)[None, :]
+        s = (tl.load(sin_ptr + p.to(tl.int64) * half + j, mask=is_r, other=0.0).to(tl.float32) * sign)[None, :]
+        even = (offs_d % 2 == 0)[None, :]
+        rot = tl.where(even, x * c - xp * s, x * c + xp * s).to(ty).to(tl.float32)
+        return tl.where(is_r[None, :], rot, x)
+
+    @triton.jit
     def _decode_attn_kernel(
         q_ptr, swa_ptr, swa_len_ptr, swa_slot_ptr,
         rows_ptr, row_start_ptr, row_len_ptr, row_idx_ptr, sinks_ptr,
-        out_ptr, part_acc_ptr, part_ml_ptr,
+        out_ptr, part_acc_ptr, part_ml_ptr, cos_ptr, sin_ptr, q_eps,
         H, D, W, K_ROWS,
         stride_qb, stride_qh, stride_ss, stride_sw, stride_r, stride_ib, stride_ob, stride_oh,
         qk_scale, tiles_per_split,
         D_PAD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_ROWS: tl.constexpr,
         INDEXED: tl.constexpr, HAS_SLOT: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+        Q_NORM: tl.constexpr = False, ROPE: tl.constexpr = 0, QMODE: tl.constexpr = 0, ROPE_OUT: tl.constexpr = False,
     ):  # fmt: skip
         b = tl.program_id(0)
         hb = tl.program_id(1)
@@ -187,6 +228,40 @@ if HAS_TRITON:
             q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
             mask=h_ok[:, None] & d_ok[None, :], other=0.0,
         )  # (BH, D_PAD)
+        if QMODE == 2:  # raw q in the main dot; norm as a logit scale, rotation as a correction dot
+            ty = q.dtype
+            row_scale = tl.full([BH], 1.0, dtype=tl.float32)
+            if Q_NORM:
+                qf = q.to(tl.float32)
+                row_scale = (1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) / D + q_eps)).to(ty).to(tl.float32)
+            offs_q = D - ROPE + tl.arange(0, ROPE)
+            q_rows = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+            qr = tl.load(q_rows + offs_q[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+            qrp = tl.load(q_rows + (offs_q ^ 1)[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+            qr = (qr * row_scale[:, None]).to(ty).to(tl.float32)
+            qrp = (qrp * row_scale[:, None]).to(ty).to(tl.float32)
+            rot = _rope_pairs(qr, qrp, cos_ptr, sin_ptr, b, offs_q, offs_q >= 0, D, 1.0, ROPE)
+            dq = (rot - qr).to(ty)  # (BH, ROPE): rope(norm(q)) - norm(q) on the rope channels
+            row_scale = row_scale * qk_scale
+        elif QMODE == 1:
+            # elementwise in q's own register layout (a split/join of the (64, 512) tile cost the
+            # 8K prefill ~7 ms of attention time, run 8): each channel's RoPE partner (d ^ 1) is
+            # loaded a second time (from L1/L2) instead of shuffled
+            ty = q.dtype
+            qf = q.to(tl.float32)
+            if Q_NORM:  # unweighted RMS norm of each head, rounded as fused.norm_rope mode 2
+                rs = (1.0 / tl.sqrt(tl.sum(qf * qf, axis=1) / D + q_eps)).to(ty).to(tl.float32)
+                qf = (qf * rs[:, None]).to(ty).to(tl.float32)
+            if ROPE > 0:
+                is_r = (offs_d >= D - ROPE) & d_ok
+                qp = tl.load(
+                    q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + (offs_d ^ 1)[None, :],
+                    mask=h_ok[:, None] & is_r[None, :], other=0.0,
+                ).to(tl.float32)
+                if Q_NORM:
+                    qp = (qp * rs[:, None]).to(ty).to(tl.float32)
+                qf = _rope_pairs(qf, qp, cos_ptr, sin_ptr, b, offs_d, is_r, D, 1.0, ROPE)
+            q = qf.to(ty)
 
         n_swa = tl.load(swa_len_ptr + b).to(tl.int32)
         if HAS_SLOT:
@@ -229,7 +304,11 @@ if HAS_TRITON:
             else:
                 ptrs = swa_base + swa_off[:, None]
             k = tl.load(ptrs + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)  # (BN, D_PAD)
-            s = mma(q, tl.trans(k), PRECISION) * qk_scale  # (BH, BN), log2 units
+            if QMODE == 2:
+                kr = tl.load(ptrs + offs_q[None, :], mask=ok[:, None], other=0.0)  # (BN, ROPE)
+                s = mma(q, tl.trans(k), PRECISION) * row_scale[:, None] + mma(dq, tl.trans(kr), PRECISION) * qk_scale
+            else:
+                s = mma(q, tl.trans(k), PRECISION) * qk_scale  # (BH, BN), log2 units
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -251,6 +330,17 @@ if HAS_TRITON:
             o = acc * (alpha / denom)[:, None]
             o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+            if ROPE_OUT:  # undo the values' rotation at the query position, as fused.norm_rope(sign=-1):
+                # the stored rope channels and their partners are read back (this program's own
+                # writes, after a barrier), rotated, and written again
+                offs_r = D - ROPE + tl.arange(0, ROPE)
+                r_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh
+                tl.debug_barrier()
+                orr = tl.load(r_ptrs + offs_r[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+                orp = tl.load(r_ptrs + (offs_r ^ 1)[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+                tl.debug_barrier()
+                on = _rope_pairs(orr, orp, cos_ptr, sin_ptr, b, offs_r, offs_r >= 0, D, -1.0, ROPE)
+                tl.store(r_ptrs + offs_r[None, :], on.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
     @triton.jit
     def _decode_attn_combine_kernel(

@@ -148,6 +148,10 @@ def moe_experts(
     """Routed experts' weighted sum ``(N, H)`` (layout in the module docstring)."""
     if not use_triton(x):
         return moe_experts_reference(x, weights, indices, gate_up, down, limit)
+    from kernels import moe_grouped
+
+    if moe_grouped.use_prefill_gemm(x, indices):  # prefill sizes: Triton grouped GEMM, SwiGLU fused
+        return moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, limit)
     return grouped_experts(
         x, weights, indices, gate_up.shape[0], gate_up.shape[1] // 2, limit,
         lambda xs, offs, counts: _grouped_linear(xs, gate_up, offs, counts),
@@ -167,12 +171,14 @@ def grouped_experts(
     limit: float,
     up: GroupedLinear,
     down: GroupedLinear,
+    fused_act: bool = False,
 ) -> torch.Tensor:
     """The routed-expert pipeline around two grouped GEMMs (bf16 ``moe_experts``, FP8
     ``moe_experts_fp8``): slots sorted by expert, ``up`` (gate/up) and ``down`` on the grouped
     rows — each called as ``(rows, group end offsets, group counts)`` — the fused SwiGLU between
-    them and the weighted combine after. No host sync anywhere (CUDA-graph capturable: CUDA
-    bincount reads max() on the host, a scatter_add of ones does not)."""
+    them (``fused_act``: ``up`` returns the SwiGLU itself) and the weighted combine after. No host
+    sync anywhere (CUDA-graph capturable: CUDA bincount reads max() on the host, a scatter_add of
+    ones does not)."""
     k = indices.shape[1]
     flat = indices.reshape(-1)  # (N*k,)
     order = torch.argsort(flat, stable=True)  # (N*k,) sorted slot -> flat (token, j) slot
@@ -180,7 +186,8 @@ def grouped_experts(
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))  # flat slot -> sorted row
     xs = x.index_select(0, order // k)  # (N*k, H) tokens grouped by expert
-    act = swiglu_rows(up(xs, offs, counts), limit)  # (N*k, I)
+    h = up(xs, offs, counts)  # (N*k, 2I), or the SwiGLU (N*k, I) already with fused_act
+    act = h if fused_act else swiglu_rows(h, limit)  # (N*k, I)
     return combine_rows(down(act, offs, counts), inv, weights, x)
 
 

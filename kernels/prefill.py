@@ -39,6 +39,13 @@ from kernels._common import HAS_TRITON, INTERPRET, next_pow2, tl, triton, use_tr
 
 INDEXER_QUERY_TILE = 4096  # queries per indexer scoring call: (4096, T) fp32 scores
 ATTN_TUNE: dict = {}
+# Attention._forward_fast, one-sequence prefill: 0 = separate norm_rope passes; 1 = q norm + RoPE
+# in the attention kernel's registers and the output's RoPE undo in its epilogue; 2 = as 1 with the
+# q norm as a logit scale and the rotation as a 64-channel correction dot; 3 = only the output's undo
+# run 8: folding the q norm/RoPE into the kernel (1 or 2) made the attention kernel 9.5 → 15–16 ms
+# at 8K (it sits at the register limit: q 64×512 and the 64×512 fp32 accumulator), more than the
+# 4 ms of passes it saves; folding only the output's undo (3) is neutral to −1 ms
+FOLD_NORM_ROPE = 3
 _HC_PRECISION = "ieee" if INTERPRET else "tf32x3"  # block_h / block_n / num_warps / num_stages for the attention kernel (bench sweeps)
 
 
@@ -54,10 +61,25 @@ def prefill_attention_reference(
     row_idx: torch.Tensor | None = None,
     scale: float | None = None,
     tile: int = 512,
+    q_norm_eps: float | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fold_q: int = 1,
+    rope_out: bool = True,
 ) -> torch.Tensor:
     """``attend_with_sinks`` per tile of queries, as ``Attention._attend_sequence`` calls it.
-    ``q (S, H, D)``, ``keys (W-1+S, D)`` → ``(S, H, D)``."""
+    ``q (S, H, D)``, ``keys (W-1+S, D)`` → ``(S, H, D)``. With ``q_norm_eps``/``rope`` the raw ``q``
+    goes through ``fused.norm_rope`` first (``fold_q > 0``) and the output through its inverse RoPE
+    after (``rope_out``)."""
     from engine.model.attend import attend_with_sinks, hide
+    from kernels.fused import norm_rope_reference
+
+    if q_norm_eps is not None or rope is not None:
+        cos_t, sin_t = rope if rope is not None else (None, None)
+        at = torch.arange(q.shape[0], device=q.device)
+        if fold_q:
+            q = norm_rope_reference(q, None, 0 if q_norm_eps is None else 2, q_norm_eps or 0.0, cos_t, sin_t, at)
+        out = prefill_attention_reference(q, keys, pad, sinks, window, rows, row_len, row_idx, scale, tile)
+        return out if rope is None or not rope_out else norm_rope_reference(out, None, 0, 0.0, cos_t, sin_t, at, sign=-1.0)
 
     s, _, d = q.shape
     scale = d**-0.5 if scale is None else scale
@@ -92,13 +114,23 @@ def prefill_attention(
     row_len: torch.Tensor | None = None,
     row_idx: torch.Tensor | None = None,
     scale: float | None = None,
+    q_norm_eps: float | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fold_q: int = 1,
+    rope_out: bool = True,
 ) -> torch.Tensor:
     """Prefill attention of one chunk (layout in the module docstring). → ``(S, H, D)``.
 
     ``row_len (S,)`` int: rows visible to each query (HCA: the first ``row_len``; CSA: the bound
-    of ``row_idx (S, K)``). No host sync."""
+    of ``row_idx (S, K)``). No host sync. ``q_norm_eps`` / ``rope = (cos, sin)`` (``(S, R/2)``,
+    row ``i`` for query ``i``): ``q`` is the raw projection; the kernel applies the head RMS norm
+    and RoPE as it loads it and un-rotates its output (``fused.norm_rope`` twice, folded in);
+    ``fold_q``/``rope_out`` as ``decode_attention`` takes them."""
     if not use_triton(q):
-        return prefill_attention_reference(q, keys, pad, sinks, window, rows, row_len, row_idx, scale)
+        return prefill_attention_reference(
+            q, keys, pad, sinks, window, rows, row_len, row_idx, scale, q_norm_eps=q_norm_eps, rope=rope, fold_q=fold_q, rope_out=rope_out
+        )  # fmt: skip
+    fold = {"q_norm_eps": q_norm_eps, "rope": rope, "fold_q": fold_q, "rope_out": rope_out}
     from kernels.decode_attention import decode_attention
 
     s = q.shape[0]
@@ -110,17 +142,19 @@ def prefill_attention(
     tune = dict(ATTN_TUNE)
     if not tune and q.dtype != torch.float32 and q.shape[1] >= 64:
         # all 64 heads of a query per program (each key tile loaded once per query, M=64 dots):
-        # 8K prefill 70.1 ms against 74.5 with the decode default (16 heads, 4 warps), run 7
-        tune = {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 1}
+        # 8K prefill 70.1 ms against 74.5 with the decode default (16 heads, 4 warps), run 7;
+        # 64 keys per tile and 2 stages: 61.0–63.1 ms against 63.2–65.9 with 32 keys, 1 stage (run 8,
+        # four pairs of variants in two calls)
+        tune = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
     has_rows = rows is not None and rows.shape[0] > 0
     if has_rows:
         row_start = torch.zeros(s, dtype=torch.int32, device=q.device)
         row_len = row_len.to(torch.int32)
         return decode_attention(
             q, win, swa_len, sinks, rows, row_start, row_len, row_idx, swa_slot=slot, scale=scale,
-            max_rows=rows.shape[0], **tune,
+            max_rows=rows.shape[0], **fold, **tune,
         )  # fmt: skip
-    return decode_attention(q, win, swa_len, sinks, swa_slot=slot, scale=scale, **tune)
+    return decode_attention(q, win, swa_len, sinks, swa_slot=slot, scale=scale, **fold, **tune)
 
 
 # ---- indexer top-k ------------------------------------------------------------------------------

@@ -255,12 +255,20 @@ class Attention(nn.Module):
         """``forward`` through Triton: fused head norm + RoPE, flash attention over each query's
         window and compressed rows, fused indexer scores (``kernels.prefill``)."""
         from kernels import fused as fk
+        from kernels import prefill as kp
 
         n = x.shape[0]
         cos, sin = rope
         at = torch.arange(n, device=x.device)  # row of each token in the cos/sin tables
-        p = self._project_fast(x, rope, at)
         decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
+        # one prefill sequence: the output's RoPE undo (default, FOLD_NORM_ROPE 3) and optionally
+        # the q norm + RoPE (1, 2) run inside the attention kernel, a pass over (N, nh, D) fewer each
+        fold = int(kp.FOLD_NORM_ROPE) if len(seqs) == 1 and not decode else 0
+        p = self._project_fast(x, rope, at, fold_q=fold in (1, 2))
+        if fold:
+            out = self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold)
+            grouped = self.o_a_proj(out.view(n, self.o_groups, -1)).flatten(1)
+            return self.o_b_proj(grouped)
         if len(decode) == n:
             out = attend_decode(self, decode, p, None, rotary)
         elif len(seqs) == 1 and not decode:
@@ -278,14 +286,19 @@ class Attention(nn.Module):
         grouped = self.o_a_proj(out.view(n, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 
-    def _project_fast(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], at: torch.Tensor) -> Projected:
-        """``_project`` with the head norms and RoPE as one Triton pass each (``fused.norm_rope``)."""
+    def _project_fast(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], at: torch.Tensor, fold_q: bool = False
+    ) -> Projected:
+        """``_project`` with the head norms and RoPE as one Triton pass each (``fused.norm_rope``);
+        ``fold_q``: ``q`` stays the raw projection (the attention kernel normalises and rotates it)."""
         from kernels import fused as fk
 
         n = x.shape[0]
         cos, sin = rope
         q_res = self.q_a_norm(self.q_a_proj(x))  # (N, qr)
-        q = fk.norm_rope(self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim), None, 2, self.eps, cos, sin, at)
+        q = self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim)
+        if not fold_q:
+            q = fk.norm_rope(q, None, 2, self.eps, cos, sin, at)
         kv = fk.norm_rope(self.kv_proj(x)[:, None], self.kv_norm.weight, 1, self.kv_norm.eps, cos, sin, at)[:, 0]
         comp_kv = comp_gate = idx_kv = idx_gate = idx_q = idx_w = None
         if self.compressor is not None:
@@ -297,8 +310,13 @@ class Attention(nn.Module):
             idx_w = idx.scorer.weights_proj(x)  # (N, Hi)
         return Projected(q, kv, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
 
-    def _attend_sequence_fast(self, s: SeqSlice, p: Projected, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """``_attend_sequence`` through ``kernels.prefill``: no score tensor, no per-tile loop."""
+    def _attend_sequence_fast(
+        self, s: SeqSlice, p: Projected, positions: torch.Tensor, rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None, fold: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """``_attend_sequence`` through ``kernels.prefill``: no score tensor, no per-tile loop.
+        ``fold`` (``kernels.prefill.FOLD_NORM_ROPE``) with the ``rope`` tables: 1/2 = ``p.q`` is raw,
+        its norm + RoPE and the output's RoPE undo run in the kernel; 3 = only the undo."""
         from kernels import prefill as kp
 
         a, b, st = s.start, s.end, s.state
@@ -321,7 +339,11 @@ class Attention(nn.Module):
                 if idx is not None:
                     scale = idx.softmax_scale * idx.weights_scaling
                     top = kp.prefill_topk(p.idx_q[a:b], p.idx_w[a:b], st.index.rows, row_len, idx.topk, scale)
-        return kp.prefill_attention(p.q[a:b], keys, pad, self.sinks, self.window, rows, row_len, top, self.scaling)
+        kw = {}
+        if rope is not None and fold:
+            tables = (rope[0][a:b], rope[1][a:b])
+            kw = {"q_norm_eps": self.eps, "rope": tables, "fold_q": fold if fold in (1, 2) else 0}
+        return kp.prefill_attention(p.q[a:b], keys, pad, self.sinks, self.window, rows, row_len, top, self.scaling, **kw)
 
     def _project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Projected:
         n = x.shape[0]

@@ -139,3 +139,52 @@ def test_hc_pre_norm(dtype) -> None:
         post, comb, x = hc_pre_norm(hc, norm, streams)
     assert rel_err(post, post_w) <= 1e-4 and rel_err(comb, comb_w) <= 1e-4
     assert rel_err(x, x_w) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["swa", "hca", "csa"])
+@pytest.mark.parametrize("fold_q", [0, 1, 2])
+def test_prefill_attention_folded_norm_rope(dtype, mode, fold_q) -> None:
+    """Raw q in (``fold_q`` 1: norm + RoPE in registers, 2: logit scale + correction dot; 0: q
+    comes normalised and rotated), the output's RoPE undo inside the kernel (the model's
+    ``_forward_fast`` for one sequence) against norm_rope → reference attention → inverse RoPE."""
+    s, w, h, d, r = (40, 16, 4, 64, 16) if SMALL else (700, 128, 64, 512, 64)
+    prev = 5
+    n_rows = 0 if mode == "swa" else (12 if SMALL else 300)
+    q, keys, pad, sinks, rows = _case(s, prev, w, h, d, n_rows, dtype, seed=11 + len(mode))
+    q = q * 3.0  # not unit scale: the norm matters
+    ang = (torch.arange(s, device=DEV)[:, None] + prev).float() * (0.5 ** torch.arange(r // 2, device=DEV).float())[None, :]
+    cos, sin = ang.cos().to(dtype).contiguous(), ang.sin().to(dtype).contiguous()
+    row_len = row_idx = None
+    if rows is not None:
+        row_len = ((torch.arange(s) + prev + 1) // 4).clamp(max=n_rows).to(DEV)
+        if mode == "csa":
+            k = 8 if SMALL else 64
+            g = torch.Generator().manual_seed(4)
+            row_idx = torch.full((s, k), -1, dtype=torch.int32)
+            for i in range(s):
+                n = int(row_len[i])
+                row_idx[i, : min(n, k)] = torch.randperm(n, generator=g)[: min(n, k)].int()
+            row_idx = row_idx.to(DEV)
+    scale = d**-0.5
+    eps = 1e-6
+    want = prefill_attention_reference(
+        q.float(), keys.float().nan_to_num(), pad, sinks, w, None if rows is None else rows.float(), row_len, row_idx, scale,
+        q_norm_eps=eps, rope=(cos.float(), sin.float()),
+    )  # fmt: skip
+    poison(DEV)
+    q_in = q
+    if fold_q == 0:
+        from kernels.fused import norm_rope
+
+        q_in = norm_rope(q, None, 2, eps, cos, sin, torch.arange(s, device=DEV))
+    got = prefill_attention(q_in, keys, pad, sinks, w, rows, row_len, row_idx, scale, q_norm_eps=eps, rope=(cos, sin), fold_q=fold_q)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert rel_err(got, want) <= TOL[dtype]
+    if dtype == torch.float32 and fold_q == 1:  # the reference's fold is the model's unfolded math
+        from kernels.fused import norm_rope_reference
+
+        at = torch.arange(s, device=DEV)
+        qn = norm_rope_reference(q, None, 2, eps, cos, sin, at)
+        plain = prefill_attention_reference(qn, keys.nan_to_num(), pad, sinks, w, rows, row_len, row_idx, scale)
+        assert rel_err(norm_rope_reference(plain, None, 0, 0.0, cos, sin, at, sign=-1.0), want) <= 1e-5

@@ -38,13 +38,16 @@ def _set(model, fast: bool) -> None:
             layer.self_attn.indexer.topk = 1 << 20
 
 
+@pytest.mark.parametrize("fold", [0, 3] if DEV == "cpu" else [0, 1, 2, 3])
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "small_windows_model_dir"])
-def test_fast_prefill_matches_general_path(request, fixture) -> None:
+def test_fast_prefill_matches_general_path(request, fixture, fold, monkeypatch) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_model(request.getfixturevalue(fixture), dtype="float32", device=DEV, progress=False)
     n = 300 if DEV == "cuda" else 66
     ids = _ids(n, 1)
     from kernels import prefill as kp
+
+    monkeypatch.setattr(kp, "FOLD_NORM_ROPE", fold)  # kernels.prefill: norm/RoPE folded into attention
 
     calls = []
     real = kp.prefill_attention

@@ -48,7 +48,8 @@ def normed_linear(x: torch.Tensor, weight: torch.Tensor, eps: float, fold: bool 
     the (wide) input — the same value up to rounding, one pass over ``x`` fewer (the mHC input
     is ``hc·H`` wide, its product ``(2+hc)·hc``)."""
     if fold and x.device.type == "cpu" and x.shape[0] > cpu_fused.NORM_ROWS:
-        scale = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps).to(x.dtype)  # (N, 1)
+        sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])  # mean(x²), no (N, hc·H) temporary
+        scale = torch.rsqrt(sq + eps).to(x.dtype)  # (N, 1)
         return F.linear(x, weight).mul_(scale)
     return F.linear(unweighted_rms_norm(x, eps), weight)
 

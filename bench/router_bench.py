@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -179,6 +180,39 @@ def serve_naive_proxy(port: int, workers: list[str]) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=loop)
 
 
+def serve_io_floor(port: int, workers: list[str]) -> None:
+    """Calibration: the router service's own HTTP server and worker pool (``router.http_server``,
+    ``router.http1``) with no router in between: workers in turn, body passed through. What a
+    request costs before any parsing, placement or accounting."""
+    import itertools
+
+    from router.http1 import Http1Pool
+    from router.http_server import HttpServer, Response
+
+    pools = itertools.cycle([Http1Pool(w) for w in workers])
+
+    async def gen(request) -> Response:
+        pool = next(pools)
+        conn = await pool.request("/internal/generate", request.body)
+        out: list[bytes] = []
+        while (lines := await conn.read()) is not None:
+            out += lines
+        pool.release(conn, True)
+        return Response(b"\n".join(out) + b"\n", 200, b"application/x-ndjson")
+
+    async def health(request) -> Response:
+        return Response(b"{}")
+
+    async def main() -> None:
+        await HttpServer({(b"POST", "/internal/generate"): gen, (b"GET", "/health"): health}).start("127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
+    with contextlib.suppress(KeyboardInterrupt):
+        loop.run_until_complete(main())
+
+
 def serve_router(port: int, policy: str, workers: list[str]) -> None:
     from router.config import RouterConfig
     from router.service import serve
@@ -319,7 +353,7 @@ def _wait_http(port: int, path: str = "/health", timeout: float = 30.0) -> None:
 
 def _router_proc(policy: str, worker_urls: list[str]) -> tuple[subprocess.Popen, int]:
     port = _free_port()
-    mode = ["_naive"] if policy == "naive_proxy" else ["_router", "--policy", policy]
+    mode = {"naive_proxy": ["_naive"], "io_floor": ["_floor"]}.get(policy, ["_router", "--policy", policy])
     p = subprocess.Popen([sys.executable, "-m", "bench.router_bench", *mode, "--port", str(port), "--worker", *worker_urls], cwd=REPO)
     _wait_http(port)
     return p, port
@@ -422,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     nv = sub.add_parser("_naive")
     nv.add_argument("--port", type=int, required=True)
     nv.add_argument("--worker", nargs="+", required=True)
+    fl = sub.add_parser("_floor")
+    fl.add_argument("--port", type=int, required=True)
+    fl.add_argument("--worker", nargs="+", required=True)
     e = sub.add_parser("_echo")
     e.add_argument("--framework", choices=["aiohttp", "fastapi"], required=True)
     e.add_argument("--port", type=int, required=True)
@@ -431,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-requests", type=int, default=1000)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--distinct-prompts", type=int, default=64)
-    p.add_argument("--policies", nargs="+", default=["naive_proxy", "round_robin", "cache_aware"], help="router policies to measure; naive_proxy = a bare aiohttp proxy, for calibration")
+    p.add_argument("--policies", nargs="+", default=["naive_proxy", "round_robin", "cache_aware"], help="router policies to measure; for calibration: naive_proxy = a bare aiohttp proxy, io_floor = our HTTP server and worker pool with no router")
     p.add_argument("--servers", action="store_true", help="also compare aiohttp.web and FastAPI+uvicorn echo servers")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "router_bench.json"))
     args = p.parse_args(argv)
@@ -441,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_router(args.port, args.policy, args.worker)
     elif args.mode == "_naive":
         serve_naive_proxy(args.port, args.worker)
+    elif args.mode == "_floor":
+        serve_io_floor(args.port, args.worker)
     elif args.mode == "_echo":
         serve_echo(args.framework, args.port)
     else:

@@ -150,7 +150,11 @@ class LMHead:
         keep = y[rows.unsqueeze(1), cols].double() >= thr[rows].unsqueeze(1)  # (K, BLOCK)
         rows = rows.unsqueeze(1).expand_as(cols)[keep]  # (C,) candidate (row, column) pairs
         cols = cols[keep]
-        return self._best(hidden, rows, cols, B, V)
+        best = self._best(hidden, rows, cols, B, V)
+        if bool((best == V).any()):  # a row without candidates (NaN/inf hidden states): no bound holds
+            self.fallback_rows += B
+            return self.logits(hidden).argmax(-1)
+        return best
 
     def _best(self, hidden: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, B: int, V: int) -> torch.Tensor:
         """Each row's best candidate column by exact (float64) logits, lowest id on a tie."""

@@ -96,3 +96,12 @@ def test_head_rows_selects_rows() -> None:
     rows = HeadRows(head, hidden)
     assert torch.equal(rows.argmax([4, 1]), exact_argmax(head, hidden[[4, 1]]))
     assert torch.allclose(rows.logits([2]), head.logits(hidden[[2]]))
+
+
+def test_non_finite_hidden_states_fall_back_to_the_projection() -> None:
+    head = head_with(torch.randn(3000, 16) * 0.05)
+    x = torch.randn(4, 16)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    got = head.argmax(x)
+    assert torch.equal(got, head.logits(x).argmax(-1)) and bool((got < 3000).all())

@@ -4,10 +4,16 @@ Pass a ``CollectorRegistry`` to put them beside other components' metrics (the g
 ``deepserve up``); by default each ``RouterMetrics`` gets a private registry, so several routers in
 one process (tests) never collide. Per-token paths touch no metric; per-request paths touch a few
 counters and one histogram; load and health gauges are refreshed by the registry's pollers.
+
+The per-request ones (``decisions``, ``requests``, ``added_latency``) are counted in plain Python
+numbers and added to their Prometheus metrics when the registry is collected (a collector
+registered ahead of them flushes; ``flush()`` does it by hand): a labelled ``inc`` or a histogram
+``observe`` takes a lock and cost ~0.5 µs each, three per request.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -23,6 +29,11 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self._decisions: dict[tuple[str, str], int] = {}  # counts not yet flushed (see flush)
+        self._outcomes: dict[str, int] = {}
+        self._lat_counts: list[int] | None = None
+        self._lat_sum = 0.0
+        r.register(_Flusher(self))  # first, so a scrape flushes before the metrics are read
         self.decisions = Counter("deepserve_router_decisions", "Placement decisions", ["policy", "stage"], registry=r)
         self.requests = Counter("deepserve_router_requests", "Requests by outcome", ["outcome"], registry=r)
         self.retries = Counter("deepserve_router_retries", "Re-dispatches before the first token", ["reason"], registry=r)
@@ -44,21 +55,39 @@ class RouterMetrics:
         self.rank_in_flight = Gauge("deepserve_router_rank_in_flight", "This router's requests on the rank", ["worker_id", "dp_rank"], registry=r)
         self.rank_in_flight_tokens = Gauge("deepserve_router_rank_in_flight_tokens", "Context tokens of this router's requests on the rank", ["worker_id", "dp_rank"], registry=r)
         self._known: dict[str, tuple[str, list[str]]] = {}  # worker_id -> (role, dp ranks) labelled
-        self._children: dict[Any, Any] = {}
+        self._bounds = list(self.added_latency._upper_bounds)  # ends with +Inf
+        self._lat_counts = [0] * len(self._bounds)
 
     def decision(self, policy: str, stage: str) -> None:
-        """Count one placement (labelled children are cached: this runs per dispatch)."""
-        child = self._children.get((policy, stage))
-        if child is None:
-            child = self._children[(policy, stage)] = self.decisions.labels(policy, stage)
-        child.inc()
+        """Count one placement (this runs per dispatch)."""
+        key = (policy, stage)
+        self._decisions[key] = self._decisions.get(key, 0) + 1
 
     def finished(self, outcome: str) -> None:
         """Count one request by how it ended (finish reason, or ``error``)."""
-        child = self._children.get(outcome)
-        if child is None:
-            child = self._children[outcome] = self.requests.labels(outcome)
-        child.inc()
+        self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+
+    def observe_added_latency(self, seconds: float) -> None:
+        """``added_latency.observe(seconds)``, counted here until the next flush."""
+        self._lat_counts[bisect_left(self._bounds, seconds)] += 1
+        self._lat_sum += seconds
+
+    def flush(self) -> None:
+        """Add the per-request counts kept since the last flush to the Prometheus metrics."""
+        decisions, self._decisions = self._decisions, {}
+        for (policy, stage), n in decisions.items():
+            self.decisions.labels(policy, stage).inc(n)
+        outcomes, self._outcomes = self._outcomes, {}
+        for outcome, n in outcomes.items():
+            self.requests.labels(outcome).inc(n)
+        counts, self._lat_counts = self._lat_counts, [0] * len(self._bounds)
+        total, self._lat_sum = self._lat_sum, 0.0
+        if any(counts):
+            h = self.added_latency
+            for i, n in enumerate(counts):
+                if n:
+                    h._buckets[i].inc(n)
+            h._sum.inc(total)
 
     def observe_worker(self, w: Worker) -> None:
         self.worker_healthy.labels(w.worker_id, w.role).set(1.0 if w.available else 0.0)
@@ -88,4 +117,18 @@ class RouterMetrics:
                     pass
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry)  # flushes first (_Flusher)
+
+
+class _Flusher:
+    """A collector that yields nothing: collecting it flushes ``RouterMetrics``' counts."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self.metrics.flush()
+        return []

@@ -55,6 +55,9 @@ from router.worker_client import dumps, encode_request, event_from_dict, loads
 
 log = logging.getLogger(__name__)
 
+_PREFILL_ONLY = b',"prefill_only":true'
+_NOT_PREFILL_ONLY = b',"prefill_only":false'
+
 
 class WireEvent(NamedTuple):
     """One event as it goes out on the wire: its JSON ``line`` (no newline) and the parsed
@@ -88,6 +91,7 @@ class _Flight:
     stats: tuple[int, int] | None = None  # (num_prompt_tokens, num_cached_tokens) first seen
     queue_entry: tuple | None = None
     failed: set[str] = field(default_factory=set)  # worker ids that failed it
+    head: tuple | None = None  # the client's JSON body less its closing brace (see stream)
     retries: int = 0  # re-dispatches before the first token
     migrations: int = 0  # re-dispatches after it
 
@@ -198,9 +202,15 @@ class Router:
             async for w in events:
                 yield event_from_dict(w.fields)
 
-    async def stream(self, req: GenerateRequest) -> AsyncIterator[WireEvent]:
+    async def stream(self, req: GenerateRequest, head: tuple | None = None) -> AsyncIterator[WireEvent]:
         """``generate`` at the wire level: each event's JSON line and fields (what the router
         service sends on, without decoding and re-encoding the worker's lines).
+
+        ``head``: the client's JSON body that ``req`` was parsed from, less its closing ``}``, in
+        pieces to join (``router.service.forward_head`` builds it and says when a body qualifies). The worker is then sent
+        that body with only the fields the router sets appended (``dp_rank``, ``prefill_only``,
+        and ``output_token_ids`` once tokens were streamed), instead of ``req`` encoded again:
+        JSON parsers, the worker's included, take the last of duplicate keys.
 
         One generator for the whole request (placement, every attempt, repair): a request that
         is one event long costs one generator, not one per layer (each layer adds an
@@ -209,7 +219,7 @@ class Router:
         t0 = time.perf_counter()
         if req.request_id in self._flights:
             raise RequestRejected(f"request {req.request_id!r} is already in flight")
-        flight = _Flight(req, self.route_request(req))
+        flight = _Flight(req, self.route_request(req), head=head)
         self._flights[req.request_id] = flight
         try:
             stage = self.placer.first_stage(flight.route, self._pools())
@@ -221,7 +231,7 @@ class Router:
                     flight.finished = True
                     yield _wire(TokenEvent(req.request_id, finish_reason="abort"))
                     return
-            self.metrics.added_latency.observe(time.perf_counter() - t0 - waited)
+            self.metrics.observe_added_latency(time.perf_counter() - t0 - waited)
             if stage == "prefill":
                 self.metrics.disaggregated.inc()
             while True:
@@ -419,19 +429,26 @@ class Router:
         the body to send, the lease to release and the policy to tell when the attempt ends."""
         req, route = flight.req, flight.route
         prior = req.output_token_ids + flight.out if flight.out else req.output_token_ids
-        body = encode_request(
-            GenerateRequest(
-                request_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling=req.sampling,
-                priority=req.priority,
-                output_token_ids=prior,
-                prefill_only=stage == "prefill",
-                dp_rank=view.dp_rank,
-                session_key=req.session_key,
-                arrival_time=req.arrival_time,
+        if flight.head is not None:
+            parts = [*flight.head, b',"dp_rank":', b"%d" % view.dp_rank, _PREFILL_ONLY if stage == "prefill" else _NOT_PREFILL_ONLY]
+            if flight.out:
+                parts += (b',"output_token_ids":', dumps(prior))
+            parts.append(b"}")
+            body = b"".join(parts)
+        else:
+            body = encode_request(
+                GenerateRequest(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling=req.sampling,
+                    priority=req.priority,
+                    output_token_ids=prior,
+                    prefill_only=stage == "prefill",
+                    dp_rank=view.dp_rank,
+                    session_key=req.session_key,
+                    arrival_time=req.arrival_time,
+                )
             )
-        )
         policy = self.placer.policy_for(stage)
         cached = view.cached_blocks(route.block_keys) * route.block_size if route.block_keys else 0
         lease = Lease(view, route.num_prompt_tokens + len(prior), max(0, route.num_prompt_tokens - cached) if not prior or stage != "decode" else 0)

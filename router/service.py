@@ -138,6 +138,29 @@ def parse_generate(d: dict[str, Any], raw: bytes = b"") -> GenerateRequest:
     )
 
 
+def forward_head(d: dict[str, Any], raw: bytes, req: GenerateRequest) -> tuple[Any, ...] | None:
+    """The client's body ``raw`` (parsed into ``d``, then ``req``) to forward to the worker with
+    the router's fields appended (``Router.stream``'s ``head``): the pieces of the body less its
+    closing brace (a ``memoryview``: not copied until the worker's body is joined), plus
+    ``arrival_time`` when the client sent none (the router's clock, as before). None when the
+    worker would read the body differently from ``req`` (a ``request_id`` that is not a string,
+    a null ``output_token_ids`` or ``arrival_time``...): that body is encoded from ``req``
+    instead. Every other field (sampling, priority, session key) is read the same way by
+    ``parse_generate`` here and ``GenerateRequest.from_dict`` on the worker."""
+    if type(d["request_id"]) is not str or ("output_token_ids" in d and type(d["output_token_ids"]) is not list):
+        return None
+    body = raw.rstrip()
+    if body[-1:] != b"}":
+        return None
+    head = memoryview(body)[:-1]
+    if "arrival_time" not in d:
+        return (head, b',"arrival_time":', repr(req.arrival_time).encode())
+    t = d["arrival_time"]
+    if type(t) is not float and type(t) is not int or not t:
+        return None
+    return (head,)
+
+
 class RouterService:
     """The router behind its HTTP surface (module docstring). ``start()`` starts the router and
     listens; ``stop()`` stops both. ``router``: a prepared router (tests); by default one is
@@ -175,10 +198,11 @@ class RouterService:
     # ---- the hot route ------------------------------------------------------------------------
     async def generate(self, request: Request) -> Response | None:
         try:
-            req = parse_generate(_body(request), request.body)
+            d = _body(request)
+            req = parse_generate(d, request.body)
         except (KeyError, ValueError, TypeError) as exc:
             return _error(400, f"invalid request: {exc}", "invalid_request")
-        events = self.router.stream(req)
+        events = self.router.stream(req, forward_head(d, request.body, req))
         try:
             first = await anext(events)
         except StopAsyncIteration:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 from engine.protocol import GenerateRequest, SamplingParams
-from router.service import parse_generate
+from router.service import forward_head, parse_generate
 
 
 @pytest.mark.parametrize(
@@ -36,3 +39,32 @@ def test_invalid_sampling_is_refused_every_time():
         with pytest.raises(ValueError):
             parse_generate(body)
     assert parse_generate({"request_id": "r", "prompt_token_ids": [1]}).sampling == SamplingParams()
+
+
+def _forwarded(body: dict, **router_fields) -> dict:
+    """What the worker parses from the client's body forwarded with the router's fields."""
+    raw = json.dumps(body).encode() + b"\n"
+    d = json.loads(raw)
+    req = parse_generate(d, raw)
+    head = forward_head(d, raw, req)
+    assert head is not None
+    tail = b"".join(b',"%s":%s' % (k.encode(), json.dumps(v).encode()) for k, v in router_fields.items())
+    return json.loads(b"".join([*head, tail, b"}"])), req
+
+
+@pytest.mark.parametrize("extra", [{}, {"arrival_time": 123.5, "priority": 2, "session_key": "s"}, {"output_token_ids": [5, 6], "dp_rank": 3, "prefill_only": True}])
+def test_forwarded_body_reads_as_the_encoded_request(extra):
+    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4, "temperature": 0.0}, **extra}
+    got, req = _forwarded(body, dp_rank=1, prefill_only=False)
+    want = replace(req, dp_rank=1, prefill_only=False)
+    assert GenerateRequest.from_dict(got) == want  # arrival_time too: the router's clock when absent
+    assert json.loads(json.dumps(want.to_dict())) == GenerateRequest.from_dict(got).to_dict()
+    got, req = _forwarded(body, dp_rank=0, prefill_only=True, output_token_ids=[7])
+    assert GenerateRequest.from_dict(got) == replace(req, dp_rank=0, prefill_only=True, output_token_ids=[7])
+
+
+@pytest.mark.parametrize("extra", [{"request_id": 5}, {"output_token_ids": None}, {"arrival_time": None}, {"arrival_time": 0}, {"arrival_time": True}])
+def test_bodies_the_worker_would_read_differently_are_encoded(extra):
+    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3], **extra}
+    raw = json.dumps(body).encode()
+    assert forward_head(json.loads(raw), raw, parse_generate(json.loads(raw), raw)) is None

@@ -102,6 +102,37 @@ class CacheAware(Policy):
         return out
 
     def select(self, request: RouteRequest, candidates: Sequence[RankView]) -> RankView:
+        if len(candidates) == 1:
+            return candidates[0]
+        if self.config.temperature > 0 or len({v.worker_id for v in candidates}) != len(candidates):
+            return self._select(request, candidates)
+        return self._select_one_rank_per_worker(request, candidates)
+
+    def _select_one_rank_per_worker(self, request: RouteRequest, candidates: Sequence[RankView]) -> RankView:
+        """``_select`` when no worker offers two ranks (no DP guard) at temperature 0: the load
+        guard, the cost and the argmin in one pass over the candidates (same choice, ties too;
+        tests/router/test_policies.py compares)."""
+        cfg = self.config
+        loads = [v.num_requests for v in candidates]
+        lo = min(loads)
+        limit = max(lo + cfg.balance_abs_threshold, lo * cfg.balance_rel_threshold)
+        cache = candidates[0].cache
+        m = cache.match(request.block_keys) if cache is not None and request.block_keys else _NO_MATCH
+        local_of = m.local.get if m.local else None
+        bs, p, shared = request.block_size, request.num_prompt_tokens, m.shared
+        hit_w, pw, dw = cfg.shared_hit_weight, cfg.prefill_weight, cfg.decode_weight
+        best, best_c, best_n = None, 0.0, 0
+        for v, n in zip(candidates, loads):
+            if n > limit:
+                continue
+            local = local_of(v.key, 0) if local_of is not None else 0
+            saved = bs * local + (bs * (shared - local) * hit_w if shared > local else 0.0)
+            c = pw * (v.prefill_backlog + (p - saved if saved < p else 0.0)) + dw * v.decode_tokens
+            if best is None or c < best_c or (c == best_c and n < best_n):
+                best, best_c, best_n = v, c, n
+        return best
+
+    def _select(self, request: RouteRequest, candidates: Sequence[RankView]) -> RankView:
         ranks = self.eligible(request, candidates)
         if len(ranks) == 1:
             return ranks[0]

@@ -195,3 +195,25 @@ def test_session_affinity_bounded_load():
 def test_session_affinity_without_key_is_least_load():
     cands = group("a", running=3) + group("b", running=1)
     assert SessionAffinity().select(req(), cands).worker_id == "b"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cache_aware_one_rank_per_worker_path_equals_the_general_one(seed):
+    """``select``'s one-pass path (no DP group, temperature 0) picks what guard + cost + argmin
+    (``_select``) pick, ties and load-guarded ranks included."""
+    rng = random.Random(seed)
+    index = KVIndex()
+    for w in "abcdef":
+        if rng.random() < 0.5:
+            index.apply(w, [KVEvent("stored", list(KEYS[: rng.randrange(1, 16)]), tier=rng.choice(["memory", "memory", "redis"]))])
+    policy = CacheAware()
+    for _ in range(300):
+        cands = [
+            group(w, cache=index, running=rng.choice([0, 0, 1, 5, 20]), queued_tokens=rng.choice([0, 0, 128, 3000]))[0]
+            for w in rng.sample("abcdef", rng.randrange(2, 7))
+        ]
+        for v in cands:
+            v.in_flight = rng.choice([0, 0, 1, 2])
+            v.in_flight_tokens = 1024 * v.in_flight
+        r = req(rng.choice([100, 512, 2048]), KEYS[: rng.choice([0, 4, 16])])
+        assert policy.select(r, cands) is policy._select(r, cands)

@@ -71,12 +71,28 @@ class KVIndex:
 
     def apply_raw(self, worker_id: str, events: Iterable[dict[str, Any]]) -> None:
         """``apply`` for events as the worker's JSON objects (``KVEvent.to_dict`` layout):
-        what the registry's poller feeds, without building a ``KVEvent`` per event."""
+        what the registry's poller feeds, without building a ``KVEvent`` per event. The common
+        event (units stored in a rank's own tier) is applied inline: a poll can bring one per
+        request placed since the last."""
         shared_tiers = self.shared_tiers
+        holders = self._holders
+        ranks: dict[Any, RankKey] = {}
         try:
             for ev in events:
-                rank = (worker_id, int(ev.get("dp_rank", 0)))
-                self._apply_one(rank, ev["kind"] == "stored", ev.get("tier", "memory") in shared_tiers, ev["keys"])
+                r = ev.get("dp_rank", 0)
+                rank = ranks.get(r)
+                if rank is None:
+                    rank = ranks[r] = (worker_id, int(r))
+                stored = ev["kind"] == "stored"
+                if stored and ev.get("tier", "memory") not in shared_tiers:
+                    for k in ev["keys"]:
+                        h = holders.pop(k, None)
+                        if h is None:
+                            h = {}
+                        holders[k] = h
+                        h[rank] = _INF
+                else:
+                    self._apply_one(rank, stored, ev.get("tier", "memory") in shared_tiers, ev["keys"])
         finally:
             self._changed()
 

@@ -105,18 +105,22 @@ class _Conn(asyncio.Protocol):
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
-            head = self.buf[:end].decode("latin-1").split("\r\n")
+            head = self.buf[:end]
             self.buf = self.buf[end + 4 :]
-            self.status = int(head[0].split(" ", 2)[1])
-            for h in head[1:]:
-                name, _, value = h.partition(":")
-                name = name.strip().lower()
-                if name == "content-length":
-                    self.remaining = int(value)
-                elif name == "transfer-encoding" and "chunked" in value.lower():
-                    self.chunked = True
-                elif name == "connection" and value.strip().lower() == "close":
-                    self.keep_alive = False
+            sp = head.index(b" ")
+            self.status = int(head[sp + 1 : sp + 4])
+            # The three headers read, found in the lower-cased head (one pass each in C, not a
+            # split and a partition per header line: ~1 µs less per answer).
+            low = head.lower() + b"\r\n"
+            i = low.find(b"\r\ncontent-length:")
+            if i >= 0:
+                self.remaining = int(low[i + 17 : low.index(b"\r\n", i + 17)])
+            i = low.find(b"\r\ntransfer-encoding:")
+            if i >= 0 and b"chunked" in low[i + 20 : low.index(b"\r\n", i + 20)]:
+                self.chunked = True
+            i = low.find(b"\r\nconnection:")
+            if i >= 0 and low[i + 13 : low.index(b"\r\n", i + 13)].strip() == b"close":
+                self.keep_alive = False
             if not self.chunked and self.remaining < 0:
                 self.keep_alive = False  # body ends at connection close
         if self.chunked:

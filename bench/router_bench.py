@@ -18,6 +18,8 @@ prompt drawn from ``--distinct-prompts`` ones, so cache-aware routing hashes rea
 
     python -m bench.router_bench                       # table + bench/results/router_bench.json
     python -m bench.router_bench --servers             # also: aiohttp.web vs FastAPI+uvicorn
+    git worktree add /tmp/rt-base <commit>             # then: old code against this tree's
+    python -m bench.router_bench --ab-base /tmp/rt-base --rounds 8 --duration 2.5 --prompt-tokens 128 --distinct-prompts 60000
 """
 
 from __future__ import annotations
@@ -420,6 +422,59 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def _proc_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(f[11]) / tck, int(f[12]) / tck
+
+
+def run_ab(args: argparse.Namespace) -> dict:
+    """Router CPU per request of the code in ``--ab-base`` (another checkout, e.g. a ``git
+    worktree`` of an older commit) against this tree's, in front of the same fake workers:
+    ``--rounds`` rounds per policy, the two routers alternating (which goes first alternates
+    too), a fresh router process each time, ``--duration`` seconds each after a 0.5 s warm-up.
+    Prompts: ``--distinct-prompts`` random ones of ``--prompt-tokens`` tokens (a large number
+    makes nearly every request a new prompt, as in ``bench.peer_routers``' throughput scenario)."""
+    import random
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(30000) for _ in range(args.prompt_tokens)] for _ in range(args.distinct_prompts)]
+    trees = {"base": str(Path(args.ab_base).resolve()), "new": str(REPO)}
+    fake_ports = [_free_port(), _free_port()]
+    fake = _spawn("_fake", "--ports", *map(str, fake_ports))
+    urls = [f"http://127.0.0.1:{p}" for p in fake_ports]
+    loop = _new_loop()
+    out: dict = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "trees": trees, "policies": {}}
+    try:
+        for policy in args.policies:
+            res: dict[str, list] = {k: [] for k in trees}
+            for r in range(args.rounds):
+                for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                    port = _free_port()
+                    p = subprocess.Popen([sys.executable, "-m", "bench.router_bench", "_router", "--policy", policy, "--port", str(port), "--worker", *urls], cwd=trees[name])
+                    _wait_http(port)
+                    try:
+                        loop.run_until_complete(_closed_loop([port], prompts, args.concurrency, 0.5, f"w{r}{name}"))
+                        (u0, s0) = _proc_cpu(p.pid)
+                        x = loop.run_until_complete(_closed_loop([port], prompts, args.concurrency, args.duration, f"m{r}{name}"))
+                        (u1, s1) = _proc_cpu(p.pid)
+                    finally:
+                        _stop(p)
+                    n = max(1, x["requests"])
+                    res[name].append({"user_us": 1e6 * (u1 - u0) / n, "sys_us": 1e6 * (s1 - s0) / n, "req_per_s": x["req_per_s"], "requests": x["requests"]})
+            tot = {k: [e["user_us"] + e["sys_us"] for e in v] for k, v in res.items()}
+            diff = [a - b for a, b in zip(tot["new"], tot["base"])]
+            out["policies"][policy] = {"rounds": res, "cpu_us_per_req_median": {k: statistics.median(v) for k, v in tot.items()}, "new_minus_base_per_round": diff, "new_minus_base_median": statistics.median(diff)}
+            print(f"{policy:<12} CPU µs/req base {statistics.median(tot['base']):6.1f} [{min(tot['base']):.0f}–{max(tot['base']):.0f}]"
+                  f"  new {statistics.median(tot['new']):6.1f} [{min(tot['new']):.0f}–{max(tot['new']):.0f}]"
+                  f"  new−base per round: median {statistics.median(diff):+.1f} {[round(d) for d in diff]}")
+    finally:
+        _stop(fake)
+        loop.close()
+    return out
+
+
 def _has(mod: str) -> bool:
     try:
         __import__(mod)
@@ -471,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", nargs="+", default=["naive_proxy", "round_robin", "cache_aware"], help="router policies to measure; for calibration: naive_proxy = a bare aiohttp proxy, io_floor = our HTTP server and worker pool with no router")
     p.add_argument("--servers", action="store_true", help="also compare aiohttp.web and FastAPI+uvicorn echo servers")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "router_bench.json"))
+    p.add_argument("--ab-base", help="A/B mode: another checkout of the repository (old code) to compare this tree's router against (run_ab)")
+    p.add_argument("--rounds", type=int, default=8, help="A/B mode: alternating rounds per policy")
     args = p.parse_args(argv)
     if args.mode == "_fake":
         serve_fake(args.ports)
@@ -482,6 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         serve_io_floor(args.port, args.worker)
     elif args.mode == "_echo":
         serve_echo(args.framework, args.port)
+    elif args.ab_base:
+        results = run_ab(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        print(f"\nwrote {args.out}")
     else:
         results = run(args)
         print_table(results)

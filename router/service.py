@@ -10,10 +10,12 @@ a worker or a router: ``POST /internal/generate`` (NDJSON ``TokenEvent`` stream)
 Served by ``router.http_server`` (``asyncio.Protocol`` + ``httptools``) rather than aiohttp.web:
 for a proxy whose handlers are a few lines, the framework was a third of the router's CPU per
 request (``bench/router_bench.py``). The worker's NDJSON lines are passed through as received
-(``Router.stream``), not decoded into events and encoded again. A request whose whole answer is
-one event (non-streaming clients, ``max_tokens=1``) is answered with a plain ``Content-Length``
-body; otherwise the events are streamed (chunked) as they come. A client that disconnects
-cancels its handler, which closes the router's stream and aborts the request on its worker.
+(``Router.stream``), not decoded into events and encoded again; likewise the client's request
+body goes on to the worker as received, with the router's fields appended (``forward_head``).
+A request whose whole answer is one event (non-streaming clients, ``max_tokens=1``) is answered
+with a plain ``Content-Length`` body; otherwise the events are streamed (chunked) as they come.
+A client that disconnects cancels its handler, which closes the router's stream and aborts the
+request on its worker.
 Errors raised before the first event become JSON errors: ``{"error": {"message", "type",
 "code"}}`` with the ``RouterError``'s status and, for overload, a ``Retry-After`` header.
 """

@@ -6,6 +6,24 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import _common
+
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}  # kernel vs reference, relative error
+
+
+def kernel_test_device() -> str:
+    """The device a kernel test module runs on: ``"cuda"`` when a GPU is here, ``"cpu"`` under
+    ``TRITON_INTERPRET=1``; otherwise the calling test module is skipped (call it at import)."""
+    import pytest
+
+    if not _common.HAS_TRITON:
+        pytest.skip("needs Triton", allow_module_level=True)
+    if torch.cuda.is_available():
+        return "cuda"
+    if not _common.INTERPRET:
+        pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+    return "cpu"
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere in ``out`` counts as failure (inf)."""

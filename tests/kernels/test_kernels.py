@@ -12,24 +12,22 @@ import os
 import pytest
 import torch
 
-from kernels import _common
 from kernels.compressor import gated_pool, gated_pool_reference
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.indexer import indexer_scores, indexer_scores_reference, indexer_topk
 from kernels.moe import moe_experts, moe_experts_reference, route, route_reference
-from kernels.testing import attn_inputs, poison, pool_inputs, rel_err
+from kernels.testing import (
+    TOL,
+    attn_inputs,
+    kernel_test_device,
+    poison,
+    pool_inputs,
+    rel_err,
+)
 
 pytestmark = pytest.mark.gpu
-if not _common.HAS_TRITON:
-    pytest.skip("needs Triton", allow_module_level=True)
-if torch.cuda.is_available():
-    DEV = "cuda"
-elif _common.INTERPRET:
-    DEV = "cpu"
-else:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+DEV = kernel_test_device()
 SMALL = os.environ.get("KERNELS_TEST_SMALL", "1" if DEV == "cpu" else "0") == "1"  # interpreter: smaller sizes
-TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 DTYPES = [torch.bfloat16, torch.float32]
 
 

@@ -9,20 +9,11 @@ import os
 import pytest
 import torch
 
-from kernels import _common
-from kernels.testing import rel_err
+from kernels.testing import TOL, kernel_test_device, rel_err
 
 pytestmark = pytest.mark.gpu
-if not _common.HAS_TRITON:
-    pytest.skip("needs Triton", allow_module_level=True)
-if torch.cuda.is_available():
-    DEV = "cuda"
-elif _common.INTERPRET:
-    DEV = "cpu"
-else:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+DEV = kernel_test_device()
 SMALL = os.environ.get("KERNELS_TEST_SMALL", "1" if DEV == "cpu" else "0") == "1"
-TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 DTYPES = [torch.float32] if DEV == "cpu" else [torch.bfloat16, torch.float32]
 
 

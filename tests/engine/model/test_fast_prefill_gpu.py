@@ -12,17 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import _common
+from kernels.testing import kernel_test_device
 
 pytestmark = pytest.mark.gpu
-if not _common.HAS_TRITON:
-    pytest.skip("needs Triton", allow_module_level=True)
-if torch.cuda.is_available():
-    DEV = "cuda"
-elif _common.INTERPRET:
-    DEV = "cpu"
-else:
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+DEV = kernel_test_device()
 
 from engine.model.loader import load_model
 

@@ -14,6 +14,7 @@ gathered; HCA: all rows, shared), so no score is computed for a key the query ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -215,25 +216,38 @@ class Attention(nn.Module):
         Sequences feeding one token (decode) go through ``attend_decode`` together when
         ``fast_decode`` is on; the others one by one through ``_attend_sequence``.
         """
-        n = x.shape[0]
         cos, sin = rope
         if self.use_fast_prefill(x):
             return self._forward_fast(x, positions, rope, rotary, seqs)
         p = self._project(x, rope)
         decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
+        out = self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence)
+        return self._output(apply_rope(out, cos, -sin))  # undo the rotation values picked up as keys
+
+    def _attend_all(
+        self, seqs: list[SeqSlice], decode: list[SeqSlice], p: Projected, positions: torch.Tensor, rotary: Rotary,
+        attend_one: Callable[[SeqSlice, Projected, torch.Tensor, Rotary], torch.Tensor],
+    ) -> torch.Tensor:
+        """Attention output ``(N, nh, D)``: the ``decode`` sequences together (``attend_decode``),
+        every other sequence through ``attend_one`` (the general or the Triton path)."""
+        n = p.q.shape[0]
         if len(decode) == n:  # every token is a decode token, rows in batch order
-            out = attend_decode(self, decode, p, None, rotary)
-        else:
-            out = torch.empty_like(p.q)
-            if decode:
-                rows = torch.tensor([s.start for s in decode], device=x.device)
-                out[rows] = attend_decode(self, decode, p, rows, rotary)
-            batched = {id(s) for s in decode}
-            for s in seqs:
-                if id(s) not in batched:
-                    out[s.start : s.end] = self._attend_sequence(s, p, positions, rotary)
-        out = apply_rope(out, cos, -sin)  # undo the rotation values picked up as keys
-        grouped = self.o_a_proj(out.reshape(n, self.o_groups, -1)).flatten(1)  # (N, G*o_lora)
+            return attend_decode(self, decode, p, None, rotary)
+        if len(seqs) == 1 and not decode:  # one chunk: its output is the whole output
+            return attend_one(seqs[0], p, positions, rotary)
+        out = torch.empty_like(p.q)
+        if decode:
+            rows = torch.tensor([s.start for s in decode], device=p.q.device)
+            out[rows] = attend_decode(self, decode, p, rows, rotary)
+        batched = {id(s) for s in decode}
+        for s in seqs:
+            if id(s) not in batched:
+                out[s.start : s.end] = attend_one(s, p, positions, rotary)
+        return out
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection of the attention output ``(N, nh, D)`` → ``(N, H)``."""
+        grouped = self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1)).flatten(1)  # (N, G*o_lora)
         return self.o_b_proj(grouped)
 
     def use_fast_prefill(self, x: torch.Tensor) -> bool:
@@ -266,25 +280,9 @@ class Attention(nn.Module):
         fold = int(kp.FOLD_NORM_ROPE) if len(seqs) == 1 and not decode else 0
         p = self._project_fast(x, rope, at, fold_q=fold in (1, 2))
         if fold:
-            out = self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold)
-            grouped = self.o_a_proj(out.view(n, self.o_groups, -1)).flatten(1)
-            return self.o_b_proj(grouped)
-        if len(decode) == n:
-            out = attend_decode(self, decode, p, None, rotary)
-        elif len(seqs) == 1 and not decode:
-            out = self._attend_sequence_fast(seqs[0], p, positions, rotary)
-        else:
-            out = torch.empty_like(p.q)
-            if decode:
-                rows = torch.tensor([s.start for s in decode], device=x.device)
-                out[rows] = attend_decode(self, decode, p, rows, rotary)
-            batched = {id(s) for s in decode}
-            for s in seqs:
-                if id(s) not in batched:
-                    out[s.start : s.end] = self._attend_sequence_fast(s, p, positions, rotary)
-        out = fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0)  # undo the values' rotation
-        grouped = self.o_a_proj(out.view(n, self.o_groups, -1)).flatten(1)
-        return self.o_b_proj(grouped)
+            return self._output(self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold))
+        out = self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence_fast)
+        return self._output(fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0))  # undo the values' rotation
 
     def _project_fast(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], at: torch.Tensor, fold_q: bool = False

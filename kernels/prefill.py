@@ -38,7 +38,7 @@ import torch
 from kernels._common import HAS_TRITON, INTERPRET, next_pow2, tl, triton, use_triton
 
 INDEXER_QUERY_TILE = 4096  # queries per indexer scoring call: (4096, T) fp32 scores
-ATTN_TUNE: dict = {}
+ATTN_TUNE: dict = {}  # block_h / block_n / num_warps / num_stages for the attention kernel (bench sweeps)
 # Attention._forward_fast, one-sequence prefill: 0 = separate norm_rope passes; 1 = q norm + RoPE
 # in the attention kernel's registers and the output's RoPE undo in its epilogue; 2 = as 1 with the
 # q norm as a logit scale and the rotation as a 64-channel correction dot; 3 = only the output's undo
@@ -46,7 +46,7 @@ ATTN_TUNE: dict = {}
 # at 8K (it sits at the register limit: q 64×512 and the 64×512 fp32 accumulator), more than the
 # 4 ms of passes it saves; folding only the output's undo (3) is neutral to −1 ms
 FOLD_NORM_ROPE = 3
-_HC_PRECISION = "ieee" if INTERPRET else "tf32x3"  # block_h / block_n / num_warps / num_stages for the attention kernel (bench sweeps)
+_HC_PRECISION = "ieee" if INTERPRET else "tf32x3"  # mHC input dots: tf32x3 (near fp32), ieee where unsupported
 
 
 # ---- attention ----------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache", default=env("DEEPSERVE_KV_CACHE", "readwrite"), choices=["off", "read", "write", "readwrite"])
     e.add_argument("--static-decode", default="auto", choices=["auto", "on", "off"],
-                   help="decode through fixed-shape slots with CUDA graphs (auto: on CUDA devices)")  # fmt: skip
+                   help="decode through slot pools: CUDA graphs on GPU, host slots on CPU (auto: on, general path if the pools cannot be built)")  # fmt: skip
     e.add_argument("--static-max-tokens", type=int, default=8192, help="tokens per static decode slot")
     e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
     e.add_argument("--register", action="append", default=[], metavar="ROUTER_URL", help="register with this router service (repeatable); deregister on drain")

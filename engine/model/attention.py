@@ -216,12 +216,16 @@ class Attention(nn.Module):
         Sequences feeding one token (decode) go through ``attend_decode`` together when
         ``fast_decode`` is on; the others one by one through ``_attend_sequence``.
         """
-        cos, sin = rope
         if self.use_fast_prefill(x):
             return self._forward_fast(x, positions, rope, rotary, seqs)
-        p = self._project(x, rope)
         decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
-        out = self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence)
+        return self.project_attend(x, rope, lambda p: self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence))
+
+    def project_attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable[[Projected], torch.Tensor]) -> torch.Tensor:
+        """``x (N, H)`` → ``(N, H)``: the projections, ``attend`` (→ ``(N, nh, D)``, updating whatever
+        state it keeps), the values' rotation undone, the output projection."""
+        cos, sin = rope
+        out = attend(self._project(x, rope))
         return self._output(apply_rope(out, cos, -sin))  # undo the rotation values picked up as keys
 
     def _attend_all(

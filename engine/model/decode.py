@@ -131,29 +131,34 @@ def _indexer_rows(idx: Indexer, seqs: list[SeqSlice], q: torch.Tensor, w: torch.
     if idx_rows is None:
         return None, None
     counts = [s.state.index.rows.shape[0] for s in seqs]
-    scores = idx.scores(q, w, idx_rows)  # (B, T)
+    chosen, bias = pick_rows(idx, idx.scores(q, w, idx_rows), counts, dtype)
+    comp_rows, _ = _stack_rows([s.state.comp.rows for s in seqs], dtype)  # (B, T, D)
+    picked = comp_rows.gather(1, chosen.unsqueeze(-1).expand(-1, -1, comp_rows.shape[-1]))  # (B, k, D)
+    return picked, bias
+
+
+def pick_rows(idx: Indexer, scores: torch.Tensor, counts: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each query's top-k rows from its indexer ``scores (B, T)`` over ``counts[i]`` rows:
+    ``(B, k)`` indices and bias ``(B, k)`` (-inf on padding when a sequence has < k rows, else
+    None). ``topk`` runs per group of equal row counts on exactly that many columns."""
     k_max = min(idx.topk, max(counts))
     groups: dict[int, list[int]] = {}
     for i, c in enumerate(counts):
         groups.setdefault(c, []).append(i)
     if len(groups) == 1:
-        chosen = scores.topk(k_max, dim=-1).indices  # (B, k)
-        bias = None
-    else:
-        chosen = torch.zeros(len(seqs), k_max, dtype=torch.long, device=scores.device)
-        taken = [0] * len(seqs)
-        for c, members in groups.items():
-            if c == 0:
-                continue
-            k = min(idx.topk, c)
-            m = torch.tensor(members, device=scores.device)
-            chosen[m, :k] = scores[m, :c].topk(k, dim=-1).indices
-            for i in members:
-                taken[i] = k
-        bias = None if all(k == k_max for k in taken) else _pad_bias(taken, k_max, dtype, scores.device)
-    comp_rows, _ = _stack_rows([s.state.comp.rows for s in seqs], dtype)  # (B, T, D)
-    picked = comp_rows.gather(1, chosen.unsqueeze(-1).expand(-1, -1, comp_rows.shape[-1]))  # (B, k, D)
-    return picked, bias
+        return scores[:, : counts[0]].topk(k_max, dim=-1).indices, None
+    chosen = torch.zeros(len(counts), k_max, dtype=torch.long, device=scores.device)
+    taken = [0] * len(counts)
+    for c, members in groups.items():
+        if c == 0:
+            continue
+        k = min(idx.topk, c)
+        m = torch.tensor(members, device=scores.device)
+        chosen[m, :k] = scores[m, :c].topk(k, dim=-1).indices
+        for i in members:
+            taken[i] = k
+    bias = None if all(k == k_max for k in taken) else _pad_bias(taken, k_max, dtype, scores.device)
+    return chosen, bias
 
 
 def compress_decode(comp: Compressor, states: list[CompressorState], kv: torch.Tensor, gate: torch.Tensor, rotary: Rotary) -> None:
@@ -188,32 +193,51 @@ def compress_decode(comp: Compressor, states: list[CompressorState], kv: torch.T
 def _close_windows(comp: Compressor, states: list[CompressorState], ckv: torch.Tensor, graw: torch.Tensor, rotary: Rotary) -> None:
     """Pool one full window per state, ``ckv, graw (G, r, proj)``, and append its row."""
     r, d = comp.rate, comp.width
-    cgate = graw + comp.position_bias  # (G, r, proj) fp32
+    prev_kv = prev_gate = None
     if comp.overlap:
         g = len(states)
-        pool_kv = ckv.new_zeros(g, 2 * r, d)
-        pool_gate = cgate.new_full((g, 2 * r, d), float("-inf"))
-        pool_kv[:, r:] = ckv[..., d:]
-        pool_gate[:, r:] = cgate[..., d:]
         have = [j for j, st in enumerate(states) if st.overlap_kv is not None]
         if len(have) == g:
-            pool_kv[:, :r] = torch.stack([st.overlap_kv for st in states]).to(pool_kv.dtype)
-            pool_gate[:, :r] = torch.stack([st.overlap_gate for st in states]).to(pool_gate.dtype)
+            prev_kv = torch.stack([st.overlap_kv for st in states])
+            prev_gate = torch.stack([st.overlap_gate for st in states])
         else:
+            prev_kv = ckv.new_zeros(g, r, d)
+            prev_gate = torch.full((g, r, d), float("-inf"), dtype=comp.position_bias.dtype, device=ckv.device)
             for j in have:
-                pool_kv[j, :r] = states[j].overlap_kv.to(pool_kv.dtype)
-                pool_gate[j, :r] = states[j].overlap_gate.to(pool_gate.dtype)
+                prev_kv[j], prev_gate[j] = states[j].overlap_kv, states[j].overlap_gate
+    positions = torch.tensor([st.rows.shape[0] * r for st in states], device=ckv.device)
+    rows, cgate = pool_windows(comp, ckv, graw, prev_kv, prev_gate, positions, rotary)
+    if comp.overlap:
         overlap_kv, overlap_gate = ckv[..., :d].clone(), cgate[..., :d].clone()  # (G, r, d)
         for st, o_kv, o_gate in zip(states, overlap_kv.unbind(0), overlap_gate.unbind(0)):
             st.overlap_kv, st.overlap_gate = o_kv, o_gate
-    else:
-        pool_kv, pool_gate = ckv, cgate
-    pooled = (pool_kv * pool_gate.softmax(dim=1, dtype=torch.float32).to(pool_kv.dtype)).sum(dim=1)  # (G, d)
-    rows = comp.kv_norm(pooled)
-    positions = torch.tensor([st.rows.shape[0] * r for st in states], device=rows.device)
-    cos, sin = rotary.cos_sin(positions, rows.dtype)
-    rows = apply_rope(rows, cos, sin)  # (G, d)
     empty = ckv.new_empty(0, ckv.shape[-1])
     for st, row in zip(states, rows.unsqueeze(1).unbind(0)):
         st.rows = torch.cat([st.rows, row])
         st.buf_kv, st.buf_gate = empty, empty
+
+
+def pool_windows(
+    comp: Compressor, ckv: torch.Tensor, graw: torch.Tensor, prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None,
+    positions: torch.Tensor, rotary: Rotary,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The rows ``(G, d)`` of G full windows ``ckv, graw (G, r, proj)`` with the ops of
+    ``Compressor.update``, roped at ``positions (G,)``, and the gates with the position bias
+    (``(G, r, proj)``; CSA: its Ca part is the next window's overlap). CSA: ``prev_kv, prev_gate
+    (G, r, d)`` the previous windows' Ca (zeros and -inf gates where there is none)."""
+    r, d = comp.rate, comp.width
+    cgate = graw + comp.position_bias  # (G, r, proj) fp32
+    if comp.overlap:
+        g = ckv.shape[0]
+        pool_kv = ckv.new_empty(g, 2 * r, d)
+        pool_gate = cgate.new_empty((g, 2 * r, d))
+        pool_kv[:, r:] = ckv[..., d:]
+        pool_gate[:, r:] = cgate[..., d:]
+        pool_kv[:, :r] = prev_kv
+        pool_gate[:, :r] = prev_gate
+    else:
+        pool_kv, pool_gate = ckv, cgate
+    pooled = (pool_kv * pool_gate.softmax(dim=1, dtype=torch.float32).to(pool_kv.dtype)).sum(dim=1)  # (G, d)
+    rows = comp.kv_norm(pooled)
+    cos, sin = rotary.cos_sin(positions, rows.dtype)
+    return apply_rope(rows, cos, sin), cgate

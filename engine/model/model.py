@@ -9,7 +9,7 @@ lengths batch exactly. States are updated in place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -50,17 +50,20 @@ class DecoderLayer(nn.Module):
         rotary: Rotary,
         seqs: list[SeqSlice],
     ) -> torch.Tensor:
+        return self.blocks(streams, token_ids, lambda x: self.self_attn(x, positions, rope, rotary, seqs))
+
+    def blocks(self, streams: torch.Tensor, token_ids: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Both blocks on ``streams (N, hc, H)``; ``attend`` maps the normalised attention input
+        ``(N, H)`` to the attention output (the general path, or a slot decoder's own state)."""
         if self.self_attn.use_fast_prefill(streams):  # CUDA bf16/fp16: Triton mHC input + norm
             from kernels import prefill as kp
 
             post, comb, x = kp.hc_pre_norm(self.attn_hc, self.input_layernorm, streams)
-            attn = self.self_attn(x, positions, rope, rotary, seqs)
-            streams = hc_merge(post, comb, attn, streams)
+            streams = hc_merge(post, comb, attend(x), streams)
             post, comb, x = kp.hc_pre_norm(self.ffn_hc, self.post_attention_layernorm, streams)
             return hc_merge(post, comb, self.mlp(x, token_ids), streams)
         post, comb, x = self.attn_hc(streams)  # streams (N, hc, H)
-        attn = self.self_attn(self.input_layernorm(x), positions, rope, rotary, seqs)
-        streams = hc_merge(post, comb, attn, streams, self.attn_hc.fused)
+        streams = hc_merge(post, comb, attend(self.input_layernorm(x)), streams, self.attn_hc.fused)
         post, comb, x = self.ffn_hc(streams)
         return hc_merge(post, comb, self.mlp(self.post_attention_layernorm(x), token_ids), streams, self.ffn_hc.fused)
 

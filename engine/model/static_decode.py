@@ -103,7 +103,10 @@ class StaticDecoder:
     ``fused`` (default on where the Triton kernels run): the step's glue through
     ``kernels.fused`` (norms + RoPE, mHC pre/merge, compressor token, shared-expert SwiGLU) and
     the routing kernel, instead of the general path's PyTorch ops (~5x fewer launches).
+    ``step`` returns float32 logits (``output``); ``host_decode.HostDecoder`` returns hidden states.
     """
+
+    output = "logits"
 
     def __init__(
         self,
@@ -303,16 +306,10 @@ class StaticDecoder:
         ``bucket`` (one of ``self.buckets``, at least ``n``) forces the padded batch size; with it
         ``n`` may be 0 (every row scratch: expert-parallel ranks must all run each step)."""
         n = len(slots)
-        if n != len(token_ids) or (n == 0 and bucket is None):
-            raise ValueError("one token per slot, at least one slot")
+        self._check(slots, token_ids, empty_ok=bucket is not None)
         if bucket is not None and (bucket not in self.buckets or bucket < n):
             raise ValueError(f"bucket {bucket} is not a bucket of at least {n} rows")
         b = bucket_for(n, self.buckets) if bucket is None else bucket
-        for s in slots:
-            if self.num_tokens[s] >= self.max_tokens:
-                raise ValueError(f"slot {s} is full ({self.max_tokens} tokens)")
-        if len(set(slots)) != n:
-            raise ValueError("a slot appears twice in one step")
         if self.use_graphs and b not in self._graphs:
             self._capture(b)
         turn = self._turn = 1 - self._turn
@@ -337,6 +334,17 @@ class StaticDecoder:
             self.num_tokens[s] += 1
             self.token_ids[s].append(int(t))
         return out[:n]
+
+    def _check(self, slots: Sequence[int], token_ids: Sequence[int], empty_ok: bool = False) -> None:
+        """``ValueError`` unless there is one token per slot, each slot once and not full."""
+        n = len(slots)
+        if n != len(token_ids) or (n == 0 and not empty_ok):
+            raise ValueError("one token per slot, at least one slot")
+        for s in slots:
+            if self.num_tokens[s] >= self.max_tokens:
+                raise ValueError(f"slot {s} is full ({self.max_tokens} tokens)")
+        if len(set(slots)) != n:
+            raise ValueError("a slot appears twice in one step")
 
     def _capture(self, b: int) -> None:
         """Warm up (Triton compiles, rope tables) and capture bucket ``b`` on scratch inputs."""

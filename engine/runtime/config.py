@@ -16,8 +16,9 @@ class EngineConfig:
     derives it from ``gpu_memory_utilization`` and free memory, on CPU it is given directly.
     ``snapshot_interval``: besides the prompt end and the output end, store a boundary snapshot
     every this many tokens (0 = off), in units of 128-token cache units.
-    ``static_decode``: decode steps through fixed-shape slots (CUDA graphs on GPU,
-    ``engine/runtime/static_runner.py``); the slots' memory comes on top of the state budget.
+    ``static_decode``: decode steps through slot pools (``engine/runtime/static_runner.py``: CUDA
+    graphs on GPU, the host slot decoder on CPU); the slots' memory comes on top of the state
+    budget. None (default) = on, falling back to the general path if the pools cannot be built.
     """
 
     max_num_batched_tokens: int = 2048
@@ -29,7 +30,7 @@ class EngineConfig:
     kv_cache: Literal["off", "read", "write", "readwrite"] = "readwrite"
     snapshot_interval_units: int = 0
     max_queue: int = 4096
-    static_decode: bool | None = None  # decode through StaticDecoder slots; None = on CUDA only
+    static_decode: bool | None = None  # decode through slot pools; None = on unless they cannot be built
     static_max_tokens: int = 8192  # tokens per static slot; longer sequences decode on the general path
 
     def __post_init__(self) -> None:

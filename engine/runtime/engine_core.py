@@ -72,7 +72,7 @@ class EngineCore:
         self._kv_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
         self._kv_loading: set[Future] = set()
         self.static: StaticRunner | None = None
-        if config.static_decode or (config.static_decode is None and model.device.type == "cuda"):
+        if config.static_decode is not False:  # None (default): on, CUDA graphs on GPU, host slots on CPU
             try:
                 self.static = StaticRunner(model, config.max_num_seqs, min(config.static_max_tokens, config.max_model_len))
             except (RuntimeError, ValueError) as e:  # e.g. no memory left for the slot pools
@@ -191,13 +191,14 @@ class EngineCore:
         if not static:
             return HeadRows(self.model.head, self.model(chunks, logits="hidden"))  # (B, H)
         assert self.static is not None
-        static_logits = self.static.step([out.scheduled[i][0] for i in static])
-        if not general:
-            return static_logits
-        logits = static_logits.new_empty(len(out.scheduled), static_logits.shape[1])
-        logits[static] = static_logits
-        logits[general] = self.model(chunks)
-        return logits
+        slotted = self.static.step([out.scheduled[i][0] for i in static])  # logits or hidden states
+        hidden = self.static.output == "hidden"
+        if general:
+            rows = slotted.new_empty(len(out.scheduled), slotted.shape[1])
+            rows[static] = slotted
+            rows[general] = self.model(chunks, logits="hidden" if hidden else "last")
+            slotted = rows
+        return HeadRows(self.model.head, slotted) if hidden else slotted
 
     def _make_output(self, out: SchedulerOutput, result: HeadRows | torch.Tensor) -> list[TokenEvent]:
         rows, ready = [], []

@@ -1,4 +1,5 @@
-"""Decode steps through the static, CUDA-graph decoder (``engine/model/static_decode.py``).
+"""Decode steps through slot pools: the static, CUDA-graph decoder on GPU
+(``engine/model/static_decode.py``), the host slot decoder on CPU (``engine/model/host_decode.py``).
 
 The general path serves every prefill chunk; a sequence whose next step feeds one token (decode)
 moves into a ``StaticDecoder`` slot — its state is copied in once, then every decode step of all
@@ -18,6 +19,7 @@ import torch
 
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import SequenceState
+from engine.model.host_decode import HostDecoder
 from engine.model.static_decode import StaticDecoder
 from engine.runtime.sequence import Sequence
 
@@ -26,7 +28,10 @@ class StaticRunner:
     """Slot bookkeeping between an ``EngineCore`` and one ``StaticDecoder``."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, max_slots: int, max_tokens: int, use_graphs: bool | None = None) -> None:
-        self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs)
+        if model.device.type == "cpu" and not use_graphs:
+            self.decoder: StaticDecoder = HostDecoder(model, max_slots, max_tokens)
+        else:
+            self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs)
         self.max_tokens = max_tokens
         self._free = list(range(max_slots - 1, -1, -1))
         self._slot: dict[int, int] = {}  # id(seq) -> slot
@@ -58,13 +63,20 @@ class StaticRunner:
         seq.state = None
         return True
 
+    @property
+    def output(self) -> str:
+        """What ``step`` returns: ``"logits"`` (GPU) or ``"hidden"`` states for the model's head (CPU)."""
+        return self.decoder.output
+
     def step(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode token for each (slotted) sequence → float32 logits ``(len(seqs), V)``, a
-        copy (the decoder's output buffer is reused by the next step)."""
+        copy (the decoder's output buffer is reused by the next step), or the last hidden states
+        ``(len(seqs), H)`` (``output``)."""
         slots = [self._slot[id(s)] for s in seqs]
         tokens = [s.tokens[s.num_computed] for s in seqs]
         self.steps += 1
-        return self.decoder.step(slots, tokens).clone()
+        out = self.decoder.step(slots, tokens)
+        return out.clone() if self.output == "logits" else out
 
     def export(self, seq: Sequence) -> SequenceState:
         """A copy of a slotted sequence's state (it stays in its slot)."""

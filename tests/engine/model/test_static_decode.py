@@ -1,7 +1,8 @@
-"""The static (fixed-shape, CUDA-graph-capturable) decode step against the general path.
+"""The slot decoders against the general path: the static (fixed-shape, CUDA-graph-capturable)
+step and the host slot step (``HostDecoder``, the CPU default).
 
 On CPU (fp32, no graphs): states prefilled by the general path at every kind of position are
-loaded into slots; decode steps through ``StaticDecoder`` give the general path's logits within
+loaded into slots; decode steps through either decoder give the general path's logits within
 1e-4 and, exported back, the same states. The CUDA versions (graphs, bf16) are in test_gpu.py.
 """
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine.model.loader import load_model
 from engine.model.state import SequenceState
+from engine.model.host_decode import HostDecoder
 from engine.model.static_decode import StaticDecoder, bucket_for
 
 TOL = 1e-4
@@ -70,17 +73,17 @@ def run_both(
     max_slots: int,
     use_graphs: bool = False,
     subsets: bool = True,
+    host: bool = False,
 ):
-    """Decode ``steps`` tokens for every sequence through the general path and the static one.
+    """Decode ``steps`` tokens for every sequence through the general path and the static one
+    (``host``: the host slot decoder, whose hidden states go through the model's head).
     With ``subsets`` some steps feed only part of the slots (padded buckets, scratch rows)."""
     base = prefilled(model, lengths, seed)
     general = [s.clone() for s in base]
-    dec = StaticDecoder(
-        model,
-        max_slots=max_slots,
-        max_tokens=max(lengths) + steps + 8,
-        use_graphs=use_graphs,
-    )
+    if host:
+        dec = HostDecoder(model, max_slots=max_slots, max_tokens=max(lengths) + steps + 8)
+    else:
+        dec = StaticDecoder(model, max_slots=max_slots, max_tokens=max(lengths) + steps + 8, use_graphs=use_graphs)
     slot_of = list(
         range(max_slots - len(lengths), max_slots)
     )  # not 0..n-1: slots are arbitrary
@@ -95,21 +98,46 @@ def run_both(
         toks = [_ids(1, rng) for _ in who]
         want = model([(general[i], tok) for i, tok in zip(who, toks)])
         got = dec.step([slot_of[i] for i in who], [tok[0] for tok in toks])
+        if host:
+            got = model.head.logits(got)
         worst = max(
             worst, (want.float() - got.float().to(want.device)).abs().max().item()
         )
     return worst, general, [dec.export(s) for s in slot_of], dec
 
 
-def test_static_decode_matches_general_path(model) -> None:
+@pytest.mark.parametrize("host", [False, True], ids=["static", "host"])
+def test_static_decode_matches_general_path(model, host: bool) -> None:
     """40 decode steps of 17 sequences at every kind of position (window, CSA and HCA boundaries,
     fresh sequences), some steps on a subset of slots: logits and exported states agree."""
     worst, general, exported, _ = run_both(
-        model, LENGTHS, steps=40, seed=1, max_slots=20
+        model, LENGTHS, steps=40, seed=1, max_slots=20, host=host
     )
     assert worst <= TOL, worst
     for a, b in zip(general, exported):
         assert_states_close(a, b, TOL)
+
+
+def test_host_slot_reuse_ignores_stale_state(model) -> None:
+    """A slot freed by a long sequence and loaded with a short one: the ring entries, buffers,
+    overlap and rows the long one left behind must not reach the new sequence's attention."""
+    long, short = prefilled(model, [300, 2], seed=5)
+    dec = HostDecoder(model, max_slots=2, max_tokens=400)
+    dec.load(0, long)
+    rng = random.Random(6)
+    for _ in range(10):
+        dec.step([0], _ids(1, rng))
+    dec.free(0)
+    dec.load(0, short)
+    general = short.clone()
+    worst = 0.0
+    for _ in range(20):  # crosses CSA windows 0 and 1 (the first has no previous window)
+        tok = _ids(1, rng)
+        want = model([(general, tok)])
+        with torch.inference_mode():
+            worst = max(worst, (want - model.head.logits(dec.step([0], tok))).abs().max().item())
+    assert worst <= TOL, worst
+    assert_states_close(general, dec.export(0), TOL)
 
 
 def test_load_export_roundtrip(model) -> None:

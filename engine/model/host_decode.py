@@ -1,0 +1,179 @@
+"""Slot decode on the CPU: the static decoder's slot pools, stepped with the lengths the host knows.
+
+The general decode path (``decode.py``) keeps each sequence's state in its own tensors, so every
+layer of every step stacks B windows, B buffers and B row lists and splits them again — per-sequence
+work that grows with the batch and is most of a CPU decode step at batch 32. Here the state lives
+in ``StaticDecoder``'s pools (same layout, ``load``/``export``/``free`` inherited), and a step is
+batched tensor ops with no per-sequence loop:
+
+- the new key goes into the window ring at ``p % W``; the window is one gather of ring entries
+  ``p-W+1 .. p`` in that (chronological) order, left entries hidden when ``p < W-1`` — the very
+  keys and bias of ``decode._window_keys``;
+- each compressor buffers the token at ``p % r``; only the rows whose window closes this step
+  (known on the host) pool it, with ``decode.pool_windows``, and write row ``p // r``;
+- HCA reads rows ``[0, max count)`` of each slot (bias on the shorter ones), CSA scores as many
+  indexer rows and picks with ``decode.pick_rows``; one ``attend_with_sinks`` for the batch.
+
+Unlike the CUDA-graph path, nothing is padded to a bucket and no shape is fixed: the host knows
+every position, so a step reads only the rows that exist. Everything else — projections, mHC,
+MoE, the hidden-state head — is the general path's own code (``DecoderLayer.blocks``,
+``Attention.project_attend``), so the tokens and logprobs equal the general path's within fp32
+rounding (the tests compare them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attend import attend_with_sinks, hide
+from engine.model.attention import Attention, Compressor, Projected
+from engine.model.decode import _pad_bias, pick_rows, pool_windows
+from engine.model.rope import Rotary
+from engine.model.static_decode import CompPool, LayerPool, StaticDecoder
+
+
+@dataclass
+class _RateStep:
+    """One step's indices for the compressors of one rate ``r`` (module docstring)."""
+
+    buf_at: torch.Tensor  # (n,) flat buffer row of each token: slot * r + p % r
+    row_base: torch.Tensor  # (n,) flat row 0 of each slot: slot * (Tc + 1)
+    counts: list[int]  # complete rows of each sequence after this step
+    close: list[int]  # batch rows whose window closes this step
+    close_slots: torch.Tensor | None  # (m,)
+    close_rows: torch.Tensor | None  # (m,) flat destination row of each closing window
+    close_pos: torch.Tensor | None  # (m,) position of each closing window's row (window * r)
+    has_prev: torch.Tensor | None  # (m, 1, 1) window > 0, None when all are
+
+
+@dataclass
+class _Step:
+    slots: torch.Tensor  # (n,)
+    ring_at: torch.Tensor  # (n,) flat ring entry of the new key: slot * W + p % W
+    window_at: torch.Tensor  # (n, W) flat ring entries of keys p-W+1 .. p
+    window_bias: torch.Tensor | None  # (n, W) -inf before position 0, None when nothing is hidden
+    rates: dict[int, _RateStep]
+
+
+class HostDecoder(StaticDecoder):
+    """``StaticDecoder`` pools stepped on the CPU; ``step`` returns final hidden states ``(n, H)``
+    for ``model.head`` (its exact int8-screened greedy argmax, or logits)."""
+
+    output = "hidden"
+
+    def __init__(self, model, max_slots: int, max_tokens: int) -> None:
+        super().__init__(model, max_slots, max_tokens, use_graphs=False, fused=False, merge_proj=False)
+
+    @torch.inference_mode()
+    def step(self, slots: Sequence[int], token_ids: Sequence[int], bucket: int | None = None) -> torch.Tensor:
+        """One decode token per listed slot → the last hidden states ``(n, H)``."""
+        self._check(slots, token_ids)
+        model, cfg = self.model, self.cfg
+        if any(not 0 <= t < cfg.vocab_size for t in token_ids):
+            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+        positions = [self.num_tokens[s] for s in slots]
+        st = self._indices(slots, positions)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        embeds = model.model.embed_tokens(ids)  # (n, H)
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (n, hc, H)
+        ropes = {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
+        rotary = model.rotary["compress"]
+        for layer, lp in zip(model.model.layers, self.pools):
+            attn: Attention = layer.self_attn
+            rope = ropes[attn.rope_kind]
+            streams = layer.blocks(
+                streams, ids, lambda x, attn=attn, lp=lp, rope=rope: attn.project_attend(x, rope, lambda p: self._attend(attn, lp, p, st, rotary))
+            )  # fmt: skip
+        for s, t in zip(slots, token_ids):
+            self.num_tokens[s] += 1
+            self.token_ids[s].append(int(t))
+        return model.model.norm(model.model.hc_head(streams))
+
+    def _indices(self, slots: Sequence[int], positions: list[int]) -> _Step:
+        w = self.cfg.sliding_window
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        back = torch.arange(w - 1, -1, -1)  # key j of the window is position p - (W-1) + j
+        window_at = slot_t[:, None] * w + torch.remainder(pos_t[:, None] - back[None, :], w)
+        short = min(positions) < w - 1
+        window_bias = hide(back[None, :] > pos_t[:, None], self.dtype) if short else None
+        rates: dict[int, _RateStep] = {}
+        for layer in self.model.model.layers:
+            comp = layer.self_attn.compressor
+            if comp is not None and comp.rate not in rates:
+                rates[comp.rate] = self._rate_step(comp.rate, slots, positions, slot_t, pos_t)
+        return _Step(slot_t, slot_t * w + pos_t % w, window_at, window_bias, rates)
+
+    def _rate_step(self, r: int, slots: Sequence[int], positions: list[int], slot_t: torch.Tensor, pos_t: torch.Tensor) -> _RateStep:
+        tc1 = self.max_tokens // r + 1
+        close = [i for i, p in enumerate(positions) if p % r == r - 1]
+        rs = _RateStep(slot_t * r + pos_t % r, slot_t * tc1, [(p + 1) // r for p in positions], close, None, None, None, None)
+        if close:
+            wins = [positions[i] // r for i in close]
+            cs = [slots[i] for i in close]
+            rs.close_slots = torch.tensor(cs, dtype=torch.long)
+            rs.close_rows = torch.tensor([s * tc1 + k for s, k in zip(cs, wins)], dtype=torch.long)
+            rs.close_pos = torch.tensor([k * r for k in wins], dtype=torch.long)
+            if min(wins) == 0:
+                rs.has_prev = torch.tensor(wins, dtype=torch.long).gt(0).view(-1, 1, 1)
+        return rs
+
+    def _attend(self, attn: Attention, lp: LayerPool, p: Projected, st: _Step, rotary: Rotary) -> torch.Tensor:
+        """Attention of the batch over its slots → ``(n, nh, D)``; writes this token's state."""
+        ring = lp.swa.view(-1, lp.swa.shape[-1])
+        ring.index_copy_(0, st.ring_at, p.kv)
+        win = ring.index_select(0, st.window_at.view(-1)).view(*st.window_at.shape, -1)  # (n, W, D)
+        extra = extra_bias = None
+        comp = attn.compressor
+        if comp is not None:
+            rs = st.rates[comp.rate]
+            self._compress(comp, lp.comp, p.comp_kv, p.comp_gate, rs, rotary)
+            idx = attn.indexer
+            t = max(rs.counts)
+            if idx is not None:
+                self._compress(idx, lp.index, p.idx_kv, p.idx_gate, rs, rotary)
+                if t:
+                    scores = idx.scores(p.idx_q, p.idx_w, _slot_rows(lp.index.rows, rs, t))  # (n, T)
+                    chosen, extra_bias = pick_rows(idx, scores, rs.counts, p.q.dtype)  # (n, k)
+                    extra = _gather_rows(lp.comp.rows, rs.row_base[:, None] + chosen)  # (n, k, D)
+            elif t:
+                extra = _slot_rows(lp.comp.rows, rs, t)  # (n, T, D)
+                if min(rs.counts) < t:
+                    extra_bias = _pad_bias(rs.counts, t, p.q.dtype, extra.device)
+        return attend_with_sinks(p.q, win, st.window_bias, extra, extra_bias, attn.sinks, attn.scaling)
+
+    def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, rs: _RateStep, rotary: Rotary) -> None:
+        """Buffer the token's projections; pool the windows that close and store their rows."""
+        cp.buf_kv.view(-1, cp.buf_kv.shape[-1]).index_copy_(0, rs.buf_at, kv)
+        cp.buf_gate.view(-1, cp.buf_gate.shape[-1]).index_copy_(0, rs.buf_at, gate)
+        if not rs.close:
+            return
+        ckv = cp.buf_kv.index_select(0, rs.close_slots)  # (m, r, proj)
+        graw = cp.buf_gate.index_select(0, rs.close_slots)
+        prev_kv = prev_gate = None
+        if comp.overlap:
+            prev_kv = cp.overlap_kv.index_select(0, rs.close_slots)
+            prev_gate = cp.overlap_gate.index_select(0, rs.close_slots)
+            if rs.has_prev is not None:  # a first window: no previous Ca (the slot may hold stale data)
+                prev_kv = torch.where(rs.has_prev, prev_kv, 0.0)
+                prev_gate = torch.where(rs.has_prev, prev_gate, float("-inf"))
+        rows, cgate = pool_windows(comp, ckv, graw, prev_kv, prev_gate, rs.close_pos, rotary)
+        if comp.overlap:
+            d = comp.width
+            cp.overlap_kv.index_copy_(0, rs.close_slots, ckv[..., :d].contiguous())
+            cp.overlap_gate.index_copy_(0, rs.close_slots, cgate[..., :d].contiguous())
+        cp.rows.view(-1, comp.width).index_copy_(0, rs.close_rows, rows)
+
+
+def _gather_rows(pool: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Rows ``at (n, k)`` (flat row numbers) of a ``(S+1, Tc+1, d)`` pool → ``(n, k, d)``."""
+    return pool.view(-1, pool.shape[-1]).index_select(0, at.view(-1)).view(*at.shape, -1)
+
+
+def _slot_rows(pool: torch.Tensor, rs: _RateStep, t: int) -> torch.Tensor:
+    """Rows ``0 .. t-1`` of each stepping slot of a ``(S+1, Tc+1, d)`` pool → ``(n, t, d)``."""
+    return _gather_rows(pool, rs.row_base[:, None] + torch.arange(t))

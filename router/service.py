@@ -77,22 +77,43 @@ def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _token_ids(ids: Any, raw: bytes, what: str, empty_ok: bool) -> list[int]:
-    """``ids`` if it is a list of integers. ``sum`` refuses strings, lists and nulls, and its
-    result is an int only when no float was summed: 4x cheaper than looking at each type. Only
-    a body with JSON booleans in it (which ``sum`` takes for 0/1) gets the exact check."""
-    if not isinstance(ids, list) or (not ids and not empty_ok):
-        raise ValueError(f"{what} must be a {'' if empty_ok else 'non-empty '}list of integer token ids")
-    if ids:
+_INT_LIST_TEXT = b"0123456789,- \t\r\n"  # what a JSON array of integers is written with
+
+
+def _int_list_in_body(raw: bytes, key: bytes) -> bool:
+    """Whether the body ``raw`` shows the array under its top-level field ``key`` (given
+    quoted) to be written with integers only: one pass over that array's text, in C, instead of
+    a look at each element's type (4x cheaper for 128 ids). False (not known: look at the
+    elements) for a body with any backslash (an escaped key could hide the real field), a key
+    seen twice (a nested or duplicate field), or any other character in the array (a boolean,
+    float, string, null or nested array or object)."""
+    if raw.find(b"\\") >= 0:
+        return False
+    i = raw.find(key)
+    if i < 0 or raw.find(key, i + len(key)) >= 0:
+        return False
+    start = raw.find(b"[", i + len(key))  # only ':' and blanks before it: the field's array
+    end = raw.find(b"]", start)
+    return start >= 0 and end >= 0 and not raw[start + 1 : end].translate(None, _INT_LIST_TEXT)
+
+
+def _token_ids(ids: Any, raw: bytes, key: bytes, empty_ok: bool) -> list[int]:
+    """``ids`` (the body's field ``key``, quoted) if it is a list of integers. Read off the
+    body's text when it can be (``_int_list_in_body``); otherwise ``sum`` refuses strings,
+    lists and nulls, and its result is an int only when no float was summed, and only a body
+    with JSON booleans in it (which ``sum`` takes for 0/1) gets the check of each type."""
+    if isinstance(ids, list) and (ids or empty_ok):
+        if not ids or (raw and _int_list_in_body(raw, key)):
+            return ids
         try:
             ok = type(sum(ids)) is int
         except TypeError:
             ok = False
-        if ok and (b"true" in raw or b"false" in raw):
+        if ok and (not raw or b"true" in raw or b"false" in raw):
             ok = set(map(type, ids)) == {int}
-        if not ok:
-            raise ValueError(f"{what} must be a {'' if empty_ok else 'non-empty '}list of integer token ids")
-    return ids
+        if ok:
+            return ids
+    raise ValueError(f"{key[1:-1].decode()} must be a {'' if empty_ok else 'non-empty '}list of integer token ids")
 
 
 def _sampling(d: dict[str, Any]) -> SamplingParams:
@@ -125,8 +146,8 @@ def parse_generate(d: dict[str, Any], raw: bytes = b"") -> GenerateRequest:
     """``GenerateRequest.from_dict`` without re-building the token lists: JSON already gave the
     ints; their type is checked (a bad request must be refused here, not fail on a worker and
     count against that worker's health). ``raw``: the JSON body ``d`` came from, if any."""
-    prompt = _token_ids(d["prompt_token_ids"], raw or b"true", "prompt_token_ids", empty_ok=False)
-    out = _token_ids(d.get("output_token_ids") or [], raw or b"true", "output_token_ids", empty_ok=True)
+    prompt = _token_ids(d["prompt_token_ids"], raw, b'"prompt_token_ids"', empty_ok=False)
+    out = _token_ids(d.get("output_token_ids") or [], raw, b'"output_token_ids"', empty_ok=True)
     return GenerateRequest(
         request_id=str(d["request_id"]),
         prompt_token_ids=prompt,

@@ -68,3 +68,49 @@ def test_bodies_the_worker_would_read_differently_are_encoded(extra):
     body = {"request_id": "r", "prompt_token_ids": [1, 2, 3], **extra}
     raw = json.dumps(body).encode()
     assert forward_head(json.loads(raw), raw, parse_generate(json.loads(raw), raw)) is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"request_id":"r","prompt_token_ids":[1,2,3]}',
+        b'{"request_id": "r", "prompt_token_ids" : [1, -2, 3], "sampling": {"ignore_eos": true}}',
+        b'{"request_id":"r","prompt_token_ids":[1,2],"output_token_ids":[4],"session_key":"[true]"}',
+        b'{"request_id":"r\\u0030","prompt_token_ids":[1,2,3]}',  # a backslash: types looked at
+        b'{"request_id":"r","sampling":{"prompt_token_ids":[true]},"prompt_token_ids":[1]}',  # seen twice
+    ],
+)
+def test_integer_token_ids_are_accepted(raw):
+    d = json.loads(raw)
+    req = parse_generate(d, raw)
+    assert req.prompt_token_ids == d["prompt_token_ids"]
+    assert req.output_token_ids == d.get("output_token_ids", [])
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"request_id":"r","prompt_token_ids":[1,true,3]}',
+        b'{"request_id":"r","prompt_token_ids":[false]}',
+        b'{"request_id":"r","prompt_token_ids":[1,2.0]}',
+        b'{"request_id":"r","prompt_token_ids":[1,2e3]}',
+        b'{"request_id":"r","prompt_token_ids":[1,"2"]}',
+        b'{"request_id":"r","prompt_token_ids":[1,null]}',
+        b'{"request_id":"r","prompt_token_ids":[1,[2]]}',
+        b'{"request_id":"r","prompt_token_ids":[1,{"a":2}]}',
+        b'{"request_id":"r","prompt_token_ids":[]}',
+        b'{"request_id":"r","prompt_token_ids":"[1,2]"}',
+        b'{"request_id":"r","prompt_token_ids":[1],"output_token_ids":[true]}',
+        # the real field hidden behind an escape, a decoy with integers in plain text
+        b'{"request_id":"r","x":{"prompt_token_ids":[1]},"prompt\\u005ftoken_ids":[true]}',
+        b'{"request_id":"r","\\"prompt_token_ids":[1],"prompt\\u005ftoken_ids":[true]}',
+        # duplicate keys: JSON parsers take the last
+        b'{"request_id":"r","prompt_token_ids":[1],"prompt_token_ids":[true]}',
+    ],
+)
+def test_token_ids_that_are_not_integers_are_refused(raw):
+    d = json.loads(raw)
+    with pytest.raises(ValueError, match="token ids"):
+        parse_generate(d, raw)
+    with pytest.raises(ValueError, match="token ids"):
+        parse_generate(d)  # no body to read: each element's type is looked at

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal, NamedTuple, Protocol
 
 from router.config import PolicyConfig
 
@@ -30,9 +30,9 @@ RankKey = tuple[str, int]  # (worker_id, dp_rank)
 ASSUMED_CONTEXT_TOKENS = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """Leading KV units of a prompt found in the index: per rank (its own tiers) and shared."""
+class PrefixMatch(NamedTuple):
+    """Leading KV units of a prompt found in the index: per rank (its own tiers) and shared.
+    (A NamedTuple, as ``RouteRequest``: built for every request placed.)"""
 
     local: Mapping[RankKey, int]  # rank -> leading units reachable only from that rank
     shared: int = 0  # leading units in a shared tier (Redis / shared FS) any rank can load
@@ -44,9 +44,9 @@ class PrefixCache(Protocol):
     def match(self, keys: Sequence[str]) -> PrefixMatch: ...
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """What a policy knows about the request being placed."""
+class RouteRequest(NamedTuple):
+    """What a policy knows about the request being placed. (A NamedTuple: built for every
+    request, it costs a third of a frozen dataclass's ~1 µs.)"""
 
     request_id: str
     num_prompt_tokens: int

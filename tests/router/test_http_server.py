@@ -243,3 +243,14 @@ def test_slow_reader_backpressure_pauses_the_writer():
         assert total == 64 * len(big)
 
     run(body, extra={(b"GET", "/flood"): flood})
+
+
+def test_handler_reads_headers_lower_cased():
+    async def headers(req: Request) -> Response:
+        return Response(b"%s|%s" % (req.headers["x-trace"].encode(), req.headers.get("content-type", "-").encode()))
+
+    async def body(server, state, reader, writer):
+        writer.write(b"POST /h HTTP/1.1\r\nHost: x\r\nX-Trace: Ab\xe9\r\nCONTENT-TYPE: text/plain\r\nContent-Length: 0\r\n\r\n")
+        assert (await _read_response(reader))[2] == "Ab\xe9|text/plain".encode()
+
+    run(body, extra={(b"POST", "/h"): headers})

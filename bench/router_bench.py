@@ -226,7 +226,10 @@ def serve_router(port: int, policy: str, workers: list[str]) -> None:
 # Load generator: raw asyncio client, keep-alive, Content-Length or chunked answers.
 # ---------------------------------------------------------------------------------------------
 def _body(rid: str, prompt: list[int]) -> bytes:
-    return json.dumps({"request_id": rid, "prompt_token_ids": prompt, "sampling": {"max_tokens": 1, "temperature": 0.0}}, separators=(",", ":")).encode()
+    """The body ``bench.client`` sends to ``/internal/generate`` (so ``bench.peer_routers``'
+    throughput scenario), with one output token."""
+    sampling = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": False}
+    return json.dumps({"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling, "session_key": None}, separators=(",", ":")).encode()
 
 
 def _request(port: int, body: bytes) -> bytes:

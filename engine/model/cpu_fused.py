@@ -208,6 +208,61 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
+def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray, limit: int, best: np.ndarray, row_max: np.ndarray) -> bool:
+    """``lm_head`` screen → tokens: per row the maximum of the screened values ``y (B, V)``
+    (integers), the candidates ``y ≥ max − margin`` and among them the best float64 logit
+    ``w[v]·h[b]`` (lowest id on a tie; ``V`` when none is finite). False, with ``best`` unset,
+    when the candidates number more than ``limit`` in all. Maxima per block of ``SCREEN_BLOCK``
+    columns first (vectorised), so the candidate search only walks blocks that reach the bar."""
+    b_size, v_size = y.shape
+    blk = SCREEN_BLOCK
+    nb = (v_size + blk - 1) // blk
+    bmax = np.empty((b_size, nb), np.int64)
+    bar = np.empty(b_size, np.int64)
+    total = 0
+    for b in range(b_size):
+        row = y[b]
+        top = row[0]
+        for k in range(nb):
+            seg = row[k * blk : (k + 1) * blk]  # indices from 0: provably in range, so it vectorises
+            m = seg[0]
+            for i in range(1, seg.shape[0]):
+                x = seg[i]
+                if x > m:
+                    m = x
+            bmax[b, k] = m
+            if m > top:
+                top = m
+        row_max[b] = top
+        bar[b] = np.int64(np.ceil(np.float64(top) - margin[b]))  # y is an integer: y >= thr <=> y >= ceil(thr)
+        for k in range(nb):
+            if bmax[b, k] >= bar[b]:
+                for v in range(k * blk, min(v_size, (k + 1) * blk)):
+                    if row[v] >= bar[b]:
+                        total += 1
+    if total > limit:
+        return False
+    for b in range(b_size):
+        row = y[b]
+        top_logit = -np.inf
+        pick = v_size
+        for k in range(nb):
+            if bmax[b, k] < bar[b]:
+                continue
+            for v in range(k * blk, min(v_size, (k + 1) * blk)):
+                if row[v] >= bar[b]:
+                    acc = 0.0
+                    for d in range(w.shape[1]):
+                        acc += np.float64(w[v, d]) * np.float64(h[b, d])
+                    if acc > top_logit:
+                        top_logit = acc
+                        pick = v
+        best[b] = pick
+    return True
+
+
+SCREEN_BLOCK = 256
+
 if numba is not None:
     _normalise = numba.njit(cache=True, nogil=True)(_normalise)
     _hc_mix = numba.njit(cache=True, nogil=True)(_hc_mix)
@@ -217,6 +272,7 @@ if numba is not None:
     _experts = numba.njit(cache=True, nogil=True)(_experts)
     _rope = numba.njit(cache=True, nogil=True)(_rope)
     _rms_norm = numba.njit(cache=True, nogil=True)(_rms_norm)
+    _screen_pick = numba.njit(cache=True, nogil=True)(_screen_pick)
 
 _state = {"ok": None}
 
@@ -234,6 +290,7 @@ def available() -> bool:
                 w = np.zeros((1, 8, 2), np.float32)
                 _experts(np.zeros((1, 8), np.float32), np.ones((1, 1), np.float32), np.zeros((1, 1), np.int64), w, w.transpose(0, 2, 1).copy(), w[0], w[0].T.copy(), 1.0)
                 _rope(np.zeros((1, 1, 4), np.float32), np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32))
+                _screen_pick(np.zeros((1, 2), np.uint8), np.ones(1), np.zeros((2, 1), np.float32), np.zeros((1, 1), np.float32), 2, np.zeros(1, np.int64), np.zeros(1, np.uint8))
             except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
                 ok = False
         _state["ok"] = ok
@@ -308,3 +365,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     n, d = x.shape[0], x.shape[-1]
     out = _rope(x.detach().reshape(n, -1, d).numpy(), cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy())
     return torch.from_numpy(out).view(x.shape)
+
+
+def screen_pick(y: torch.Tensor, margin: torch.Tensor, weight_rows: torch.Tensor, hidden: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The exact greedy tokens ``(B,)`` and the screen's row maxima ``(B,)`` from an int8
+    screen's output ``y (B, V)`` (uint8 or int32) and margins ``(B,)`` float64 (``lm_head``):
+    one pass for the maxima, one for the candidates, float64 dot products for those only.
+    None when there are more than ``limit`` candidates (the caller projects in full)."""
+    b_size = y.shape[0]
+    best = np.empty(b_size, np.int64)
+    row_max = np.empty(b_size, y.numpy().dtype)
+    ok = _screen_pick(y.numpy(), margin.contiguous().numpy(), weight_rows.detach().numpy(), hidden.detach().contiguous().numpy(), limit, best, row_max)
+    return (torch.from_numpy(best), torch.from_numpy(row_max)) if ok else None

@@ -11,6 +11,14 @@ from engine.model.lm_head import BLOCK, HeadRows, Int8Screen, LMHead
 pytestmark = pytest.mark.skipif(not Int8Screen.available(), reason="no CPU int8 GEMM in this torch")
 
 
+@pytest.fixture(autouse=True, params=["compiled", "tensor-ops"])
+def candidate_pass(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs with the compiled candidate pass (``cpu_fused.screen_pick``) and with the
+    tensor-op one (the path where numba is missing or the weight has no row-major copy)."""
+    if request.param == "tensor-ops":
+        monkeypatch.setattr("engine.model.lm_head.cpu_fused.available", lambda: False)
+
+
 def head_with(weight: torch.Tensor, transposed_storage: bool = False) -> LMHead:
     """``transposed_storage``: the weight is a ``(V, H)`` view of an ``(H, V)`` tensor, as the
     model stores lm_head on CPU."""

@@ -226,6 +226,7 @@ class Http1Pool:
         self.max_idle = max_idle
         self._idle: list[_Conn] = []
         self._host_header = f"{self.host}:{self.port}".encode()
+        self._heads: dict[str, bytes] = {}  # request head up to the Content-Length value, per path
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -272,11 +273,16 @@ class Http1Pool:
         ``release(conn)`` whatever happened (it is kept only after a complete answer). Raises
         ``ConnectError``, ``ProtocolError``, or ``StatusError`` (non-200, after its body).
         """
-        req = (
-            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-            % (path.encode(), self._host_header, len(body))
-        ) + body
-        conn = await self._acquire()
+        head = self._heads.get(path)
+        if head is None:
+            head = self._heads[path] = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: " % (path.encode(), self._host_header)
+        req = b"%s%d\r\n\r\n%s" % (head, len(body), body)
+        idle = self._idle
+        conn = idle.pop() if idle else None  # _acquire's usual case, without its coroutine
+        if conn is None or conn.closed:
+            conn = await self._acquire()
+        else:
+            conn.reused = True
         conn.transport.write(req)
         while not conn.status and conn.error is None:
             await conn.wait()

@@ -263,16 +263,17 @@ def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray
 
 SCREEN_BLOCK = 256
 
-if numba is not None:
-    _normalise = numba.njit(cache=True, nogil=True)(_normalise)
-    _hc_mix = numba.njit(cache=True, nogil=True)(_hc_mix)
-    _collapse = numba.njit(cache=True, nogil=True)(_collapse)
-    _merge = numba.njit(cache=True, nogil=True)(_merge)
-    _mlp = numba.njit(cache=True, nogil=True)(_mlp)
-    _experts = numba.njit(cache=True, nogil=True)(_experts)
-    _rope = numba.njit(cache=True, nogil=True)(_rope)
-    _rms_norm = numba.njit(cache=True, nogil=True)(_rms_norm)
-    _screen_pick = numba.njit(cache=True, nogil=True)(_screen_pick)
+if numba is not None:  # error_model="numpy": a float division by zero gives inf, as in PyTorch,
+    # instead of a Python exception, whose check on every division kept the loops from vectorising
+    _normalise = numba.njit(cache=True, nogil=True, error_model="numpy")(_normalise)
+    _hc_mix = numba.njit(cache=True, nogil=True, error_model="numpy")(_hc_mix)
+    _collapse = numba.njit(cache=True, nogil=True, error_model="numpy")(_collapse)
+    _merge = numba.njit(cache=True, nogil=True, error_model="numpy")(_merge)
+    _mlp = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp)
+    _experts = numba.njit(cache=True, nogil=True, error_model="numpy")(_experts)
+    _rope = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope)
+    _rms_norm = numba.njit(cache=True, nogil=True, error_model="numpy")(_rms_norm)
+    _screen_pick = numba.njit(cache=True, nogil=True, error_model="numpy")(_screen_pick)
 
 _state = {"ok": None}
 

@@ -26,6 +26,11 @@ import torch.nn.functional as F
 
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 
+# norm_rope: rows of D per program for calls of at least NORM_ROPE_MIN_ROWS rows (prefill); the
+# bench sweeps them (bench/gpu_prefill_trace.py --micro)
+NORM_ROPE_ROWS = 8
+NORM_ROPE_MIN_ROWS = 16384
+
 # ---- references (the general path's ops) -----------------------------------------------------
 
 
@@ -140,12 +145,19 @@ def norm_rope(
     assert x.stride(-1) == 1
     out = torch.empty(n, g, d, dtype=x.dtype, device=x.device)
     rope = 0 if cos_tab is None else 2 * cos_tab.shape[1]
-    if n * g:
-        _norm_rope_kernel[(n * g,)](
+    rows = n * g
+    bd = next_pow2(d)
+    # rows per program: one (x, 4 warps) for decode-size calls; for prefill-size calls (the q pass
+    # at 8K is 512K rows of 512) 8 rows, so each thread moves 16-byte vectors and far fewer
+    # programs are scheduled (run 9: one row per program ran at ~1.9 TB/s)
+    br = NORM_ROPE_ROWS if rows >= NORM_ROPE_MIN_ROWS else 1
+    br = max(1, min(br, 8192 // bd))
+    if rows:
+        _norm_rope_kernel[(triton.cdiv(rows, br),)](
             x, weight if weight is not None else x, pos if pos is not None else x,
             cos_tab if cos_tab is not None else x, sin_tab if sin_tab is not None else x, out,
-            g, d, x.stride(0), x.stride(1), pos_div, float(sign), eps,
-            MODE=mode, ROPE=rope, BD=next_pow2(d), num_warps=4 if d <= 1024 else 8,
+            rows, g, d, x.stride(0), x.stride(1), pos_div, float(sign), eps,
+            MODE=mode, ROPE=rope, BD=bd, BR=br, num_warps=4 if d * br <= 4096 else 8,
         )  # fmt: skip
     return out
 
@@ -261,31 +273,49 @@ if HAS_TRITON:
         return tl.reshape(tl.join(ne, no), (BD,))
 
     @triton.jit
+    def _rope_rows(y, cos_ptr, sin_ptr, p, D, sign, ROPE: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+        """``_rope_row`` of ``BR`` rows ``y (BR, BD)``, row ``r`` by table row ``p[r]``."""
+        ty = cos_ptr.dtype.element_ty
+        half = ROPE // 2
+        ev, od = tl.split(tl.reshape(y, (BR, BD // 2, 2)))
+        i = tl.arange(0, BD // 2)[None, :]
+        first = D // 2 - half
+        is_r = (i >= first) & (i < D // 2)
+        j = tl.where(is_r, i - first, 0)
+        t = p[:, None] * half + j  # (BR, BD/2)
+        c = tl.load(cos_ptr + t, mask=is_r, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + t, mask=is_r, other=0.0).to(tl.float32) * sign
+        ne = tl.where(is_r, (ev * c - od * s).to(ty).to(tl.float32), ev)
+        no = tl.where(is_r, (od * c + ev * s).to(ty).to(tl.float32), od)
+        return tl.reshape(tl.join(ne, no), (BR, BD))
+
+    @triton.jit
     def _norm_rope_kernel(
         x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
-        G, D, stride_xn, stride_xg, pos_div, sign, eps,
-        MODE: tl.constexpr, ROPE: tl.constexpr, BD: tl.constexpr,
+        ROWS, G, D, stride_xn, stride_xg, pos_div, sign, eps,
+        MODE: tl.constexpr, ROPE: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
+        row = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,) rows of the flattened (N·G, D)
+        r_ok = row < ROWS
         n = (row // G).to(tl.int64)
         g = row % G
         d = tl.arange(0, BD)
-        ok = d < D
+        ok = r_ok[:, None] & (d < D)[None, :]
         ty = out_ptr.dtype.element_ty
-        x = tl.load(x_ptr + n * stride_xn + g * stride_xg + d, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (n * stride_xn + g * stride_xg)[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
         if MODE == 1:
-            h = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
-            y = (tl.load(w_ptr + d, mask=ok, other=0.0) * h).to(ty).to(tl.float32)
+            h = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+            y = (tl.load(w_ptr + d, mask=d < D, other=0.0)[None, :] * h).to(ty).to(tl.float32)
         elif MODE == 2:
-            rs = (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)).to(ty).to(tl.float32)
-            y = (x * rs).to(ty).to(tl.float32)
+            rs = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)).to(ty).to(tl.float32)
+            y = (x * rs[:, None]).to(ty).to(tl.float32)
         else:
             y = x
         if ROPE > 0:
-            p = tl.load(pos_ptr + n)
+            p = tl.load(pos_ptr + n, mask=r_ok, other=0)
             p = (p // pos_div) * pos_div
-            y = _rope_row(y, cos_ptr, sin_ptr, p, D, sign, ROPE, BD)
-        tl.store(out_ptr + row.to(tl.int64) * D + d, y.to(ty), mask=ok)
+            y = _rope_rows(y, cos_ptr, sin_ptr, p, D, sign, ROPE, BR, BD)
+        tl.store(out_ptr + row.to(tl.int64)[:, None] * D + d[None, :], y.to(ty), mask=ok)
 
     @triton.jit
     def _compress_kernel(

@@ -23,9 +23,11 @@ reach memory), then ``torch.topk``; queries in tiles so that the ``(S, T)`` fp32
 
 ``hc_pre_norm``: ``HyperConnection`` + the block's input ``RMSNorm``: the ``(N, hc·H) × (hc·H, M)``
 mix and the sum of squares as blocked dots over ``BM`` tokens (the static step's
-``hc_pre_parts`` re-reads ``fn`` per token, which costs ~2 ms at 8K tokens; the fp32 dot runs as
-``tf32x3`` on the tensor cores, ~fp32 accuracy: plain ``ieee`` FMA dots took 1.3 ms per call), then
-``kernels.mhc.hc_mix_parts`` (gates + Sinkhorn) and ``kernels.fused.collapse_norm``.
+``hc_pre_parts`` re-reads ``fn`` per token, which costs ~2 ms at 8K tokens). The fp32 dot: bf16
+streams times the three bf16 terms of ``fn`` (``split_bf16x3``: exact products, fp32 sums; 0.12 ms
+per 8K call), fp32 streams as ``tf32x3`` on the tensor cores (~fp32 accuracy; 0.31 ms for bf16
+streams widened, and plain ``ieee`` FMA dots took 1.3 ms). Then ``kernels.mhc.hc_mix_parts``
+(gates + Sinkhorn) and ``kernels.fused.collapse_norm``.
 
 Each has a PyTorch reference (the general path's math); off CUDA without the interpreter the
 public functions run those.
@@ -35,7 +37,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import HAS_TRITON, INTERPRET, next_pow2, tl, triton, use_triton
+from kernels._common import (
+    HAS_TRITON,
+    INTERPRET,
+    dot_precision,
+    mma,
+    next_pow2,
+    tl,
+    triton,
+    use_triton,
+)
 
 INDEXER_QUERY_TILE = 4096  # queries per indexer scoring call: (4096, T) fp32 scores
 ATTN_TUNE: dict = {}  # block_h / block_n / num_warps / num_stages for the attention kernel (bench sweeps)
@@ -202,14 +213,27 @@ def hc_pre_parts_reference(streams: torch.Tensor, fn: torch.Tensor) -> torch.Ten
     return parts
 
 
+# hc_pre_block_parts launch: rows per program, K step, warps, pipeline stages, and the programs per
+# SM the K splits aim at (at most 8 splits). Run 8's (64, 64, 4, default 3, 2) left the 8K call at
+# 0.42 ms for 268 MB of streams (0.6 TB/s: 384 programs, latency-bound); the bench sweeps these.
+# Run 9: 8 programs per SM, 0.41 → 0.31 ms; ``bf16x3`` (bf16 streams): the fp32 ``fn`` as three bf16
+# terms (``split_bf16x3``) and three bf16 dots instead of the streams widened to fp32 for tf32x3.
+HC_PRE_TUNE = {"block_m": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "bf16x3": True}
+
+
 def hc_pre_block_parts(
-    streams: torch.Tensor, fn: torch.Tensor, *, block_m: int = 64, block_k: int = 64, splits: int | None = None
-) -> torch.Tensor:
+    streams: torch.Tensor, fn: torch.Tensor, *, block_m: int | None = None, block_k: int | None = None,
+    splits: int | None = None, fn3: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The partial sums ``kernels.mhc.hc_mix_parts`` takes, for many tokens: ``(N, S, MP)`` fp32,
     per split of the ``hc·H`` axis ``fn @ x`` (columns ``[:M]``) and ``Σ x²`` (column ``M``);
-    one program per ``block_m`` tokens and split, ``fn`` read once per program."""
+    one program per ``block_m`` tokens and split, ``fn`` read once per program. bf16 streams
+    (``HC_PRE_TUNE["bf16x3"]``) take ``fn`` as ``split_bf16x3(fn)`` (``fn3``, computed if not given)."""
     if not use_triton(streams):
         return hc_pre_parts_reference(streams, fn)
+    split3 = streams.dtype == torch.bfloat16 and HC_PRE_TUNE.get("bf16x3", True)
+    block_m = block_m or HC_PRE_TUNE["block_m"]
+    block_k = block_k or HC_PRE_TUNE["block_k"]
     n = streams.shape[0]
     x = streams.reshape(n, -1)
     assert x.stride(-1) == 1 and fn.is_contiguous() and fn.dtype == torch.float32
@@ -217,10 +241,10 @@ def hc_pre_block_parts(
     m = fn.shape[0]
     mp = max(16, next_pow2(m + 1))
     nb = triton.cdiv(max(n, 1), block_m)
-    if splits is None:  # about two programs per SM, at most 8 splits (hc_mix_parts adds them serially)
+    if splits is None:  # programs_per_sm programs per SM, at most 8 splits (hc_mix_parts adds them serially)
         from kernels._common import num_sms
 
-        splits = max(1, min(8, triton.cdiv(2 * num_sms(streams.device), nb)))
+        splits = max(1, min(8, triton.cdiv(HC_PRE_TUNE["programs_per_sm"] * num_sms(streams.device), nb)))
     per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, per)
     parts = torch.empty(n, splits, mp, dtype=torch.float32, device=streams.device)
@@ -228,15 +252,26 @@ def hc_pre_block_parts(
     if n:
         try:
             _hc_pre_block_kernel[(nb, splits)](
-                x, fn, parts, n, k, m, x.stride(0), per, MP=mp, BM=block_m, BK=block_k,
-                PRECISION=_HC_PRECISION, num_warps=4,
+                x, (fn3 if fn3 is not None else split_bf16x3(fn)) if split3 else fn, parts, n, k, m, x.stride(0), per, MP=mp, BM=block_m, BK=block_k,
+                PRECISION=dot_precision(torch.bfloat16) if split3 else _HC_PRECISION, SPLIT3=split3,
+                num_warps=HC_PRE_TUNE["num_warps"], num_stages=HC_PRE_TUNE["num_stages"],
             )  # fmt: skip
         except Exception:  # a Triton build without tf32x3: exact fp32 FMA dots instead
             if _HC_PRECISION == "ieee":
                 raise
             _HC_PRECISION = "ieee"
-            return hc_pre_block_parts(streams, fn, block_m=block_m, block_k=block_k, splits=splits)
+            return hc_pre_block_parts(streams, fn, block_m=block_m, block_k=block_k, splits=splits, fn3=fn3)
     return parts
+
+
+def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
+    """fp32 ``fn (M, K)`` as three bf16 terms ``(3, M, K)``, ``hi + mid + lo`` = ``fn`` to fp32's 24
+    bits (8 each): bf16 streams times each term are exact fp32 products, so three bf16 tensor-core
+    dots with fp32 accumulation give the fp32 dot."""
+    hi = fn.to(torch.bfloat16)
+    rest = fn - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)]).contiguous()
 
 
 def hc_pre_norm(hc, norm, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,7 +280,15 @@ def hc_pre_norm(hc, norm, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     from kernels.fused import collapse_norm
     from kernels.mhc import hc_mix_parts
 
-    parts = hc_pre_block_parts(streams, hc.fn.float().contiguous())
+    fn = hc.fn.float().contiguous()
+    fn3 = None
+    if streams.dtype == torch.bfloat16:  # the bf16 terms of fn, kept on the module until fn changes
+        key = (hc.fn.data_ptr(), hc.fn._version)
+        cached = getattr(hc, "_fn_bf16x3", None)
+        if cached is None or cached[0] != key:
+            cached = hc._fn_bf16x3 = (key, split_bf16x3(fn))
+        fn3 = cached[1]
+    parts = hc_pre_block_parts(streams, fn, fn3=fn3)
     pre, post, comb = hc_mix_parts(
         parts, streams.shape[1] * streams.shape[2], hc.norm_eps, hc.scale, hc.base, hc.hc, hc.iters, hc.hc_eps
     )
@@ -257,7 +300,7 @@ if HAS_TRITON:
     @triton.jit
     def _hc_pre_block_kernel(
         x_ptr, fn_ptr, part_ptr, N, K, M, stride_x, PER,
-        MP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+        MP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, SPLIT3: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         s = tl.program_id(1)
@@ -272,11 +315,19 @@ if HAS_TRITON:
         for kk in range(0, PER, BK):
             k = k0 + kk + tl.arange(0, BK)
             k_ok = k < K
-            x = tl.load(
+            xr = tl.load(
                 x_ptr + rows.to(tl.int64)[:, None] * stride_x + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
-            ).to(tl.float32)  # (BM, BK)
-            w = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)  # (BK, MP)
-            acc += tl.dot(x, w, input_precision=PRECISION)
+            )  # (BM, BK)
+            x = xr.to(tl.float32)
+            w_ptrs = fn_ptr + m[None, :] * K + k[:, None]
+            w_ok = m_ok[None, :] & k_ok[:, None]
+            if SPLIT3:  # bf16 x times the three bf16 terms of fn: exact products, fp32 sums
+                acc += mma(xr, tl.load(w_ptrs, mask=w_ok, other=0.0), PRECISION)
+                acc += mma(xr, tl.load(w_ptrs + M * K, mask=w_ok, other=0.0), PRECISION)
+                acc += mma(xr, tl.load(w_ptrs + 2 * M * K, mask=w_ok, other=0.0), PRECISION)
+            else:
+                w = tl.load(w_ptrs, mask=w_ok, other=0.0)  # (BK, MP)
+                acc += tl.dot(x, w, input_precision=PRECISION)
             sq += tl.sum(x * x, axis=1)
         res = tl.where(m[None, :] == M, sq[:, None], acc)
         ptrs = part_ptr + (rows.to(tl.int64)[:, None] * splits + s) * MP + m[None, :]

@@ -231,12 +231,16 @@ def test_fused_hyper_connection(dtype, n) -> None:
 
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_fused_norm_rope(dtype, mode) -> None:
+@pytest.mark.parametrize("rows_per_program", [1, 8])  # the decode-size and the prefill-size launch
+def test_fused_norm_rope(dtype, mode, rows_per_program, monkeypatch) -> None:
     from engine.model.config import RopeParams
     from engine.model.rope import Rotary
     from kernels import fused as fk
 
-    n, heads, d, rope_dim = 3, 4, (128 if SMALL else 512), 64
+    # 3 tokens x 5 heads = 15 rows: with 8 rows per program the second program is partly masked
+    monkeypatch.setattr(fk, "NORM_ROPE_MIN_ROWS", 1 if rows_per_program > 1 else 1 << 30)
+    monkeypatch.setattr(fk, "NORM_ROPE_ROWS", rows_per_program)
+    n, heads, d, rope_dim = 3, 5, (128 if SMALL else 512), 64
     g = torch.Generator().manual_seed(22)
     x = torch.randn(n, heads, d + 16, generator=g).to(DEV, dtype)[..., :d]  # strided rows
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEV)

@@ -130,6 +130,11 @@ def test_hc_pre_norm(dtype) -> None:
         post, comb, x = hc_pre_norm(hc, norm, streams)
     assert rel_err(post, post_w) <= 1e-4 and rel_err(comb, comb_w) <= 1e-4
     assert rel_err(x, x_w) <= TOL[dtype]
+    with torch.no_grad():  # a new fn in place: the cached bf16 terms of the old one must not be used
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g, device=DEV) * 0.05)
+        post_w, comb_w, _ = hc(streams)
+        post, comb, _ = hc_pre_norm(hc, norm, streams)
+    assert rel_err(post, post_w) <= 1e-4 and rel_err(comb, comb_w) <= 1e-4
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

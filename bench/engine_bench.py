@@ -7,7 +7,7 @@ running sequence over 1,000 requests, in one run.
 Throughput. For each prompt length P and concurrency B, B requests of P random token ids arrive
 at once; greedy, ``ignore_eos``, exactly N output tokens each.
 - ours: ``EngineCore`` (continuous batching, chunked prefill under the default 2048-token step
-  budget, the decode fast paths); output tokens/s = B·N / (submission → last token).
+  budget, decode steps in the host slot pools (engine/model/host_decode.py)); output tokens/s = B·N / (submission → last token).
 - transformers: ``DeepseekV4ForCausalLM.generate`` on the same checkpoint with the B prompts as one
   ``(B, P)`` batch. transformers cannot batch padded V4 prompts correctly, so every prompt of a
   run has the same length and nothing is padded; ``min_new_tokens = max_new_tokens = N``.
@@ -21,7 +21,9 @@ one engine in waves of ``--memory-concurrency``. In each wave the resident set s
 ``malloc_trim`` so freed activations do not count) is read once every request is live (all
 prefills done, none finished) and again when the wave is over. Reported: bytes per running
 sequence = median over waves of (live RSS - idle RSS) / requests, next to the tensor bytes a
-running sequence's state holds; and the growth of live and idle RSS over the second half of the
+running sequence's state holds outside the decode slots and the size of the slot pools (allocated
+and zeroed at startup, so a sequence decoding in a slot adds no RSS: the pools are the per-slot
+cost); and the growth of live and idle RSS over the second half of the
 waves (flat = nothing kept per finished request; the first waves grow the allocator's pools).
 """
 
@@ -155,10 +157,13 @@ def memory(engine: EngineCore, args: argparse.Namespace, vocab: int) -> dict[str
             live = list(engine.seqs.values())
             if "live_rss" not in wave and len(live) == n and all(s.num_computed >= s.num_prompt for s in live):
                 wave["live_rss"] = trimmed_rss()
-                wave["state_tensor_bytes"] = statistics.fmean(s.state.nbytes() for s in live)
+                wave["state_tensor_bytes"] = statistics.fmean(s.state.nbytes() for s in live if s.state is not None) if any(s.state is not None for s in live) else 0.0
+                wave["in_slots"] = sum(s.state is None for s in live)  # decoding in the slot pools
         wave["idle_rss"] = trimmed_rss()
         wave["bytes_per_seq"] = (wave["live_rss"] - wave["idle_rss"]) / n
         waves.append(wave)
+    slots = engine.static.decoder.max_slots if engine.static is not None else 0
+    slot_bytes = engine.static.decoder.nbytes() if engine.static is not None else 0  # allocated (and zeroed) at startup
     steady = waves[len(waves) // 2 :]  # the first waves also grow the allocator's pools, then it is flat
     return {
         "requests": total,
@@ -167,6 +172,8 @@ def memory(engine: EngineCore, args: argparse.Namespace, vocab: int) -> dict[str
         "bytes_per_running_seq": statistics.median(w["bytes_per_seq"] for w in steady),
         "state_tensor_bytes_per_seq": statistics.fmean(w["state_tensor_bytes"] for w in steady),
         "pool_bytes_per_seq_boundary": engine.pool.boundary_bytes,
+        "slot_pool_bytes": slot_bytes,
+        "slot_pool_slots": slots,
         "pool_bytes_per_block_unit": engine.pool.block_bytes,
         "live_rss_growth": steady[-1]["live_rss"] - steady[0]["live_rss"],
         "idle_rss_growth": steady[-1]["idle_rss"] - steady[0]["idle_rss"],
@@ -194,7 +201,8 @@ def render(report: dict[str, Any]) -> str:
             (
                 f"memory: {m['requests']} requests in waves of {m['concurrency']}: "
                 f"{m['bytes_per_running_seq'] / 1024:.0f} KiB RSS per running sequence "
-                f"(state tensors {m['state_tensor_bytes_per_seq'] / 1024:.0f} KiB); "
+                f"(state tensors outside the slots {m['state_tensor_bytes_per_seq'] / 1024:.0f} KiB; decode slot pools "
+                f"{m['slot_pool_bytes'] / mib:.0f} MiB for {m['slot_pool_slots']} slots, allocated at startup); "
                 f"growth over the second half ({m['requests'] // 2} requests): "
                 f"live {m['live_rss_growth'] / mib:+.1f} MiB, idle {m['idle_rss_growth'] / mib:+.1f} MiB"
             ),

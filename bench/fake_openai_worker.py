@@ -14,7 +14,8 @@ Prefix cache model: each DP rank keeps an LRU of ``block_size``-token unit keys 
 ``kvstore.keys.chain_keys`` for token ids; the same chaining over whitespace-separated words for
 text, where the bench workloads make one word one token). Cached prompt tokens are reported in
 usage as ``prompt_tokens_details.cached_tokens`` and ``prompt_cache_hit_tokens``, and stored or
-evicted units are published on ``/kv_events`` as ``KVEvent``s.
+evicted units are published on ``/kv_events`` as ``KVEvent``s (``&format=rows``: as ``KVEvent.to_row``
+rows, what the router asks for).
 
 Run: ``python -m bench.fake_openai_worker --port 8100 --ttft 0.05 --itl 0.01``.
 """
@@ -23,18 +24,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import hashlib
 import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from engine.protocol import LoadReport, RankLoad, TokenEvent
+from engine.protocol import KV_REMOVED, KV_ROWS_FORMAT, KV_STORED, LoadReport, RankLoad, TokenEvent
 from kvstore.keys import ROOT_KEY, chain_keys
 
 try:  # orjson is much faster; json works too
@@ -115,7 +114,8 @@ class FakeWorker:
         self.caches = [PrefixCache(cfg.cache_blocks) for _ in range(cfg.dp_size)]
         self.running = [0] * cfg.dp_size
         self.queued_tokens = [0] * cfg.dp_size
-        self.events: list[tuple[int, dict[str, Any]]] = []  # (seq, KVEvent.to_dict() layout)
+        self.events: list[list[Any]] = []  # KVEvent.to_row() layout; events[i] has seq first_seq + i
+        self.first_seq = 1
         self.seq = 0
         self.aborted: set[str] = set()
         self.ids = itertools.count()
@@ -132,23 +132,31 @@ class FakeWorker:
         """Look the prompt up in the rank's cache, publish KV events; returns cached tokens."""
         matched, stored, evicted = self.caches[rank].lookup_insert(keys)
         if stored:
-            self._event("stored", stored, rank)
+            self._event(KV_STORED, stored, rank)
         if evicted:
-            self._event("removed", evicted, rank)
+            self._event(KV_REMOVED, evicted, rank)
         cached = min(matched * self.cfg.block_size, prompt_tokens)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += prompt_tokens
         self.counters["cached_tokens"] += cached
         return cached
 
-    def _event(self, kind: str, keys: list[str], rank: int) -> None:
-        """Publish a memory-tier event, kept as its JSON object: ``/kv_events`` then costs a
-        slice and one ``dumps`` (``KVEvent.to_dict`` per event, through ``asdict``, made a
-        worker serving a cache-aware router spend ~15 µs more per request than one that is not)."""
+    def _event(self, op: int, keys: list[str], rank: int) -> None:
+        """Publish a memory-tier event, kept as its ``KVEvent.to_row`` row: ``/kv_events`` then
+        costs a slice and one ``dumps`` (``KVEvent.to_dict`` per event, through ``asdict``, made a
+        worker serving a cache-aware router spend ~15 µs more per request than one that is not).
+        At least ``max_events`` are kept; the oldest are dropped a quarter at a time (dropping
+        one per event moved the whole list each time)."""
         self.seq += 1
-        self.events.append((self.seq, {"kind": kind, "keys": keys, "tier": "memory", "dp_rank": rank}))
-        if len(self.events) > self.cfg.max_events:
-            del self.events[: len(self.events) - self.cfg.max_events]
+        self.events.append([op, rank, "memory", keys])
+        if len(self.events) > self.cfg.max_events + self.cfg.max_events // 4:
+            drop = len(self.events) - self.cfg.max_events
+            del self.events[:drop]
+            self.first_seq += drop
+
+    def events_since(self, since: int) -> list[list[Any]]:
+        """The rows of the events after seq ``since`` (all kept ones when it is older)."""
+        return self.events[max(0, since - self.first_seq + 1) :]
 
     def first_token_delay(self, uncached: int) -> float:
         return self.cfg.ttft + self.cfg.prefill_per_token * uncached
@@ -355,7 +363,10 @@ def build_app(cfg: FakeWorkerConfig) -> web.Application:
 
     async def kv_events(request: web.Request) -> web.Response:
         since = int(request.query.get("since", 0))
-        evs = [ev for _, ev in worker.events[bisect.bisect_right(worker.events, since, key=itemgetter(0)) :]]
+        rows = worker.events_since(since)
+        if request.query.get("format") == KV_ROWS_FORMAT:
+            return web.Response(body=_dumps({"seq": worker.seq, "rows": rows}), content_type="application/json")
+        evs = [{"kind": "stored" if op == KV_STORED else "removed", "keys": keys, "tier": tier, "dp_rank": rank} for op, rank, tier, keys in rows]
         return web.Response(body=_dumps({"seq": worker.seq, "events": evs}), content_type="application/json")
 
     async def models(_: web.Request) -> web.Response:

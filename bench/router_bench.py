@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -258,7 +259,14 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, float]:
         first = first or time.perf_counter()
 
 
-async def _closed_loop(ports: list[int], prompts: list[list[int]], concurrency: int, duration: float, tag: str) -> dict:
+_FRESH = itertools.count(1_000_000)  # first tokens no prompt of ``prompts`` has (see _closed_loop)
+
+
+async def _closed_loop(ports: list[int], prompts: list[list[int]], concurrency: int, duration: float, tag: str, fresh: bool = False) -> dict:
+    """``fresh``: every request's prompt is new (its first token is one never sent before), so
+    every request is hashed from scratch and stores new KV units, as in ``bench.peer_routers``'
+    throughput scenario (fresh workers, 128-token prompts each drawn anew); otherwise the
+    bodies of the first 64 requests per connection are sent again with new request ids."""
     stop = time.perf_counter() + duration
     lat: list[float] = []
     errors = 0
@@ -270,7 +278,11 @@ async def _closed_loop(ports: list[int], prompts: list[list[int]], concurrency: 
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         n = 0
         while time.perf_counter() < stop:
-            body = payload[c][n % 64].replace(b'"%s-%d-%d"' % (tag.encode(), c, n % 64), b'"%s-%d-%d"' % (tag.encode(), c, n)) if n >= 64 else payload[c][n]
+            if fresh:
+                p = prompts[(c * 7 + n) % len(prompts)]
+                body = _body("%s-%d-%d" % (tag, c, n), [next(_FRESH), *p[1:]])
+            else:
+                body = payload[c][n % 64].replace(b'"%s-%d-%d"' % (tag.encode(), c, n % 64), b'"%s-%d-%d"' % (tag.encode(), c, n)) if n >= 64 else payload[c][n]
             t0 = time.perf_counter()
             writer.write(_request(port, body))
             status, _ = await _read_response(reader)
@@ -438,14 +450,21 @@ def run_ab(args: argparse.Namespace) -> dict:
     ``--rounds`` rounds per policy, the two routers alternating (which goes first alternates
     too), a fresh router process each time, ``--duration`` seconds each after a 0.5 s warm-up.
     Prompts: ``--distinct-prompts`` random ones of ``--prompt-tokens`` tokens (a large number
-    makes nearly every request a new prompt, as in ``bench.peer_routers``' throughput scenario)."""
+    makes nearly every request a new prompt, as in ``bench.peer_routers``' throughput scenario).
+    ``--ab-workers openai``: ``bench.fake_openai_worker``s instead of the raw fake (they publish
+    KV events, so a cache-aware router's event polling is measured too)."""
     import random
 
     rng = random.Random(1)
     prompts = [[rng.randrange(30000) for _ in range(args.prompt_tokens)] for _ in range(args.distinct_prompts)]
     trees = {"base": str(Path(args.ab_base).resolve()), "new": str(REPO)}
     fake_ports = [_free_port(), _free_port()]
-    fake = _spawn("_fake", "--ports", *map(str, fake_ports))
+    if args.ab_workers == "openai":  # bench.fake_openai_worker: KV events, as in bench.peer_routers
+        fakes = [subprocess.Popen([sys.executable, "-m", "bench.fake_openai_worker", "--port", str(p), "--worker-id", f"w{i}"], cwd=REPO) for i, p in enumerate(fake_ports)]
+        for p in fake_ports:
+            _wait_http(p)
+    else:
+        fakes = [_spawn("_fake", "--ports", *map(str, fake_ports))]
     urls = [f"http://127.0.0.1:{p}" for p in fake_ports]
     loop = _new_loop()
     out: dict = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "trees": trees, "policies": {}}
@@ -458,9 +477,9 @@ def run_ab(args: argparse.Namespace) -> dict:
                     p = subprocess.Popen([sys.executable, "-m", "bench.router_bench", "_router", "--policy", policy, "--port", str(port), "--worker", *urls], cwd=trees[name])
                     _wait_http(port)
                     try:
-                        loop.run_until_complete(_closed_loop([port], prompts, args.concurrency, 0.5, f"w{r}{name}"))
+                        loop.run_until_complete(_closed_loop([port], prompts, args.concurrency, 0.5, f"w{r}{name}", args.fresh_prompts))
                         (u0, s0) = _proc_cpu(p.pid)
-                        x = loop.run_until_complete(_closed_loop([port], prompts, args.concurrency, args.duration, f"m{r}{name}"))
+                        x = loop.run_until_complete(_closed_loop([port], prompts, args.concurrency, args.duration, f"m{r}{name}", args.fresh_prompts))
                         (u1, s1) = _proc_cpu(p.pid)
                     finally:
                         _stop(p)
@@ -473,7 +492,8 @@ def run_ab(args: argparse.Namespace) -> dict:
                   f"  new {statistics.median(tot['new']):6.1f} [{min(tot['new']):.0f}–{max(tot['new']):.0f}]"
                   f"  new−base per round: median {statistics.median(diff):+.1f} {[round(d) for d in diff]}")
     finally:
-        _stop(fake)
+        for fake in fakes:
+            _stop(fake)
         loop.close()
     return out
 
@@ -531,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "router_bench.json"))
     p.add_argument("--ab-base", help="A/B mode: another checkout of the repository (old code) to compare this tree's router against (run_ab)")
     p.add_argument("--rounds", type=int, default=8, help="A/B mode: alternating rounds per policy")
+    p.add_argument("--fresh-prompts", action="store_true", help="A/B mode: a new prompt for every request (see _closed_loop)")
+    p.add_argument("--ab-workers", choices=["raw", "openai"], default="raw",
+                   help="A/B mode: the fake workers: raw = this module's (no KV events), openai = bench.fake_openai_worker (KV events, as bench.peer_routers)")
     args = p.parse_args(argv)
     if args.mode == "_fake":
         serve_fake(args.ports)

@@ -351,10 +351,12 @@ class WorkerRegistry:
                 await asyncio.wait_for(w.wake.wait(), cfg.load_interval_s)
 
     async def _poll_kv(self, w: Worker) -> None:
-        seq, events = await w.client.kv_events_raw(w.kv_seq)
+        seq, rows, events = await w.client.kv_events_raw(w.kv_seq)
         if seq < w.kv_seq:  # the worker restarted: its cursor and cache are new
             self.index.remove_worker(w.worker_id)
-            seq, events = await w.client.kv_events_raw(0)
+            seq, rows, events = await w.client.kv_events_raw(0)
         w.kv_seq = seq
+        if rows:
+            self.index.apply_rows(w.worker_id, rows)
         if events:
             self.index.apply_raw(w.worker_id, events)

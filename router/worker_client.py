@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from engine.protocol import GenerateRequest, KVEvent, LoadReport, TokenEvent
+from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, KVEvent, LoadReport, TokenEvent
 from router.errors import WorkerRejected, WorkerUnavailable
 from router.http1 import ConnectError, Http1Pool, HttpError, StatusError
 
@@ -183,11 +183,14 @@ class WorkerClient:
 
     async def kv_events(self, since: int = 0) -> tuple[int, list[KVEvent]]:
         """``(seq, events after since)``; seq is the cursor for the next call."""
-        seq, events = await self.kv_events_raw(since)
-        return seq, [KVEvent.from_dict(e) for e in events]
+        seq, rows, events = await self.kv_events_raw(since)
+        return seq, [KVEvent.from_row(r) for r in rows] + [KVEvent.from_dict(e) for e in events]
 
-    async def kv_events_raw(self, since: int = 0) -> tuple[int, list[dict[str, Any]]]:
-        """``kv_events`` as the worker's JSON objects (``KVIndex.apply_raw`` takes them as they
-        are: no ``KVEvent`` per event on the router's loop)."""
-        d = await self._get_json(f"/kv_events?since={since}")
-        return int(d.get("seq", 0)), d.get("events") or []
+    async def kv_events_raw(self, since: int = 0) -> tuple[int, list[list[Any]], list[dict[str, Any]]]:
+        """``kv_events`` as the worker sent them: ``(seq, rows, events)``, the events after
+        ``since`` either as ``KVEvent.to_row`` rows (a worker that knows ``format=rows``) or as
+        ``KVEvent.to_dict`` objects (one that does not), the other list empty.
+        ``KVIndex.apply_rows`` / ``apply_raw`` take them as they are: no ``KVEvent`` per event
+        on the router's loop."""
+        d = await self._get_json(f"/kv_events?since={since}&format={KV_ROWS_FORMAT}")
+        return int(d.get("seq", 0)), d.get("rows") or [], d.get("events") or []

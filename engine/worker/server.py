@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.kv_connector import KVConnector
 from engine.model.loader import load_model
-from engine.protocol import GenerateRequest, LoadReport, Role
+from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
 from engine.runtime.builder import (
     build_sampler,
     configure_cpu_allocator,
@@ -166,6 +166,8 @@ class Worker:
         if self.store is None:
             return web.json_response({"seq": 0, "events": [], "complete": True})
         batch = self.store.events_since(since)
+        if request.query.get("format") == KV_ROWS_FORMAT:
+            return web.json_response({"seq": batch.seq, "rows": [e.to_row() for e in batch.events], "complete": batch.complete})
         return web.json_response({"seq": batch.seq, "events": [e.to_dict() for e in batch.events], "complete": batch.complete})
 
     async def metrics(self, _: web.Request) -> web.Response:

@@ -214,3 +214,23 @@ def test_worker_registers_and_deregisters_itself(cluster) -> None:
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_kv_events_rows_equal_events(cluster) -> None:
+    """A real worker answers ``/kv_events?format=rows`` with the events it answers without it,
+    as ``KVEvent.to_row`` rows (what the router polls), and a cache-aware router follows them."""
+    import json
+    import urllib.request
+
+    from engine.protocol import KVEvent
+
+    mixed = cluster["mixed"]
+    asyncio.run(_run_all(_config(policy="cache_aware", worker=(mixed.url,)), _requests(2, seed=31, max_tokens=2, lengths=(300,))))
+
+    def get(q: str) -> dict:
+        with urllib.request.urlopen(mixed.url + "/kv_events?since=0" + q, timeout=10) as r:
+            return json.loads(r.read())
+
+    old, new = get(""), get("&format=rows")
+    assert old["seq"] == new["seq"] and old["events"] and "events" not in new
+    assert [KVEvent.from_row(r) for r in new["rows"]] == [KVEvent.from_dict(e) for e in old["events"]]

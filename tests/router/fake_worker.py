@@ -76,6 +76,7 @@ class FakeWorker:
         self.stats: Counter[str] = Counter()
         self.kv_log: list[dict] = []  # KV events, seq = index + 1
         self.keys = _load_keys_module() if args.kv_events else None
+        self.kv_rows = args.kv_rows
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
@@ -150,7 +151,11 @@ class FakeWorker:
 
     async def kv_events(self, request: web.Request) -> web.Response:
         since = int(request.query.get("since", 0))
-        return web.json_response({"seq": len(self.kv_log), "events": self.kv_log[since:]})
+        evs = self.kv_log[since:]
+        if self.kv_rows and request.query.get("format") == "rows":  # KVEvent.to_row layout
+            rows = [[1 if e["kind"] == "stored" else 0, e["dp_rank"], e["tier"], e["keys"]] for e in evs]
+            return web.json_response({"seq": len(self.kv_log), "rows": rows})
+        return web.json_response({"seq": len(self.kv_log), "events": evs})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=f"vllm:num_requests_running {len(self.active)}\n")
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--refuse", type=int, default=0)
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--kv-events", action="store_true")
+    p.add_argument("--kv-rows", action="store_true", help="answer /kv_events?format=rows with rows")
     args = p.parse_args(argv)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -296,9 +296,10 @@ def test_no_worker_available(spawn):
     asyncio.run(main())
 
 
-def test_cache_aware_follows_kv_events(spawn):
-    a = spawn("--worker-id", "a", "--kv-events")
-    b = spawn("--worker-id", "b", "--kv-events")
+@pytest.mark.parametrize("fmt", [(), ("--kv-rows",)], ids=["events", "rows"])
+def test_cache_aware_follows_kv_events(spawn, fmt):
+    a = spawn("--worker-id", "a", "--kv-events", *fmt)
+    b = spawn("--worker-id", "b", "--kv-events", *fmt)
 
     async def main():
         async with Router(config(policy="cache_aware", worker=(a.url, b.url), predicted_kv_ttl_s=0.0)) as r:

@@ -227,12 +227,9 @@ def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray
             seg = row[k * blk : (k + 1) * blk]  # indices from 0: provably in range, so it vectorises
             m = seg[0]
             for i in range(1, seg.shape[0]):
-                x = seg[i]
-                if x > m:
-                    m = x
+                m = max(m, seg[i])
             bmax[b, k] = m
-            if m > top:
-                top = m
+            top = max(top, m)
         row_max[b] = top
         bar[b] = np.int64(np.ceil(np.float64(top) - margin[b]))  # y is an integer: y >= thr <=> y >= ceil(thr)
         for k in range(nb):

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.host_decode import HostDecoder
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import SequenceState
-from engine.model.host_decode import HostDecoder
 from engine.model.static_decode import StaticDecoder
 from engine.runtime.sequence import Sequence
 

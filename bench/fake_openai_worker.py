@@ -347,7 +347,6 @@ def _generate_handler(worker: FakeWorker):
 def build_app(cfg: FakeWorkerConfig) -> web.Application:
     worker = FakeWorker(cfg)
     app = web.Application(client_max_size=256 * 1024 * 1024)
-    app["worker"] = worker
 
     async def abort(request: web.Request) -> web.Response:
         worker.aborted.add(str((_loads(await request.read()))["request_id"]))

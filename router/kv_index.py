@@ -98,12 +98,7 @@ class KVIndex:
                     rank = ranks[r] = (worker_id, int(r))
                 stored = ev["kind"] == "stored"
                 if stored and ev.get("tier", "memory") not in shared_tiers:
-                    for k in ev["keys"]:
-                        h = holders.pop(k, None)
-                        if h is None:
-                            h = {}
-                        holders[k] = h
-                        h[rank] = _INF
+                    _store(holders, rank, ev["keys"])
                 else:
                     self._apply_one(rank, stored, ev.get("tier", "memory") in shared_tiers, ev["keys"])
         finally:
@@ -123,12 +118,7 @@ class KVIndex:
                 if rank is None:
                     rank = ranks[r] = (worker_id, int(r))
                 if op == KV_STORED and tier not in shared_tiers:
-                    for k in keys:
-                        h = holders.pop(k, None)
-                        if h is None:
-                            h = {}
-                        holders[k] = h
-                        h[rank] = _INF
+                    _store(holders, rank, keys)
                 elif op == KV_STORED or op == KV_REMOVED:
                     self._apply_one(rank, op == KV_STORED, tier in shared_tiers, keys)
                 else:
@@ -144,13 +134,7 @@ class KVIndex:
                 if stored:
                     tier[k] = None
         elif stored:
-            holders = self._holders
-            for k in keys:
-                h = holders.pop(k, None)
-                if h is None:
-                    h = {}
-                holders[k] = h
-                h[rank] = _INF
+            _store(self._holders, rank, keys)
         else:
             holders = self._holders
             for k in keys:
@@ -327,3 +311,13 @@ class PromptHasher:
     def reference(token_ids: Sequence[int], block_size: int, fingerprint: str) -> list[str]:
         """The contract this class must equal (tests compare)."""
         return chain_keys(token_ids, block_size, fingerprint)
+
+
+def _store(holders: dict[str, dict[RankKey, float]], rank: RankKey, keys: Iterable[str]) -> None:
+    """``rank`` holds ``keys`` for good (a stored event): each unit moves to the newest end."""
+    for k in keys:
+        h = holders.pop(k, None)
+        if h is None:
+            h = {}
+        holders[k] = h
+        h[rank] = _INF

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import math
 import struct
-from itertools import islice
 import time
 from collections.abc import Callable, Iterable, Sequence
 from hashlib import blake2b
+from itertools import islice
 from typing import Any
 
 from engine.protocol import KV_REMOVED, KV_STORED, KVEvent

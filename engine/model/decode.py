@@ -111,10 +111,10 @@ def _stack_rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.
     for i, (t, c) in enumerate(zip(tensors, counts)):
         if c:
             out[i, :c] = t
-    return out, _pad_bias(counts, t_max, dtype, ref.device)
+    return out, pad_bias(counts, t_max, dtype, ref.device)
 
 
-def _pad_bias(counts: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def pad_bias(counts: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``(B, width)``: 0 on the first ``counts[i]`` columns of row i, -inf after."""
     return hide(torch.arange(width, device=device)[None, :] >= torch.tensor(counts, device=device)[:, None], dtype)
 
@@ -157,7 +157,7 @@ def pick_rows(idx: Indexer, scores: torch.Tensor, counts: list[int], dtype: torc
         chosen[m, :k] = scores[m, :c].topk(k, dim=-1).indices
         for i in members:
             taken[i] = k
-    bias = None if all(k == k_max for k in taken) else _pad_bias(taken, k_max, dtype, scores.device)
+    bias = None if all(k == k_max for k in taken) else pad_bias(taken, k_max, dtype, scores.device)
     return chosen, bias
 
 

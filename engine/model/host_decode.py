@@ -31,7 +31,7 @@ import torch
 
 from engine.model.attend import attend_with_sinks, hide
 from engine.model.attention import Attention, Compressor, Projected
-from engine.model.decode import _pad_bias, pick_rows, pool_windows
+from engine.model.decode import pad_bias, pick_rows, pool_windows
 from engine.model.rope import Rotary
 from engine.model.static_decode import CompPool, LayerPool, StaticDecoder
 
@@ -54,7 +54,6 @@ class _RateStep:
 class _Step:
     """One step's indices shared by every layer."""
 
-    slots: torch.Tensor  # (n,)
     ring_at: torch.Tensor  # (n,) flat ring entry of the new key: slot * W + p % W
     window_at: torch.Tensor  # (n, W) flat ring entries of keys p-W+1 .. p
     window_bias: torch.Tensor | None  # (n, W) -inf before position 0, None when nothing is hidden
@@ -110,7 +109,7 @@ class HostDecoder(StaticDecoder):
             comp = layer.self_attn.compressor
             if comp is not None and comp.rate not in rates:
                 rates[comp.rate] = self._rate_step(comp.rate, slots, positions, slot_t, pos_t)
-        return _Step(slot_t, slot_t * w + pos_t % w, window_at, window_bias, rates)
+        return _Step(slot_t * w + pos_t % w, window_at, window_bias, rates)
 
     def _rate_step(self, r: int, slots: Sequence[int], positions: list[int], slot_t: torch.Tensor, pos_t: torch.Tensor) -> _RateStep:
         tc1 = self.max_tokens // r + 1
@@ -147,7 +146,7 @@ class HostDecoder(StaticDecoder):
             elif t:
                 extra = _slot_rows(lp.comp.rows, rs, t)  # (n, T, D)
                 if min(rs.counts) < t:
-                    extra_bias = _pad_bias(rs.counts, t, p.q.dtype, extra.device)
+                    extra_bias = pad_bias(rs.counts, t, p.q.dtype, extra.device)
         return attend_with_sinks(p.q, win, st.window_bias, extra, extra_bias, attn.sinks, attn.scaling)
 
     def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, rs: _RateStep, rotary: Rotary) -> None:

@@ -96,8 +96,10 @@ class _Conn(asyncio.Protocol):
 
     def _wake(self) -> None:
         w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_result(None)
 
     # ---- parsing -------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -201,12 +203,11 @@ class _Conn(asyncio.Protocol):
                 raise self.error
             await self.wait()
 
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
+    def wait(self) -> asyncio.Future:
+        """A future set once more of the answer (or an error) is in: await it. (A plain
+        function, not a coroutine: one frame less per wait.)"""
+        w = self.waiter = asyncio.get_running_loop().create_future()
+        return w
 
     def resume(self) -> None:
         if self.paused and len(self.lines) < _MAX_BUFFERED_LINES // 2:

@@ -283,7 +283,7 @@ class _Connection(asyncio.Protocol):
 
     def _send(self, resp: Response, keep_alive: bool) -> None:
         body = resp.body
-        self.transport.write(_head(resp.status, resp.content_type, resp.headers, keep_alive) + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (_head(resp.status, resp.content_type, resp.headers, keep_alive), len(body), body))
 
     async def _run(self, req: Request) -> None:
         server = self.server

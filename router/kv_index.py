@@ -41,6 +41,7 @@ from router.policies.base import PrefixMatch, RankKey
 
 SHARED_TIERS = frozenset({"redis", "fs"})
 _INF = math.inf
+_NO_MATCH = PrefixMatch({}, 0)  # shared by every miss: callers only read it
 
 
 def trim_oldest(d: dict, keep: int) -> None:
@@ -193,6 +194,8 @@ class KVIndex:
         if memo is not None and memo[0] is keys and memo[1] == self._version:
             return memo[2]
         holders = self._holders
+        if not keys or (keys[0] not in holders and keys[0] not in self._shared):
+            return _NO_MATCH  # a new prompt (the common case under fresh traffic): two lookups
         local: dict[RankKey, int] = {}
         alive: list[RankKey] = []
         depth = 0
@@ -232,7 +235,7 @@ class KVIndex:
                 if k not in self._shared:
                     break
                 shared += 1
-        result = PrefixMatch(local=local, shared=shared)
+        result = PrefixMatch(local, shared)
         self._memo = (keys, self._version, result)
         return result
 

@@ -21,7 +21,7 @@ chosen rank (in-flight requests and tokens) until it ends there.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from router.errors import NoWorkerAvailable
@@ -37,13 +37,21 @@ class Pools:
     prefill: Sequence[RankView] = ()
     decode: Sequence[RankView] = ()
     mixed: Sequence[RankView] = ()
+    _stages: dict[Stage, list[RankView]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def for_stage(self, stage: Stage) -> list[RankView]:
-        if stage == "prefill":
-            return list(self.prefill)
-        if stage == "decode":
-            return [*self.decode, *self.mixed]
-        return [*self.mixed, *self.decode] or list(self.prefill)
+        """The stage's ranks; built once per ``Pools`` (the router keeps one per registry
+        version), so the list is shared: callers must not mutate it."""
+        ranks = self._stages.get(stage)
+        if ranks is None:
+            if stage == "prefill":
+                ranks = list(self.prefill)
+            elif stage == "decode":
+                ranks = [*self.decode, *self.mixed]
+            else:
+                ranks = [*self.mixed, *self.decode] or list(self.prefill)
+            self._stages[stage] = ranks
+        return ranks
 
 
 class Placer:
@@ -78,9 +86,12 @@ class Placer:
             raise NoWorkerAvailable(f"no available worker for the {stage} stage")
         cap = self.max_inflight_per_rank
         if capped and cap:
-            cands = [v for v in cands if v.in_flight < cap]
-            if not cands:
-                return None
+            for v in cands:
+                if v.in_flight >= cap:  # rare: a new list only then
+                    cands = [v for v in cands if v.in_flight < cap]
+                    if not cands:
+                        return None
+                    break
         return self.policy_for(stage).select(request, cands)
 
 

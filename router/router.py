@@ -78,7 +78,7 @@ def _wire(ev: TokenEvent) -> WireEvent:
     return WireEvent(dumps(d), d)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Flight:
     """One request in progress."""
 
@@ -179,15 +179,8 @@ class Router:
                 self.hasher.fingerprint = self.registry.fingerprint()
                 self._fp_version = self.registry.version
             keys = self.hasher.keys(req.prompt_token_ids)
-        return RouteRequest(
-            request_id=req.request_id,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            block_keys=keys,
-            session_key=req.session_key,
-            priority=req.priority,
-            block_size=self.config.block_size,
-            max_tokens=req.sampling.max_tokens,
-        )
+        # positional: a NamedTuple's keyword call costs ~0.3 µs more
+        return RouteRequest(req.request_id, len(req.prompt_token_ids), keys, req.session_key, req.priority, self.config.block_size, req.sampling.max_tokens)
 
     def _pools(self) -> Pools:
         reg = self.registry

@@ -248,7 +248,8 @@ class RouterService:
             log.info("client went away; aborting %s", req.request_id)
             raise
         finally:
-            await events.aclose()  # on disconnect: aborts the request on its worker
+            if events.ag_frame is not None:  # not run to its end (e.g. a disconnect): closing it
+                await events.aclose()  # aborts the request on its worker
 
     # ---- the rest -----------------------------------------------------------------------------
     async def abort(self, request: Request) -> Response:

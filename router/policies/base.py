@@ -77,10 +77,10 @@ class RankView:
     in_flight_tokens: int = 0  # their context tokens (prompt + generated so far)
     pending_prefill_tokens: int = 0  # their prompt tokens whose first token has not come back
     cache: PrefixCache | None = field(default=None, repr=False)
+    key: RankKey = field(init=False, repr=False)  # (worker_id, dp_rank), built once: read per request
 
-    @property
-    def key(self) -> RankKey:
-        return (self.worker_id, self.dp_rank)
+    def __post_init__(self) -> None:
+        self.key = (self.worker_id, self.dp_rank)
 
     @property
     def num_requests(self) -> int:

@@ -38,11 +38,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from operator import attrgetter
 
 from router.policies.base import Policy, PrefixMatch, RankView, RouteRequest
 from router.policies.dp import even_band, group_by_worker, pick_rank
 
 _NO_MATCH = PrefixMatch(local={}, shared=0)
+_worker_id = attrgetter("worker_id")
+_num_requests = attrgetter("num_requests")
 
 
 class CacheAware(Policy):
@@ -104,7 +107,7 @@ class CacheAware(Policy):
     def select(self, request: RouteRequest, candidates: Sequence[RankView]) -> RankView:
         if len(candidates) == 1:
             return candidates[0]
-        if self.config.temperature > 0 or len({v.worker_id for v in candidates}) != len(candidates):
+        if self.config.temperature > 0 or len(set(map(_worker_id, candidates))) != len(candidates):
             return self._select(request, candidates)
         return self._select_one_rank_per_worker(request, candidates)
 
@@ -113,7 +116,7 @@ class CacheAware(Policy):
         guard, the cost and the argmin in one pass over the candidates (same choice, ties too;
         tests/router/test_policies.py compares)."""
         cfg = self.config
-        loads = [v.num_requests for v in candidates]
+        loads = list(map(_num_requests, candidates))
         lo = min(loads)
         limit = max(lo + cfg.balance_abs_threshold, lo * cfg.balance_rel_threshold)
         cache = candidates[0].cache

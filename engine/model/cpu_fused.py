@@ -25,6 +25,31 @@ except ImportError:  # the eager path stays
     numba = None
 
 
+_POW2 = np.array([2.0 ** (i - 126) for i in range(254)], np.float32)  # 2^-126 .. 2^127
+
+
+def _exp(x: np.float32) -> np.float32:
+    """``exp`` of a float32 within ~2 ulp of libm's, as plain arithmetic and one table read, so a
+    loop calling it vectorises (libm's ``expf`` is a call per element). Inputs are clamped to
+    [-87, 88] (results below ``exp(-87)`` round up to it: below every float32 rounding step of
+    the sums and products they enter); NaN stays NaN."""
+    if np.isnan(x):
+        return x
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - k * np.float32(0.693359375)  # Cody-Waite: ln 2 in two parts
+    r = r - k * np.float32(-2.12194440e-4)
+    p = np.float32(1.0 / 5040.0)
+    p = p * r + np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _POW2[np.int64(k) + 126]
+
+
 def _hc_mix(
     mixes: np.ndarray, scale: np.ndarray, base: np.ndarray, hc: int, iters: int, hc_eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -40,8 +65,8 @@ def _hc_mix(
     c = np.empty((hc, hc, n), np.float32)
     for s in range(hc):
         for t in range(n):
-            pre[s, t] = one / (one + np.exp(-(m[s, t] * scale[0] + base[s]))) + eps
-            post[t, s] = two * (one / (one + np.exp(-(m[hc + s, t] * scale[1] + base[hc + s]))))
+            pre[s, t] = one / (one + _exp(-(m[s, t] * scale[0] + base[s]))) + eps
+            post[t, s] = two * (one / (one + _exp(-(m[hc + s, t] * scale[1] + base[hc + s]))))
     row_max = np.empty(n, np.float32)
     total = np.empty(n, np.float32)
     for i in range(hc):  # softmax over j, + eps
@@ -55,7 +80,7 @@ def _hc_mix(
         total[:] = 0.0
         for j in range(hc):
             for t in range(n):
-                c[i, j, t] = np.exp(c[i, j, t] - row_max[t])
+                c[i, j, t] = _exp(c[i, j, t] - row_max[t])
                 total[t] += c[i, j, t]
         for j in range(hc):
             for t in range(n):
@@ -120,18 +145,20 @@ def _merge(post: np.ndarray, comb: np.ndarray, block: np.ndarray, streams: np.nd
 
 
 def _experts(
-    x: np.ndarray, weights: np.ndarray, indices: np.ndarray, gate_up_t: np.ndarray, down_t: np.ndarray,
-    shared_gate_up_t: np.ndarray, shared_down_t: np.ndarray, limit: float,
-) -> np.ndarray:
+    x: np.ndarray, weights: np.ndarray, indices: np.ndarray, gate_up: np.ndarray, down: np.ndarray,
+    shared_gate: np.ndarray, shared_up: np.ndarray, shared_down: np.ndarray, limit: float,
+) -> np.ndarray:  # fmt: skip
     """Routed experts plus the shared expert for a few tokens: ``x (N, H)``, ``weights/indices
-    (N, k)``, weights pre-transposed so every product streams along a contiguous output axis:
-    ``gate_up_t (E, H, 2I)``, ``down_t (E, I, H)``, shared ``(H, 2I')``, ``(I', H)``. Per token,
-    the chosen experts' weighted outputs are added in ascending expert order, then the shared
-    expert's output (``Experts.forward`` + ``SharedMLP.forward``)."""
+    (N, k)``, the weights in the model's own layouts (every product a contiguous dot, ``_dot``):
+    ``gate_up (E, 2I, H)`` (gate rows first), ``down (E, H, I)``, shared ``(I', H)``, ``(I', H)``,
+    ``(H, I')``. Per token, the chosen experts' weighted outputs are added in ascending expert
+    order, then the shared expert's output (``Experts.forward`` + ``SharedMLP.forward``)."""
     n, h = x.shape
     k = indices.shape[1]
+    i_dim = gate_up.shape[1] // 2
     out = np.zeros((n, h), np.float32)
     y = np.empty(h, np.float32)
+    gu = np.empty(2 * max(i_dim, shared_gate.shape[0]), np.float32)
     order = np.empty(k, np.int64)
     for t in range(n):
         for j in range(k):
@@ -143,34 +170,40 @@ def _experts(
                 b -= 1
         for j in range(k):
             e = indices[t, order[j]]
-            _mlp(x[t], gate_up_t[e], down_t[e], limit, y)
+            _mlp(x[t], gate_up[e, :i_dim], gate_up[e, i_dim:], down[e], limit, gu, y)
             w = weights[t, order[j]]
             for c in range(h):
                 out[t, c] += y[c] * w
-        _mlp(x[t], shared_gate_up_t, shared_down_t, limit, y)
+        _mlp(x[t], shared_gate, shared_up, shared_down, limit, gu, y)
         for c in range(h):
             out[t, c] += y[c]
     return out
 
 
-def _mlp(x: np.ndarray, gate_up_t: np.ndarray, down_t: np.ndarray, limit: float, y: np.ndarray) -> None:
-    """``y = down(silu(min(gate, limit)) · clamp(up, ±limit))`` for one token; ``gate_up_t (H, 2I)``
-    (gate columns first), ``down_t (I, H)``."""
-    two_i = gate_up_t.shape[1]
-    i_dim = two_i // 2
+def _mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, limit: float, gu: np.ndarray, y: np.ndarray) -> None:
+    """``y = down(silu(min(gate·x, limit)) · clamp(up·x, ±limit))`` for one token; ``gate, up (I,
+    H)``, ``down (H, I)``; ``gu`` scratch of at least ``2I``."""
+    i_dim = gate.shape[0]
     lim = np.float32(limit)
-    gu = np.zeros(two_i, np.float32)
-    for c in range(x.shape[0]):
-        v = x[c]
-        for o in range(two_i):
-            gu[o] += v * gate_up_t[c, o]
-    y[:] = 0.0
     for o in range(i_dim):
+        gu[o] = _dot(x, gate[o])
+        gu[i_dim + o] = _dot(x, up[o])
+    for o in range(i_dim):  # the activations in their own loop: it vectorises
         g = min(gu[o], lim)
         u = min(max(gu[i_dim + o], -lim), lim)
-        act = g / (np.float32(1.0) + np.exp(-g)) * u
-        for c in range(y.shape[0]):
-            y[c] += act * down_t[o, c]
+        gu[o] = g / (np.float32(1.0) + _exp(-g)) * u
+    act = gu[:i_dim]
+    for c in range(y.shape[0]):
+        y[c] = _dot(act, down[c])
+
+
+def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """``Σ a·b`` in fp32, vectorised: compiled with reassociation, so the partial sums run in a
+    fixed order of the compiled code's choosing — the same on every call, whatever the batch."""
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, weighted: bool) -> np.ndarray:
@@ -262,10 +295,12 @@ SCREEN_BLOCK = 256
 
 if numba is not None:  # error_model="numpy": a float division by zero gives inf, as in PyTorch,
     # instead of a Python exception, whose check on every division kept the loops from vectorising
+    _exp = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")(_exp)
     _normalise = numba.njit(cache=True, nogil=True, error_model="numpy")(_normalise)
     _hc_mix = numba.njit(cache=True, nogil=True, error_model="numpy")(_hc_mix)
     _collapse = numba.njit(cache=True, nogil=True, error_model="numpy")(_collapse)
     _merge = numba.njit(cache=True, nogil=True, error_model="numpy")(_merge)
+    _dot = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_dot)
     _mlp = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp)
     _experts = numba.njit(cache=True, nogil=True, error_model="numpy")(_experts)
     _rope = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope)
@@ -285,8 +320,8 @@ def available() -> bool:
                 streams = np.zeros((1, 4, 8), np.float32)
                 _merge(post, comb, _collapse(pre, streams), streams)
                 _rms_norm(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-6, True)
-                w = np.zeros((1, 8, 2), np.float32)
-                _experts(np.zeros((1, 8), np.float32), np.ones((1, 1), np.float32), np.zeros((1, 1), np.int64), w, w.transpose(0, 2, 1).copy(), w[0], w[0].T.copy(), 1.0)
+                w = np.zeros((1, 8, 4), np.float32)
+                _experts(np.zeros((1, 4), np.float32), np.ones((1, 1), np.float32), np.zeros((1, 1), np.int64), w, w.transpose(0, 2, 1).copy(), w[0, :4], w[0, 4:], w[0, :4].T.copy(), 1.0)
                 _rope(np.zeros((1, 1, 4), np.float32), np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32))
                 _screen_pick(np.zeros((1, 2), np.uint8), np.ones(1), np.zeros((2, 1), np.float32), np.zeros((1, 1), np.float32), 2, np.zeros(1, np.int64), np.zeros(1, np.uint8))
             except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
@@ -336,11 +371,8 @@ def experts(
 
 
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """The transposed copies ``experts`` streams over (a second copy of the expert weights)."""
-    def t(w: torch.Tensor) -> np.ndarray:
-        return np.ascontiguousarray(w.detach().float().transpose(-1, -2).numpy())
-
-    return t(gate_up), t(down), t(torch.cat([shared_gate, shared_up])), t(shared_down)
+    """The weights ``experts`` reads: numpy views of the parameters (in-place writes show)."""
+    return tuple(w.detach().numpy() for w in (gate_up, down, shared_gate, shared_up, shared_down))
 
 
 NORM_ROWS = 64  # rows up to which ``rms_norm`` beats the eager ops (a few fp32 ops per row)

@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
+from engine.model.host_decode import HostDecoder
 from engine.model.loader import load_model
 from engine.model.state import SequenceState
-from engine.model.host_decode import HostDecoder
 from engine.model.static_decode import StaticDecoder, bucket_for
 
 TOL = 1e-4
@@ -74,14 +74,16 @@ def run_both(
     use_graphs: bool = False,
     subsets: bool = True,
     host: bool = False,
+    compiled: bool = True,
 ):
     """Decode ``steps`` tokens for every sequence through the general path and the static one
-    (``host``: the host slot decoder, whose hidden states go through the model's head).
+    (``host``: the host slot decoder, whose hidden states go through the model's head; its
+    layers and attention through compiled loops when ``compiled``, else eager PyTorch).
     With ``subsets`` some steps feed only part of the slots (padded buckets, scratch rows)."""
     base = prefilled(model, lengths, seed)
     general = [s.clone() for s in base]
     if host:
-        dec = HostDecoder(model, max_slots=max_slots, max_tokens=max(lengths) + steps + 8)
+        dec = HostDecoder(model, max_slots=max_slots, max_tokens=max(lengths) + steps + 8, compiled=compiled)
     else:
         dec = StaticDecoder(model, max_slots=max_slots, max_tokens=max(lengths) + steps + 8, use_graphs=use_graphs)
     slot_of = list(
@@ -106,13 +108,15 @@ def run_both(
     return worst, general, [dec.export(s) for s in slot_of], dec
 
 
-@pytest.mark.parametrize("host", [False, True], ids=["static", "host"])
-def test_static_decode_matches_general_path(model, host: bool) -> None:
+@pytest.mark.parametrize(("host", "compiled"), [(False, False), (True, True), (True, False)], ids=["static", "host", "host-eager"])
+def test_static_decode_matches_general_path(model, host: bool, compiled: bool) -> None:
     """40 decode steps of 17 sequences at every kind of position (window, CSA and HCA boundaries,
     fresh sequences), some steps on a subset of slots: logits and exported states agree."""
-    worst, general, exported, _ = run_both(
-        model, LENGTHS, steps=40, seed=1, max_slots=20, host=host
+    worst, general, exported, dec = run_both(
+        model, LENGTHS, steps=40, seed=1, max_slots=20, host=host, compiled=compiled
     )
+    if host and compiled:  # the compiled layers ran (numba is a dependency)
+        assert all(w is not None for w in dec._layer_weights())
     assert worst <= TOL, worst
     for a, b in zip(general, exported):
         assert_states_close(a, b, TOL)

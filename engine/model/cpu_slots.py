@@ -1,0 +1,195 @@
+"""Compiled loops (numba) of the host slot decoder (``host_decode.py``): the two parts of a
+layer's attention step that read and write its slot pools.
+
+- ``gather_attend``: ``attend.attend_with_sinks`` for a batch of decode tokens whose keys are
+  rows of the window ring and of the compressed-row pool, read in place (no gathered copies);
+  each key row is read once for all heads.
+- ``compress_step``: one token per slot into a compressor (``Compressor.update`` at decode):
+  the token's projections into the slot's buffer and, for the slots whose window closes, the
+  gated pooling, the kv norm and RoPE of ``decode.pool_windows``, the row written in place and
+  (CSA) the window's first half kept as the next window's overlap.
+
+Per token the arithmetic is the eager path's, in fp32 (``cpu_fused._exp``, ``cpu_fused._dot``:
+rounding differs by an ulp or so); nothing depends on the other tokens of the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.model import cpu_fused
+from engine.model.cpu_fused import _exp
+
+
+def _gather_attend(
+    q: np.ndarray, keys: np.ndarray, key_at: np.ndarray, key_bias: np.ndarray, rows: np.ndarray,
+    row_at: np.ndarray, row_bias: np.ndarray, sinks: np.ndarray, scaling: float,
+) -> np.ndarray:  # fmt: skip
+    """``attend.attend_with_sinks`` with the keys read in place: query ``t`` attends to
+    ``keys[key_at[t, j]]`` (bias ``key_bias[t, j]``) then ``rows[row_at[t, j]]`` (bias
+    ``row_bias[t, j]``), softmax with the per-head sink logit, ``q (n, nh, D)`` → ``(n, nh, D)``.
+    A bias array with 0 columns means no bias; ``row_at`` with 0 columns, no rows. A key whose
+    logit is -inf gets exactly 0. Each key row is read once for all heads."""
+    n, nh, d = q.shape
+    w = key_at.shape[1]
+    e = row_at.shape[1]
+    sc = np.float32(scaling)
+    neg = np.float32(-np.inf)
+    out = np.zeros((n, nh, d), np.float32)
+    logit = np.empty((nh, w + e), np.float32)
+    top = np.empty(nh, np.float32)
+    total = np.empty(nh, np.float32)
+    for t in range(n):
+        for j in range(w + e):
+            row = keys[key_at[t, j]] if j < w else rows[row_at[t, j - w]]
+            b = np.float32(0.0)
+            if j < w and key_bias.shape[1]:
+                b = key_bias[t, j]
+            elif j >= w and row_bias.shape[1]:
+                b = row_bias[t, j - w]
+            for h in range(nh):
+                acc = np.float32(0.0)
+                for c in range(d):
+                    acc += q[t, h, c] * row[c]
+                logit[h, j] = acc * sc + b
+        for h in range(nh):
+            m = sinks[h]
+            for j in range(w + e):
+                m = max(m, logit[h, j])
+            top[h] = m
+            s = _exp(sinks[h] - m)
+            for j in range(w + e):
+                v = logit[h, j]
+                p = _exp(v - m) if v != neg else np.float32(0.0)
+                logit[h, j] = p
+                s += p
+            total[h] = s
+        for j in range(w + e):
+            row = keys[key_at[t, j]] if j < w else rows[row_at[t, j - w]]
+            for h in range(nh):
+                p = logit[h, j] / total[h]
+                for c in range(d):
+                    out[t, h, c] += p * row[c]
+    return out
+
+
+def gather_attend(
+    q: torch.Tensor, keys: torch.Tensor, key_at: torch.Tensor, key_bias: torch.Tensor | None, rows: torch.Tensor | None,
+    row_at: torch.Tensor | None, row_bias: torch.Tensor | None, sinks: torch.Tensor, scaling: float,
+) -> torch.Tensor:  # fmt: skip
+    """``attend_with_sinks(q, keys[key_at], key_bias, rows[row_at], row_bias, sinks, scaling)``
+    for fp32 CPU tensors in one compiled loop, reading ``keys (K, D)`` and ``rows (R, D)`` in
+    place (no gathered copies); ``key_at (n, W)``, ``row_at (n, E)`` int64 row numbers."""
+    d = keys.shape[-1]
+    if row_at is None:
+        rows_np, at_np = np.zeros((1, d), np.float32), np.zeros((q.shape[0], 0), np.int64)
+    else:
+        rows_np, at_np = rows.detach().numpy(), row_at.contiguous().numpy()
+    out = _gather_attend(
+        q.detach().contiguous().numpy(), keys.detach().numpy(), key_at.contiguous().numpy(), _bias(key_bias), rows_np, at_np,
+        _bias(row_bias), sinks.detach().numpy(), scaling,
+    )  # fmt: skip
+    return torch.from_numpy(out)
+
+
+def _bias(b: torch.Tensor | None) -> np.ndarray:
+    return _NO_BIAS if b is None else b.detach().contiguous().numpy()
+
+
+_NO_BIAS = np.zeros((0, 0), np.float32)
+
+
+def _compress_step(
+    buf_kv: np.ndarray, buf_gate: np.ndarray, buf_at: np.ndarray, kv: np.ndarray, gate: np.ndarray,
+    close: np.ndarray, close_slots: np.ndarray, close_rows: np.ndarray, has_prev: np.ndarray, cos: np.ndarray,
+    sin: np.ndarray, overlap_kv: np.ndarray, overlap_gate: np.ndarray, position_bias: np.ndarray,
+    norm_w: np.ndarray, norm_eps: float, rows: np.ndarray,
+) -> None:  # fmt: skip
+    """``buf_kv/buf_gate (S+1, r, P)`` take ``kv/gate (n, P)`` at flat rows ``buf_at (n,)``; then
+    each closing window ``i`` (batch row ``close[i]``, slot ``close_slots[i]``) pools its ``r``
+    buffered tokens (CSA, ``overlap_kv`` with ``r`` rows: after the previous window's Ca, or
+    nothing when ``has_prev[i]`` is 0) with a softmax over the gates + position bias per
+    channel, then RMSNorm (``norm_w``) and RoPE (``cos/sin[i]``) into ``rows[close_rows[i]]``."""
+    r, p = buf_kv.shape[1], buf_kv.shape[2]
+    flat_kv = buf_kv.reshape(-1, p)
+    flat_gate = buf_gate.reshape(-1, p)
+    for t in range(kv.shape[0]):
+        flat_kv[buf_at[t]] = kv[t]
+        flat_gate[buf_at[t]] = gate[t]
+    d = rows.shape[1]
+    overlap = overlap_kv.shape[0] > 0
+    first = r if overlap else 0  # slots before the window's own r (the previous window's Ca)
+    neg = np.float32(-np.inf)
+    pooled = np.empty(d, np.float32)
+    g = np.empty(first + r, np.float32)
+    for i in range(close.shape[0]):
+        s = close_slots[i]
+        for c in range(d):
+            k0 = d + c if overlap else c  # the window's own series: Cb (CSA) or the only one
+            for k in range(first):
+                g[k] = overlap_gate[s, k, c] if has_prev[i] else neg
+            for k in range(r):
+                g[first + k] = buf_gate[s, k, k0] + position_bias[k, k0]
+            top = g[0]
+            for k in range(1, first + r):
+                top = max(top, g[k])
+            total = np.float32(0.0)
+            for k in range(first + r):
+                g[k] = _exp(g[k] - top) if g[k] != neg else np.float32(0.0)
+                total += g[k]
+            acc = np.float32(0.0)
+            for k in range(first):
+                if has_prev[i]:
+                    acc += overlap_kv[s, k, c] * (g[k] / total)
+            for k in range(r):
+                acc += buf_kv[s, k, k0] * (g[first + k] / total)
+            pooled[c] = acc
+        ss = np.float32(0.0)
+        for c in range(d):
+            ss += pooled[c] * pooled[c]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(norm_eps))
+        out = rows[close_rows[i]]
+        for c in range(d):
+            out[c] = norm_w[c] * (pooled[c] * inv)
+        half = cos.shape[1]
+        start = d - 2 * half
+        for j in range(half):
+            even, odd = out[start + 2 * j], out[start + 2 * j + 1]
+            out[start + 2 * j] = even * cos[i, j] - odd * sin[i, j]
+            out[start + 2 * j + 1] = odd * cos[i, j] + even * sin[i, j]
+        if overlap:
+            for k in range(r):
+                for c in range(d):
+                    overlap_kv[s, k, c] = buf_kv[s, k, c]
+                    overlap_gate[s, k, c] = buf_gate[s, k, c] + position_bias[k, c]
+
+
+def compress_step(
+    buf_kv: torch.Tensor, buf_gate: torch.Tensor, buf_at: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
+    close_slots: torch.Tensor | None, close_rows: torch.Tensor | None, has_prev: torch.Tensor | None,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, overlap_kv: torch.Tensor | None, overlap_gate: torch.Tensor | None,
+    position_bias: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, rows: torch.Tensor,
+) -> None:  # fmt: skip
+    """``_compress_step`` on fp32 CPU tensors (the pools are written in place); ``close_slots``
+    None when no window closes; ``has_prev`` None when every closing window has a previous one."""
+    m = 0 if close_slots is None else close_slots.shape[0]
+    d = rows.shape[-1]
+    none_i = np.zeros(0, np.int64)
+    _compress_step(
+        buf_kv.numpy(), buf_gate.numpy(), buf_at.numpy(), kv.contiguous().numpy(), gate.contiguous().numpy(),
+        np.arange(m), none_i if m == 0 else close_slots.numpy(), none_i if m == 0 else close_rows.numpy(),
+        np.ones(m, np.bool_) if has_prev is None else has_prev.view(-1).numpy(),
+        _EMPTY2 if cos is None else cos.contiguous().numpy(), _EMPTY2 if sin is None else sin.contiguous().numpy(),
+        _EMPTY3 if overlap_kv is None else overlap_kv.numpy(), _EMPTY3 if overlap_gate is None else overlap_gate.numpy(),
+        position_bias.detach().numpy(), norm_w.detach().numpy(), norm_eps, rows.view(-1, d).numpy(),
+    )  # fmt: skip
+
+
+_EMPTY2 = np.zeros((0, 0), np.float32)
+_EMPTY3 = np.zeros((0, 0, 0), np.float32)
+
+
+if cpu_fused.numba is not None:
+    _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_gather_attend)
+    _compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)

@@ -29,15 +29,14 @@ _POW2 = np.array([2.0 ** (i - 126) for i in range(254)], np.float32)  # 2^-126 .
 
 
 def _exp(x: np.float32) -> np.float32:
-    """``exp`` of a float32 within ~2 ulp of libm's, as plain arithmetic and one table read, so a
-    loop calling it vectorises (libm's ``expf`` is a call per element). Inputs are clamped to
-    [-87, 88] (results below ``exp(-87)`` round up to it: below every float32 rounding step of
-    the sums and products they enter); NaN stays NaN."""
-    if np.isnan(x):
-        return x
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - k * np.float32(0.693359375)  # Cody-Waite: ln 2 in two parts
+    """``exp`` of a float32 within ~2 ulp of libm's, as plain arithmetic and one table read with
+    no branch, so a loop calling it vectorises (libm's ``expf`` is a call per element). Inputs are
+    clamped to [-87, 88] (results below ``exp(-87)`` round up to it: below every float32
+    rounding step of the sums and products they enter); NaN stays NaN. Callers must not be
+    compiled with reassociation: it could merge the two parts of ln 2."""
+    y = min(max(x, np.float32(-87.0)), np.float32(88.0)) if x == x else np.float32(0.0)
+    k = np.floor(y * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = y - k * np.float32(0.693359375)  # Cody-Waite: ln 2 in two parts
     r = r - k * np.float32(-2.12194440e-4)
     p = np.float32(1.0 / 5040.0)
     p = p * r + np.float32(1.0 / 720.0)
@@ -47,7 +46,8 @@ def _exp(x: np.float32) -> np.float32:
     p = p * r + np.float32(0.5)
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
-    return p * _POW2[np.int64(k) + 126]
+    p = p * _POW2[np.int64(k) + 126]
+    return p if x == x else x
 
 
 def _hc_mix(
@@ -151,50 +151,71 @@ def _experts(
     """Routed experts plus the shared expert for a few tokens: ``x (N, H)``, ``weights/indices
     (N, k)``, the weights in the model's own layouts (every product a contiguous dot, ``_dot``):
     ``gate_up (E, 2I, H)`` (gate rows first), ``down (E, H, I)``, shared ``(I', H)``, ``(I', H)``,
-    ``(H, I')``. Per token, the chosen experts' weighted outputs are added in ascending expert
-    order, then the shared expert's output (``Experts.forward`` + ``SharedMLP.forward``)."""
+    ``(H, I')``. The (token, expert) slots are grouped by expert (counting sort: ascending
+    expert, then token, then slot), so each weight row is read once per step for all its
+    tokens; per token the chosen experts' weighted outputs are added in ascending expert order,
+    then the shared expert's output (``Experts.forward`` + ``SharedMLP.forward``)."""
     n, h = x.shape
     k = indices.shape[1]
+    e_count = gate_up.shape[0]
     i_dim = gate_up.shape[1] // 2
-    out = np.zeros((n, h), np.float32)
-    y = np.empty(h, np.float32)
-    gu = np.empty(2 * max(i_dim, shared_gate.shape[0]), np.float32)
-    order = np.empty(k, np.int64)
+    start = np.zeros(e_count + 1, np.int64)
     for t in range(n):
         for j in range(k):
-            order[j] = j
-        for a in range(1, k):  # stable insertion sort of the k slots by expert id
-            b = a
-            while b > 0 and indices[t, order[b - 1]] > indices[t, order[b]]:
-                order[b - 1], order[b] = order[b], order[b - 1]
-                b -= 1
+            start[indices[t, j] + 1] += 1
+    for e in range(e_count):
+        start[e + 1] += start[e]
+    fill = start[:-1].copy()
+    tok = np.empty(n * k, np.int64)
+    wt = np.empty(n * k, np.float32)
+    for t in range(n):
         for j in range(k):
-            e = indices[t, order[j]]
-            _mlp(x[t], gate_up[e, :i_dim], gate_up[e, i_dim:], down[e], limit, gu, y)
-            w = weights[t, order[j]]
-            for c in range(h):
-                out[t, c] += y[c] * w
-        _mlp(x[t], shared_gate, shared_up, shared_down, limit, gu, y)
+            e = indices[t, j]
+            tok[fill[e]] = t
+            wt[fill[e]] = weights[t, j]
+            fill[e] += 1
+    out = np.zeros((n, h), np.float32)
+    gu = np.empty((n * k, 2 * max(i_dim, shared_gate.shape[0])), np.float32)
+    y = np.empty((n * k, h), np.float32)
+    for e in range(e_count):
+        a, b = start[e], start[e + 1]
+        if a < b:
+            _mlp_rows(x, tok[a:b], gate_up[e, :i_dim], gate_up[e, i_dim:], down[e], limit, gu, y)
+            for s in range(a, b):
+                t, w = tok[s], wt[s]
+                for c in range(h):
+                    out[t, c] += y[s - a, c] * w
+    _mlp_rows(x, np.arange(n), shared_gate, shared_up, shared_down, limit, gu, y)
+    for t in range(n):
         for c in range(h):
-            out[t, c] += y[c]
+            out[t, c] += y[t, c]
     return out
 
 
-def _mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, limit: float, gu: np.ndarray, y: np.ndarray) -> None:
-    """``y = down(silu(min(gate·x, limit)) · clamp(up·x, ±limit))`` for one token; ``gate, up (I,
-    H)``, ``down (H, I)``; ``gu`` scratch of at least ``2I``."""
+def _mlp_rows(
+    x: np.ndarray, tok: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, limit: float, gu: np.ndarray,
+    y: np.ndarray,
+) -> None:  # fmt: skip
+    """``y[s] = down(silu(min(gate·x[tok[s]], limit)) · clamp(up·x[tok[s]], ±limit))`` for the rows
+    ``tok``; ``gate, up (I, H)``, ``down (H, I)``; ``gu`` scratch of at least ``(len(tok), 2I)``.
+    Each weight row is used for every row of ``tok`` while it is in cache."""
     i_dim = gate.shape[0]
+    m = tok.shape[0]
     lim = np.float32(limit)
     for o in range(i_dim):
-        gu[o] = _dot(x, gate[o])
-        gu[i_dim + o] = _dot(x, up[o])
-    for o in range(i_dim):  # the activations in their own loop: it vectorises
-        g = min(gu[o], lim)
-        u = min(max(gu[i_dim + o], -lim), lim)
-        gu[o] = g / (np.float32(1.0) + _exp(-g)) * u
-    act = gu[:i_dim]
-    for c in range(y.shape[0]):
-        y[c] = _dot(act, down[c])
+        g_row, u_row = gate[o], up[o]
+        for s in range(m):
+            gu[s, o] = _dot(x[tok[s]], g_row)
+            gu[s, i_dim + o] = _dot(x[tok[s]], u_row)
+    for s in range(m):
+        for o in range(i_dim):  # no reduction in this loop: it vectorises
+            g = min(gu[s, o], lim)
+            u = min(max(gu[s, i_dim + o], -lim), lim)
+            gu[s, o] = g / (np.float32(1.0) + _exp(-g)) * u
+    for c in range(down.shape[0]):
+        d_row = down[c]
+        for s in range(m):
+            y[s, c] = _dot(gu[s, :i_dim], d_row)
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
@@ -203,6 +224,14 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
     s = np.float32(0.0)
     for i in range(a.shape[0]):
         s += a[i] * b[i]
+    return s
+
+
+def _sum(a: np.ndarray) -> np.float32:
+    """``Σ a`` in fp32, vectorised like ``_dot``."""
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i]
     return s
 
 
@@ -301,7 +330,8 @@ if numba is not None:  # error_model="numpy": a float division by zero gives inf
     _collapse = numba.njit(cache=True, nogil=True, error_model="numpy")(_collapse)
     _merge = numba.njit(cache=True, nogil=True, error_model="numpy")(_merge)
     _dot = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_dot)
-    _mlp = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp)
+    _sum = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_sum)
+    _mlp_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp_rows)
     _experts = numba.njit(cache=True, nogil=True, error_model="numpy")(_experts)
     _rope = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope)
     _rms_norm = numba.njit(cache=True, nogil=True, error_model="numpy")(_rms_norm)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.model import cpu_fused
-from engine.model.cpu_fused import _exp
+from engine.model.cpu_fused import _dot, _exp, _sum
 
 
 def _gather_attend(
@@ -38,7 +38,6 @@ def _gather_attend(
     neg = np.float32(-np.inf)
     out = np.zeros((n, nh, d), np.float32)
     logit = np.empty((nh, w + e), np.float32)
-    top = np.empty(nh, np.float32)
     total = np.empty(nh, np.float32)
     for t in range(n):
         for j in range(w + e):
@@ -49,22 +48,16 @@ def _gather_attend(
             elif j >= w and row_bias.shape[1]:
                 b = row_bias[t, j - w]
             for h in range(nh):
-                acc = np.float32(0.0)
-                for c in range(d):
-                    acc += q[t, h, c] * row[c]
-                logit[h, j] = acc * sc + b
+                logit[h, j] = _dot(q[t, h], row) * sc + b
         for h in range(nh):
             m = sinks[h]
             for j in range(w + e):
                 m = max(m, logit[h, j])
-            top[h] = m
-            s = _exp(sinks[h] - m)
-            for j in range(w + e):
+            for j in range(w + e):  # no reduction in this loop: it vectorises
                 v = logit[h, j]
-                p = _exp(v - m) if v != neg else np.float32(0.0)
-                logit[h, j] = p
-                s += p
-            total[h] = s
+                p = _exp(v - m)
+                logit[h, j] = np.float32(0.0) if v == neg else p
+            total[h] = _exp(sinks[h] - m) + _sum(logit[h])
         for j in range(w + e):
             row = keys[key_at[t, j]] if j < w else rows[row_at[t, j - w]]
             for h in range(nh):
@@ -191,5 +184,5 @@ _EMPTY3 = np.zeros((0, 0, 0), np.float32)
 
 
 if cpu_fused.numba is not None:
-    _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_gather_attend)
+    _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_gather_attend)
     _compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)

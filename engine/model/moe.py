@@ -18,7 +18,7 @@ from engine.model.layers import SharedMLP, swiglu
 
 DENSE_MACS = 1 << 23  # CPU: run all experts densely while that costs at most this many MACs
 FUSED_TOKENS = 64  # CPU: at most this many tokens go through the compiled experts loop
-FUSED_BYTES = 64 << 20  # ... when the experts' weights (copied transposed for it) fit in this
+FUSED_BYTES = 64 << 20  # ... when the experts' weights (read in place, as numpy views) fit in this
 
 
 def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

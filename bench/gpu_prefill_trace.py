@@ -8,9 +8,12 @@ and, per prefill size:
 
 - ``wall``: best / median of synced prefills; ``enqueue``: time until ``model(...)`` returns
   without a sync (the host's share: when it is close to ``wall`` the host, not the GPU, bounds it);
+  ``gpu``: the forward's GPU time when a spin kernel queued first lets the host get far ahead
+  (``wall - gpu`` = GPU idle the host causes);
 - kernel time and the union of kernel intervals from a profile, and the largest GPU idle gaps, each
   with the Python stack at the launch of the kernel after it (what the host was doing late) and any
   host-syncing runtime call (``cudaStreamSynchronize``, device-to-host ``cudaMemcpy``) in the gap;
+  then the kernels by total time;
 - host syncs reported by ``torch.cuda.set_sync_debug_mode("warn")`` with their stacks.
 
 Writes ``DIR/prefill_gaps.txt`` (also printed) and ``DIR/trace_<n>.json.gz`` (chrome trace).
@@ -181,6 +184,75 @@ def gap_report(trace: dict, top: int = 25, min_gap_us: float = 20.0) -> list[str
     lines.append("idle before launches, by launching frames:")
     for key, (t, c) in sorted(by.items(), key=lambda kv: -kv[1][0])[:20]:
         lines.append(f"  {t / 1e3:7.2f} ms {c:4d}x  {key}")
+    per: dict[str, list[float]] = {}
+    for k in kernels:
+        e = per.setdefault(k["name"][:80], [0.0, 0])
+        e[0] += k["dur"]
+        e[1] += 1
+    lines.append("kernels by total time:")
+    for name, (t, c) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top + 15]:
+        lines.append(f"  {t / 1e3:7.3f} ms {c:4d}x  {name}")
+    return lines
+
+
+def gpu_time(model, ids: list[int], reps: int = 5, sleep_ms: float = 40.0) -> dict:
+    """The prefill's GPU time with the host far ahead: a ~``sleep_ms`` spin kernel is queued first,
+    so every launch of the forward is queued before the GPU reaches it; CUDA events around the
+    forward. ``wall - gpu`` is then the GPU idle the host causes (preamble, slow launches)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)
+    b.record()
+    _sync()
+    cycles = int(10_000_000 * sleep_ms / a.elapsed_time(b))  # spin cycles per ms, measured
+    times = []
+    for _ in range(reps):
+        _sync()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        a.record()
+        model([(model.new_state(), ids)])
+        b.record()
+        _sync()
+        times.append(a.elapsed_time(b))
+    return {"gpu_best_ms": min(times), "gpu_median_ms": statistics.median(times)}
+
+
+def micro_indexer(variants: str) -> list[str]:
+    """The 8K prefill's two indexer scoring calls (4,096 queries each, 2,048 rows, 64×128 heads):
+    the decode kernel (``indexer_scores``, as runs 7-10) against ``indexer_scores_prefill`` per
+    variant 'BQ.BT.W;...' (queries per program, rows per tile, warps), checked against it."""
+    from triton.testing import do_bench
+
+    from kernels.indexer import indexer_scores, indexer_scores_prefill
+
+    lines = []
+    s, hi, di, t = 4096, 64, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(s, hi, di, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(s, hi, generator=g, device="cuda").to(torch.bfloat16)
+    rows = torch.randn(t, di, generator=g, device="cuda").to(torch.bfloat16)
+    scale = di**-0.5 * hi**-0.5
+    for first in (0, 4096):
+        row_len = ((torch.arange(first, first + s, device="cuda") + 1) // 4).to(torch.int32)
+        zero = torch.zeros_like(row_len)
+        want = indexer_scores(q, w, rows, zero, row_len, scale, t_max=t)
+        ms = do_bench(lambda rl=row_len, z=zero: indexer_scores(q, w, rows, z, rl, scale, t_max=t), warmup=20, rep=100, return_mode="median")
+        lines.append(f"indexer queries {first}-{first + s}: decode kernel {ms * 1e3:7.1f} us")
+        print(lines[-1], flush=True)
+        fin = torch.isfinite(want)
+        for v in [a for a in variants.split(";") if a]:
+            bq, bt, nw = (int(a) for a in v.split("."))
+            kw = {"block_q": bq, "block_t": bt, "num_warps": nw}
+            try:
+                got = indexer_scores_prefill(q, w, rows, row_len, scale, t, **kw)
+                ok = torch.equal(fin, torch.isfinite(got))
+                err = ((got[fin] - want[fin]).norm() / want[fin].norm()).item()
+                ms = do_bench(lambda rl=row_len, kw=kw: indexer_scores_prefill(q, w, rows, rl, scale, t, **kw), warmup=20, rep=100, return_mode="median")
+                lines.append(f"indexer queries {first}-{first + s}: prefill kernel {v}: {ms * 1e3:7.1f} us  err {err:.1e}  mask {'ok' if ok else 'WRONG'}")
+            except Exception as exc:  # noqa: BLE001
+                lines.append(f"indexer prefill kernel {v}: failed {exc!r}"[:200])
+            print(lines[-1], flush=True)
     return lines
 
 
@@ -240,10 +312,12 @@ def main() -> None:
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--micro-hc", default="", help="hc_pre_block_parts variants 'BM.BK.W.S.P;...' (kernels.prefill.HC_PRE_TUNE)")
     ap.add_argument("--micro-nr", default="", help="norm_rope rows-per-program variants '1;8;...'")
+    ap.add_argument("--micro-idx", default="", help="indexer_scores_prefill variants 'BQ.BT.W;...'")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    if args.micro_hc or args.micro_nr:
-        lines = micro(args.micro_hc, args.micro_nr)
+    if args.micro_hc or args.micro_nr or args.micro_idx:
+        lines = micro(args.micro_hc, args.micro_nr) if args.micro_hc or args.micro_nr else []
+        lines += micro_indexer(args.micro_idx) if args.micro_idx else []
         with open(os.path.join(args.out, "micro.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
     if not args.tokens:
@@ -258,6 +332,8 @@ def main() -> None:
         model([(model.new_state(), ids)])  # compile / warm
         _sync()
         t = timings(model, ids)
+        if torch.cuda.is_available():
+            t.update(gpu_time(model, ids))
         report.append(f"== prefill {n}: {json.dumps({k: round(v, 2) for k, v in t.items()})}")
         print(report[-1], flush=True)
         syncs = sync_points(model, ids)

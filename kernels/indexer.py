@@ -87,10 +87,44 @@ def indexer_scores(
     return out
 
 
-def mask_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-``k`` column indices per row of ``scores (B, T)``, int32, ``-1`` where the score is -inf."""
+def indexer_scores_prefill(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    row_len: torch.Tensor,
+    scale: float,
+    t_max: int,
+    *,
+    block_q: int = 2,
+    block_t: int = 64,
+    num_warps: int = 8,
+) -> torch.Tensor:
+    """``indexer_scores`` for the queries of one sequence's prefill chunk, which share one row
+    pool (``row_start`` 0): a program takes ``block_q`` consecutive queries (``block_q · Hi`` rows
+    of one dot, the row tiles read once for all of them), loops over the row tiles below its
+    queries' largest ``row_len`` (causal rows only) and fills the rest with -inf. → ``(S, t_max)`` fp32."""
+    if not use_triton(q):
+        return indexer_scores_reference(q, weights, rows, torch.zeros_like(row_len), row_len, scale, t_max)
+    s, hi, di = q.shape
+    assert rows.shape[1] == di and q.stride(-1) == 1 and rows.stride(-1) == 1 and weights.stride(-1) == 1
+    out = torch.empty(s, t_max, dtype=torch.float32, device=q.device)
+    if s == 0 or t_max == 0:
+        return out
+    _indexer_prefill_kernel[(triton.cdiv(s, block_q),)](
+        q, weights, rows, row_len, out,
+        s, hi, di, t_max, q.stride(0), q.stride(1), weights.stride(0), rows.stride(0), scale,
+        HI_PAD=max(16, next_pow2(hi)), DI_PAD=max(16, next_pow2(di)), BQ=block_q, BT=block_t,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def mask_topk(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
+    """Top-``k`` column indices per row of ``scores (B, T)``, int32, ``-1`` where the score is -inf;
+    by descending score, or in no particular order with ``ordered=False`` (the same set, no sort
+    pass: the attention kernel reads the picks in any order)."""
     k = min(k, scores.shape[1])
-    vals, idx = scores.topk(k, dim=-1)  # (B, k)
+    vals, idx = scores.topk(k, dim=-1, sorted=ordered)  # (B, k)
     return torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
 
 
@@ -134,6 +168,46 @@ if HAS_TRITON:
         score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale  # (BT,)
         score = tl.where(t_ok, score, float("-inf"))
         tl.store(out_ptr + b.to(tl.int64) * T + offs_t, score, mask=offs_t < T)
+
+
+    @triton.jit
+    def _indexer_prefill_kernel(
+        q_ptr, w_ptr, rows_ptr, row_len_ptr, out_ptr,
+        S, HI, DI, T, stride_qb, stride_qh, stride_wb, stride_r, scale,
+        HI_PAD: tl.constexpr, DI_PAD: tl.constexpr, BQ: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        q0 = tl.program_id(0) * BQ
+        qi = q0 + tl.arange(0, BQ)  # (BQ,) this program's queries
+        q_ok = qi < S
+        m = tl.arange(0, BQ * HI_PAD)  # (query, head) pairs, query-major
+        mq = q0 + m // HI_PAD
+        mh = m % HI_PAD
+        m_ok = (mq < S) & (mh < HI)
+        offs_d = tl.arange(0, DI_PAD)
+        d_ok = offs_d < DI
+        q = tl.load(
+            q_ptr + mq.to(tl.int64)[:, None] * stride_qb + mh[:, None] * stride_qh + offs_d[None, :],
+            mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # (BQ·HI_PAD, DI_PAD)
+        w = tl.load(w_ptr + mq.to(tl.int64) * stride_wb + mh, mask=m_ok, other=0.0).to(tl.float32)
+        n = tl.load(row_len_ptr + qi, mask=q_ok, other=0).to(tl.int32)  # (BQ,)
+        n_max = tl.minimum(tl.max(n, axis=0), T)
+        out_row = out_ptr + qi.to(tl.int64)[:, None] * T
+        for t0 in range(0, n_max, BT):  # tiles holding some query's visible rows
+            offs_t = t0 + tl.arange(0, BT)
+            k = tl.load(
+                rows_ptr + offs_t.to(tl.int64)[:, None] * stride_r + offs_d[None, :],
+                mask=(offs_t < n_max)[:, None] & d_ok[None, :], other=0.0,
+            )  # (BT, DI_PAD)
+            logits = mma(q, tl.trans(k), PRECISION)  # (BQ·HI_PAD, BT) fp32
+            heads = tl.reshape(tl.maximum(logits, 0.0) * w[:, None], (BQ, HI_PAD, BT))
+            score = tl.sum(heads, axis=1) * scale  # (BQ, BT)
+            score = tl.where(offs_t[None, :] < n[:, None], score, float("-inf"))
+            tl.store(out_row + offs_t[None, :], score, mask=q_ok[:, None] & (offs_t < T)[None, :])
+        blank = tl.full((BQ, BT), float("-inf"), tl.float32)
+        for t0 in range(tl.cdiv(n_max, BT) * BT, T, BT):  # no visible row: -inf
+            offs_t = t0 + tl.arange(0, BT)
+            tl.store(out_row + offs_t[None, :], blank, mask=q_ok[:, None] & (offs_t < T)[None, :])
 
 
 def indexer_cost(b: int, hi: int, di: int, rows_per_seq: float, elem: int = 2) -> tuple[float, float]:

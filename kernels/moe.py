@@ -144,18 +144,21 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts' weighted sum ``(N, H)`` (layout in the module docstring)."""
+    """Routed experts' weighted sum ``(N, H)`` (layout in the module docstring), plus ``add (N, H)``
+    (the shared expert's output) when given: summed in fp32 by the combine kernel, rounded once."""
     if not use_triton(x):
-        return moe_experts_reference(x, weights, indices, gate_up, down, limit)
+        out = moe_experts_reference(x, weights, indices, gate_up, down, limit)
+        return out if add is None else out + add
     from kernels import moe_grouped
 
     if moe_grouped.use_prefill_gemm(x, indices):  # prefill sizes: Triton grouped GEMM, SwiGLU fused
-        return moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, limit)
+        return moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, limit, add)
     return grouped_experts(
         x, weights, indices, gate_up.shape[0], gate_up.shape[1] // 2, limit,
         lambda xs, offs, counts: _grouped_linear(xs, gate_up, offs, counts),
-        lambda act, offs, counts: _grouped_linear(act, down, offs, counts),
+        lambda act, offs, counts: _grouped_linear(act, down, offs, counts), add=add,
     )  # fmt: skip
 
 
@@ -172,11 +175,13 @@ def grouped_experts(
     up: GroupedLinear,
     down: GroupedLinear,
     fused_act: bool = False,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed-expert pipeline around two grouped GEMMs (bf16 ``moe_experts``, FP8
     ``moe_experts_fp8``): slots sorted by expert, ``up`` (gate/up) and ``down`` on the grouped
     rows — each called as ``(rows, group end offsets, group counts)`` — the fused SwiGLU between
-    them (``fused_act``: ``up`` returns the SwiGLU itself) and the weighted combine after. No host
+    them (``fused_act``: ``up`` returns the SwiGLU itself) and the weighted combine after (plus
+    ``add``, see ``combine_rows``). No host
     sync anywhere (CUDA-graph capturable: CUDA bincount reads max() on the host, a scatter_add of
     ones does not)."""
     k = indices.shape[1]
@@ -188,7 +193,7 @@ def grouped_experts(
     xs = x.index_select(0, order // k)  # (N*k, H) tokens grouped by expert
     h = up(xs, offs, counts)  # (N*k, 2I), or the SwiGLU (N*k, I) already with fused_act
     act = h if fused_act else swiglu_rows(h, limit)  # (N*k, I)
-    return combine_rows(down(act, offs, counts), inv, weights, x)
+    return combine_rows(down(act, offs, counts), inv, weights, x, add)
 
 
 def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
@@ -203,16 +208,20 @@ def swiglu_rows(h: torch.Tensor, limit: float) -> torch.Tensor:
     return act
 
 
-def combine_rows(y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``out[t] = Σ_j weights[t, j] · y[row_of_slot[t·k + j]]`` (fp32 sum in ``j`` order, Triton)
-    → ``(N, H)`` like ``x``."""
+def combine_rows(
+    y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[t] = Σ_j weights[t, j] · y[row_of_slot[t·k + j]]`` (fp32 sum in ``j`` order, Triton),
+    ``+ add[t]`` in the same fp32 sum when given (one pass instead of a separate add) → ``(N, H)`` like ``x``."""
     n, hidden = x.shape
     out = torch.empty_like(x)
+    if add is not None:
+        assert add.shape == x.shape and add.stride(-1) == 1
     if n:
         block = min(1024, next_pow2(hidden))
         _combine_kernel[(n, triton.cdiv(hidden, block))](
-            y, row_of_slot, weights, out, hidden, y.stride(0), weights.stride(0), out.stride(0),
-            K=weights.shape[1], BLOCK=block, num_warps=4,
+            y, row_of_slot, weights, out, add if add is not None else out, hidden, y.stride(0), weights.stride(0), out.stride(0),
+            add.stride(0) if add is not None else 0, K=weights.shape[1], BLOCK=block, ADD=add is not None, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -298,11 +307,16 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_o + offs, act.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, H, stride_y, stride_w, stride_o, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _combine_kernel(
+        y_ptr, inv_ptr, w_ptr, out_ptr, add_ptr, H, stride_y, stride_w, stride_o, stride_a,
+        K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+    ):  # fmt: skip
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < H
         acc = tl.zeros([BLOCK], dtype=tl.float32)
+        if ADD:
+            acc += tl.load(add_ptr + n * stride_a + offs, mask=ok, other=0.0).to(tl.float32)
         for j in tl.static_range(K):
             row = tl.load(inv_ptr + n * K + j).to(tl.int64)
             wj = tl.load(w_ptr + n * stride_w + j).to(tl.float32)

@@ -89,10 +89,11 @@ def grouped_mm_reference(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, 
 
 
 def moe_experts_prefill(
-    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
-) -> torch.Tensor:
+    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``kernels.moe.moe_experts`` with this module's grouped GEMMs (``UP_CFG``/``DOWN_CFG``; a
-    ``None`` config keeps ``torch._grouped_mm`` for that GEMM)."""
+    ``None`` config keeps ``torch._grouped_mm`` for that GEMM); ``add`` as there."""
     from kernels.moe import _grouped_linear, grouped_experts, swiglu_rows
 
     n_exp = gate_up.shape[0]
@@ -107,7 +108,7 @@ def moe_experts_prefill(
             return _grouped_linear(act, down, offs, counts)
         return grouped_mm(act, down, offs, cfg=DOWN_CFG)
 
-    return grouped_experts(x, weights, indices, n_exp, gate_up.shape[1] // 2, limit, up, dn, fused_act=True)
+    return grouped_experts(x, weights, indices, n_exp, gate_up.shape[1] // 2, limit, up, dn, fused_act=True, add=add)
 
 
 def use_prefill_gemm(x: torch.Tensor, indices: torch.Tensor) -> bool:

@@ -18,8 +18,9 @@ window is handed over as a strided ``unfold`` view of ``keys`` (slot ``max(i, pa
 the count of real keys), so no ``(S, W, D)`` copy and no score tensor is ever built.
 
 ``prefill_topk``: the indexer's top-k rows of every query, scores by ``kernels.indexer``'s fused
-kernel (``(Hi, Di) × (Di, BT)`` dot, relu, weighted head sum; the ``(S, Hi, T)`` logits never
-reach memory), then ``torch.topk``; queries in tiles so that the ``(S, T)`` fp32 scores stay small.
+prefill kernel (a few queries' ``(Hi, Di)`` heads per program against each ``(Di, BT)`` row tile
+below their row counts, relu, weighted head sum; the ``(S, Hi, T)`` logits never reach memory),
+then ``torch.topk``; queries in tiles so that the ``(S, T)`` fp32 scores stay small.
 
 ``hc_pre_norm``: ``HyperConnection`` + the block's input ``RMSNorm``: the ``(N, hc·H) × (hc·H, M)``
 mix and the sum of squares as blocked dots over ``BM`` tokens (the static step's
@@ -49,6 +50,8 @@ from kernels._common import (
 )
 
 INDEXER_QUERY_TILE = 4096  # queries per indexer scoring call: (4096, T) fp32 scores
+# indexer_scores_prefill launch (queries per program, rows per tile, warps); the trace script sweeps it
+INDEXER_TUNE: dict = {"block_q": 2, "block_t": 64, "num_warps": 8}
 ATTN_TUNE: dict = {}  # block_h / block_n / num_warps / num_stages for the attention kernel (bench sweeps)
 # Attention._forward_fast, one-sequence prefill: 0 = separate norm_rope passes; 1 = q norm + RoPE
 # in the attention kernel's registers and the output's RoPE undo in its epilogue; 2 = as 1 with the
@@ -189,15 +192,15 @@ def prefill_topk(
     """Each query's top-``k`` visible indexer rows (local indices, ``-1`` = none). → ``(S, min(k, T))`` int32."""
     if not use_triton(q):
         return prefill_topk_reference(q, weights, rows, row_len, k, scale)
-    from kernels.indexer import indexer_topk
+    from kernels.indexer import indexer_scores_prefill, mask_topk
 
     s, t = q.shape[0], rows.shape[0]
     row_len = row_len.to(torch.int32)
-    row_start = torch.zeros(s, dtype=torch.int32, device=q.device)
     out = torch.empty(s, min(k, t), dtype=torch.int32, device=q.device)
     for a in range(0, s, INDEXER_QUERY_TILE):
         b = min(a + INDEXER_QUERY_TILE, s)
-        out[a:b] = indexer_topk(q[a:b], weights[a:b], rows, row_start[a:b], row_len[a:b], k, scale, t_max=t)
+        scores = indexer_scores_prefill(q[a:b], weights[a:b], rows, row_len[a:b], scale, t, **INDEXER_TUNE)
+        out[a:b] = mask_topk(scores, k, ordered=False)
     return out
 
 

@@ -78,20 +78,37 @@ class Compressor(nn.Module):
             buf_gate=torch.empty(0, proj, dtype=dtype, device=device),
         )
 
-    def update(self, st: CompressorState, kv: torch.Tensor, gate: torch.Tensor, rotary: Rotary) -> None:
-        """Append the rows of every window closed by the new tokens' ``kv, gate (S, proj)``."""
-        r, d = self.rate, self.width
+    def update(self, st: CompressorState, kv: torch.Tensor, gate: torch.Tensor, rotary: Rotary, fast: bool = False) -> None:
+        """Append the rows of every window closed by the new tokens' ``kv, gate (S, proj)``.
+        ``fast`` (the Triton prefill path): pooling, norm and RoPE in two kernels (``_rows_fast``)."""
+        r = self.rate
         done = st.rows.shape[0] if st.windows is None else st.windows
         first_pos = done * r
-        kv = torch.cat([st.buf_kv, kv])
-        gate = torch.cat([st.buf_gate, gate])
+        if st.buf_kv.shape[0] or not fast:  # fast: no copy of the projections when nothing is buffered
+            kv = torch.cat([st.buf_kv, kv])
+            gate = torch.cat([st.buf_gate, gate])
         usable = (kv.shape[0] // r) * r
         st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
         if usable == 0:
             return
         n = usable // r
-        ckv = kv[:usable].view(n, r, -1)  # (n, r, proj)
-        cgate = gate[:usable].view(n, r, -1) + self.position_bias  # (n, r, proj) fp32
+        if fast and (not self.overlap or st.overlap_kv is None):
+            rotated = self._rows_fast(st, kv[:usable], gate[:usable], first_pos, rotary)
+        else:
+            rotated = self._rows(st, kv[:usable], gate[:usable], first_pos, rotary)
+        present = st.rows.shape[0] - done  # rows of these windows already stored (replay)
+        if present < n:
+            st.rows = torch.cat([st.rows, rotated[max(present, 0) :]])
+        done += n
+        st.windows = None if done >= st.rows.shape[0] else done
+
+    def _rows(self, st: CompressorState, kv: torch.Tensor, gate: torch.Tensor, first_pos: int, rotary: Rotary) -> torch.Tensor:
+        """The rotated rows ``(n, d)`` of the ``n`` windows in ``kv, gate (n·r, proj)`` (PyTorch);
+        CSA: updates the overlap state."""
+        r, d = self.rate, self.width
+        n = kv.shape[0] // r
+        ckv = kv.view(n, r, -1)  # (n, r, proj)
+        cgate = gate.view(n, r, -1) + self.position_bias  # (n, r, proj) fp32
         if self.overlap:
             pool_kv = ckv.new_zeros(n, 2 * r, d)
             pool_gate = cgate.new_full((n, 2 * r, d), float("-inf"))
@@ -110,11 +127,26 @@ class Compressor(nn.Module):
         rows = self.kv_norm(pooled)  # (n, d)
         positions = torch.arange(n, device=rows.device) * r + first_pos
         cos, sin = rotary.cos_sin(positions, rows.dtype)
-        present = st.rows.shape[0] - done  # rows of these windows already stored (replay)
-        if present < n:
-            st.rows = torch.cat([st.rows, apply_rope(rows, cos, sin)[max(present, 0) :]])
-        done += n
-        st.windows = None if done >= st.rows.shape[0] else done
+        return apply_rope(rows, cos, sin)
+
+    def _rows_fast(self, st: CompressorState, kv: torch.Tensor, gate: torch.Tensor, first_pos: int, rotary: Rotary) -> torch.Tensor:
+        """``_rows`` through ``kernels.compressor.gated_pool`` and one ``fused.norm_rope`` pass (the
+        PyTorch version launches ~40 kernels per call). CSA: only without a previous chunk's
+        overlap (a fresh sequence): window ``i`` pools window ``i-1``'s first series."""
+        from kernels import fused as fk
+        from kernels.compressor import gated_pool
+
+        r, d = self.rate, self.width
+        usable = kv.shape[0]
+        starts = torch.arange(0, usable, r, device=kv.device)
+        prev = starts - r if self.overlap else None  # -r: the first window has none
+        pooled = gated_pool(kv, gate, self.position_bias, starts, prev, self.overlap)  # (n, d)
+        cos_tab, sin_tab = rotary.table(first_pos + usable, pooled.dtype, pooled.device)
+        rotated = fk.norm_rope(pooled[:, None], self.kv_norm.weight, 1, self.kv_norm.eps, cos_tab, sin_tab, starts + first_pos)[:, 0]
+        if self.overlap:  # the last window's first series for the next chunk, as ``_rows`` keeps it
+            st.overlap_kv = kv[usable - r :, :d].clone()
+            st.overlap_gate = gate[usable - r :, :d] + self.position_bias[:, :d]
+        return rotated
 
 
 class IndexerScorer(nn.Module):
@@ -284,9 +316,19 @@ class Attention(nn.Module):
         fold = int(kp.FOLD_NORM_ROPE) if len(seqs) == 1 and not decode else 0
         p = self._project_fast(x, rope, at, fold_q=fold in (1, 2))
         if fold:
-            return self._output(self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold))
+            return self._output_fast(self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold))
         out = self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence_fast)
-        return self._output(fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0))  # undo the values' rotation
+        return self._output_fast(fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0))  # undo the values' rotation
+
+    def _output_fast(self, out: torch.Tensor) -> torch.Tensor:
+        """``_output`` with the grouped product written straight into ``(N, G, o_lora)`` rows
+        (a transposed ``bmm`` output), so no ``(N, G·o_lora)`` copy is made before ``o_b_proj``."""
+        n = out.shape[0]
+        x = out.reshape(n, self.o_groups, -1).transpose(0, 1)  # (G, N, in)
+        w = self.o_a_proj.weight.view(self.o_groups, -1, x.shape[-1]).transpose(1, 2)  # (G, in, out/G)
+        grouped = x.new_empty(n, self.o_groups, w.shape[-1])
+        torch.bmm(x, w, out=grouped.transpose(0, 1))
+        return self.o_b_proj(grouped.view(n, -1))
 
     def _project_fast(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], at: torch.Tensor, fold_q: bool = False
@@ -297,7 +339,7 @@ class Attention(nn.Module):
 
         n = x.shape[0]
         cos, sin = rope
-        q_res = self.q_a_norm(self.q_a_proj(x))  # (N, qr)
+        q_res = fk.norm_rope(self.q_a_proj(x)[:, None], self.q_a_norm.weight, 1, self.q_a_norm.eps)[:, 0]  # (N, qr)
         q = self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim)
         if not fold_q:
             q = fk.norm_rope(q, None, 2, self.eps, cos, sin, at)
@@ -332,9 +374,9 @@ class Attention(nn.Module):
         rows = row_len = top = None
         idx = self.indexer
         if self.compressor is not None:
-            self.compressor.update(st.comp, p.comp_kv[a:b], p.comp_gate[a:b], rotary)
+            self.compressor.update(st.comp, p.comp_kv[a:b], p.comp_gate[a:b], rotary, fast=True)
             if idx is not None:
-                idx.update(st.index, p.idx_kv[a:b], p.idx_gate[a:b], rotary)
+                idx.update(st.index, p.idx_kv[a:b], p.idx_gate[a:b], rotary, fast=True)
             if st.comp.rows.shape[0]:
                 rows = st.comp.rows  # (T, D)
                 row_len = torch.div(positions[a:b] + 1, self.compressor.rate, rounding_mode="floor")

@@ -85,6 +85,11 @@ class SharedMLP(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from kernels import fused
+
+            if fused.use_triton(x):  # one Triton pass instead of four elementwise kernels
+                return self.down_proj(fused.swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 

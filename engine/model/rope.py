@@ -61,6 +61,7 @@ class Rotary:
         self.inv_freq, self.scale = inv_freq(params, rope_dim, max_position_embeddings)  # on CPU
         self.rope_dim = rope_dim
         self._on: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions (N,)`` → cos, sin ``(N, rope_dim/2)`` in ``dtype`` (as transformers casts them)."""
@@ -69,6 +70,18 @@ class Rotary:
             inv = self._on[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv  # (N, rope_dim/2)
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    def table(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions ``[0, L)``, ``L ≥ length``: ``cos_sin(arange(L))``, kept per device
+        and dtype and regrown to the next power of two when a longer one is asked for. On CUDA a
+        row equals ``cos_sin`` of its position bit for bit (elementwise kernels), so slices of it
+        replace the ~8 launches of ``cos_sin`` per call."""
+        key = (torch.device(device), dtype)
+        tab = self._tables.get(key)
+        if tab is None or tab[0].shape[0] < length:
+            size = max(4096, 1 << max(0, length - 1).bit_length())
+            tab = self._tables[key] = self.cos_sin(torch.arange(size, device=device), dtype)
+        return tab
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,8 @@ def test_moe_experts(dtype) -> None:
     ref = moe_experts_reference(x, w, idx, gate_up, down, limit=3.0)
     poison(DEV)
     _check(moe_experts(x, w, idx, gate_up, down, limit=3.0), ref, dtype)
+    shared = torch.randn(n, hidden, generator=g).to(DEV, dtype)  # added inside the combine
+    _check(moe_experts(x, w, idx, gate_up, down, limit=3.0, add=shared), ref + shared, dtype)
 
 
 # ---- mHC mixing weights ---------------------------------------------------------------------------

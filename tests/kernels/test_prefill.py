@@ -184,3 +184,23 @@ def test_prefill_attention_folded_norm_rope(dtype, mode, fold_q) -> None:
         qn = norm_rope_reference(q, None, 2, eps, cos, sin, at)
         plain = prefill_attention_reference(qn, keys.nan_to_num(), pad, sinks, w, rows, row_len, row_idx, scale)
         assert rel_err(norm_rope_reference(plain, None, 0, 0.0, cos, sin, at, sign=-1.0), want) <= 1e-5
+
+
+@pytest.mark.parametrize("block_q", [1, 2, 4])
+def test_indexer_scores_prefill(block_q) -> None:
+    from kernels.indexer import indexer_scores_prefill, indexer_scores_reference
+
+    s, hi, di, t = (23, 4, 16, 40) if SMALL else (701, 64, 128, 400)
+    g = torch.Generator(device=DEV).manual_seed(block_q)
+    q = torch.randn(s, hi, di, generator=g, device=DEV).to(torch.bfloat16)
+    w = torch.randn(s, hi, generator=g, device=DEV).to(torch.bfloat16)
+    rows = torch.randn(t, di, generator=g, device=DEV).to(torch.bfloat16)
+    row_len = ((torch.arange(s, device=DEV) + 2) // 2).clamp(max=t - 3).to(torch.int32)
+    row_len[s // 2] = 0  # a query with no row yet
+    scale = di**-0.5 * hi**-0.5
+    want = indexer_scores_reference(q, w, rows, torch.zeros_like(row_len), row_len, scale, t)
+    poison(DEV)
+    got = indexer_scores_prefill(q, w, rows, row_len, scale, t, block_q=block_q, block_t=16 if SMALL else 64, num_warps=4)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and bool((got[~fin] == float("-inf")).all())
+    assert rel_err(got[fin], want[fin]) <= 1e-5

@@ -69,3 +69,18 @@ def test_cuda_bf16_as_close_as_transformers(tiny_model_dir) -> None:
     err_hf = (_hf_logits(hf16, ids) - truth).abs().mean().item()
     err_ours = (ours16([(ours16.new_state(), ids)], logits="all") - truth).abs().mean().item()
     assert err_ours <= 2 * err_hf + 1e-3, (err_ours, err_hf)
+
+
+def test_rope_table_rows_equal_cos_sin() -> None:
+    """``Rotary.table`` rows (one-chunk prefill, compressors) are ``cos_sin`` of their positions, bit for bit."""
+    from engine.model.config import RopeParams
+    from engine.model.rope import Rotary
+
+    pos = torch.tensor([0, 1, 77, 4095, 4096, 9000], device="cuda")
+    yarn = RopeParams(rope_type="yarn", theta=160000.0, factor=16.0, original_max_position_embeddings=65536)
+    for params in (RopeParams(rope_type="default", theta=10000.0), yarn):
+        rot = Rotary(params, 64, 1 << 20)
+        for dtype in (torch.bfloat16, torch.float32):
+            cos_t, sin_t = rot.table(9001, dtype, torch.device("cuda"))
+            cos, sin = rot.cos_sin(pos, dtype)
+            assert torch.equal(cos_t[pos], cos) and torch.equal(sin_t[pos], sin)

@@ -2,8 +2,9 @@
 layer's attention step that read and write its slot pools.
 
 - ``gather_attend``: ``attend.attend_with_sinks`` for a batch of decode tokens whose keys are
-  rows of the window ring and of the compressed-row pool, read in place (no gathered copies);
-  each key row is read once for all heads.
+  rows of the window ring (found from slot and position) and of the compressed-row pool, read in
+  place (no gathered copies, no index tensors for the window); each key row read once for all
+  heads. ``index_scores``: the CSA indexer's scores over a slot's rows, read in place.
 - ``compress_step``: one token per slot into a compressor (``Compressor.update`` at decode):
   the token's projections into the slot's buffer and, for the slots whose window closes, the
   gated pooling, the kv norm and RoPE of ``decode.pool_windows``, the row written in place and
@@ -23,30 +24,33 @@ from engine.model.cpu_fused import _dot, _exp, _sum
 
 
 def _gather_attend(
-    q: np.ndarray, keys: np.ndarray, key_at: np.ndarray, key_bias: np.ndarray, rows: np.ndarray,
+    q: np.ndarray, ring: np.ndarray, slots: np.ndarray, positions: np.ndarray, window: int, rows: np.ndarray,
     row_at: np.ndarray, row_bias: np.ndarray, sinks: np.ndarray, scaling: float,
 ) -> np.ndarray:  # fmt: skip
-    """``attend.attend_with_sinks`` with the keys read in place: query ``t`` attends to
-    ``keys[key_at[t, j]]`` (bias ``key_bias[t, j]``) then ``rows[row_at[t, j]]`` (bias
-    ``row_bias[t, j]``), softmax with the per-head sink logit, ``q (n, nh, D)`` → ``(n, nh, D)``.
-    A bias array with 0 columns means no bias; ``row_at`` with 0 columns, no rows. A key whose
-    logit is -inf gets exactly 0. Each key row is read once for all heads."""
+    """``attend.attend_with_sinks`` with the keys read in place: query ``t`` (slot ``slots[t]`` at
+    position ``p = positions[t]``) attends to its window, the ring entries of positions
+    ``max(0, p-W+1) .. p`` in that order (``ring (S·W, D)``, entry ``slot·W + position % W``),
+    then to ``rows[row_at[t, j]]`` (bias ``row_bias[t, j]``; 0 columns: no bias; ``row_at`` with 0
+    columns: no rows); softmax with the per-head sink logit; ``q (n, nh, D)`` → ``(n, nh, D)``. A
+    row whose logit is -inf gets exactly 0. Each key row is read once for all heads."""
     n, nh, d = q.shape
-    w = key_at.shape[1]
     e = row_at.shape[1]
     sc = np.float32(scaling)
     neg = np.float32(-np.inf)
     out = np.zeros((n, nh, d), np.float32)
-    logit = np.empty((nh, w + e), np.float32)
+    logit = np.empty((nh, window + e), np.float32)
     total = np.empty(nh, np.float32)
     for t in range(n):
+        base, p = slots[t] * window, positions[t]
+        first = max(0, p - window + 1)
+        w = p - first + 1  # visible window keys
         for j in range(w + e):
-            row = keys[key_at[t, j]] if j < w else rows[row_at[t, j - w]]
-            b = np.float32(0.0)
-            if j < w and key_bias.shape[1]:
-                b = key_bias[t, j]
-            elif j >= w and row_bias.shape[1]:
-                b = row_bias[t, j - w]
+            if j < w:
+                row = ring[base + (first + j) % window]
+                b = np.float32(0.0)
+            else:
+                row = rows[row_at[t, j - w]]
+                b = row_bias[t, j - w] if row_bias.shape[1] else np.float32(0.0)
             for h in range(nh):
                 logit[h, j] = _dot(q[t, h], row) * sc + b
         for h in range(nh):
@@ -55,42 +59,62 @@ def _gather_attend(
                 m = max(m, logit[h, j])
             for j in range(w + e):  # no reduction in this loop: it vectorises
                 v = logit[h, j]
-                p = _exp(v - m)
-                logit[h, j] = np.float32(0.0) if v == neg else p
-            total[h] = _exp(sinks[h] - m) + _sum(logit[h])
+                pr = _exp(v - m)
+                logit[h, j] = np.float32(0.0) if v == neg else pr
+            total[h] = _exp(sinks[h] - m) + _sum(logit[h, : w + e])
         for j in range(w + e):
-            row = keys[key_at[t, j]] if j < w else rows[row_at[t, j - w]]
+            row = ring[base + (first + j) % window] if j < w else rows[row_at[t, j - w]]
             for h in range(nh):
-                p = logit[h, j] / total[h]
+                pr = logit[h, j] / total[h]
                 for c in range(d):
-                    out[t, h, c] += p * row[c]
+                    out[t, h, c] += pr * row[c]
     return out
 
 
 def gather_attend(
-    q: torch.Tensor, keys: torch.Tensor, key_at: torch.Tensor, key_bias: torch.Tensor | None, rows: torch.Tensor | None,
-    row_at: torch.Tensor | None, row_bias: torch.Tensor | None, sinks: torch.Tensor, scaling: float,
+    q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int,
+    rows: torch.Tensor | None, row_at: torch.Tensor | None, row_bias: torch.Tensor | None, sinks: torch.Tensor, scaling: float,
 ) -> torch.Tensor:  # fmt: skip
-    """``attend_with_sinks(q, keys[key_at], key_bias, rows[row_at], row_bias, sinks, scaling)``
-    for fp32 CPU tensors in one compiled loop, reading ``keys (K, D)`` and ``rows (R, D)`` in
-    place (no gathered copies); ``key_at (n, W)``, ``row_at (n, E)`` int64 row numbers."""
-    d = keys.shape[-1]
+    """``_gather_attend`` on fp32 CPU tensors: ``ring (S·W, D)``, ``slots/positions (n,)`` int64,
+    compressed ``rows (R, D)`` at ``row_at (n, E)`` with ``row_bias (n, E)`` (None: no rows / no
+    bias)."""
     if row_at is None:
-        rows_np, at_np = np.zeros((1, d), np.float32), np.zeros((q.shape[0], 0), np.int64)
+        rows_np, at_np = np.zeros((1, ring.shape[-1]), np.float32), np.zeros((q.shape[0], 0), np.int64)
     else:
         rows_np, at_np = rows.detach().numpy(), row_at.contiguous().numpy()
     out = _gather_attend(
-        q.detach().contiguous().numpy(), keys.detach().numpy(), key_at.contiguous().numpy(), _bias(key_bias), rows_np, at_np,
-        _bias(row_bias), sinks.detach().numpy(), scaling,
+        q.detach().contiguous().numpy(), ring.detach().numpy(), slots.numpy(), positions.numpy(), window, rows_np, at_np,
+        _NO_BIAS if row_bias is None else row_bias.detach().contiguous().numpy(), sinks.detach().numpy(), scaling,
     )  # fmt: skip
     return torch.from_numpy(out)
 
 
-def _bias(b: torch.Tensor | None) -> np.ndarray:
-    return _NO_BIAS if b is None else b.detach().contiguous().numpy()
-
-
 _NO_BIAS = np.zeros((0, 0), np.float32)
+
+
+def _index_scores(
+    q: np.ndarray, w: np.ndarray, rows: np.ndarray, row_base: np.ndarray, t: int, softmax_scale: float, weights_scaling: float,
+) -> np.ndarray:  # fmt: skip
+    """``Indexer.scores`` over rows ``row_base[i] .. row_base[i] + t - 1`` of ``rows (R, Di)`` read in
+    place: ``Σ_h relu(q[i, h]·row)·softmax_scale·(w[i, h]·weights_scaling)``, summed over heads in
+    order → ``(n, t)``."""
+    n, hi = w.shape
+    out = np.zeros((n, t), np.float32)
+    ss = np.float32(softmax_scale)
+    for i in range(n):
+        for h in range(hi):
+            wh = w[i, h] * np.float32(weights_scaling)
+            for j in range(t):
+                out[i, j] += max(_dot(q[i, h], rows[row_base[i] + j]), np.float32(0.0)) * ss * wh
+    return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, row_base: torch.Tensor, t: int, softmax_scale: float, weights_scaling: float) -> torch.Tensor:
+    """``_index_scores`` on fp32 CPU tensors: ``q (n, Hi, Di)``, ``w (n, Hi)``, ``rows (R, Di)``."""
+    return torch.from_numpy(_index_scores(
+        q.detach().contiguous().numpy(), w.detach().contiguous().numpy(), rows.detach().numpy(), row_base.numpy(), t,
+        softmax_scale, weights_scaling,
+    ))  # fmt: skip
 
 
 def _compress_step(
@@ -186,3 +210,4 @@ _EMPTY3 = np.zeros((0, 0, 0), np.float32)
 if cpu_fused.numba is not None:
     _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_gather_attend)
     _compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)
+    _index_scores = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_index_scores)

@@ -36,7 +36,7 @@ import torch
 
 from engine.model import cpu_fused, cpu_layer, cpu_slots
 from engine.model.attend import attend_with_sinks, hide
-from engine.model.attention import Attention, Compressor, Projected
+from engine.model.attention import Attention, Compressor, Indexer, Projected
 from engine.model.decode import pad_bias, pick_rows, pool_windows
 from engine.model.rope import Rotary
 from engine.model.static_decode import CompPool, LayerPool, StaticDecoder
@@ -60,10 +60,12 @@ class _RateStep:
 class _Step:
     """One step's indices shared by every layer."""
 
+    slots: torch.Tensor  # (n,) int64
+    positions: torch.Tensor  # (n,) position of each new token
     ring_at: torch.Tensor  # (n,) flat ring entry of the new key: slot * W + p % W
-    window_at: torch.Tensor  # (n, W) flat ring entries of keys p-W+1 .. p
-    window_bias: torch.Tensor | None  # (n, W) -inf before position 0, None when nothing is hidden
     rates: dict[int, _RateStep]
+    window_at: torch.Tensor | None = None  # (n, W) flat ring entries of keys p-W+1 .. p (eager path)
+    window_bias: torch.Tensor | None = None  # (n, W) -inf before position 0, None when nothing is hidden
 
 
 class HostDecoder(StaticDecoder):
@@ -119,16 +121,18 @@ class HostDecoder(StaticDecoder):
         w = self.cfg.sliding_window
         slot_t = torch.tensor(slots, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
-        back = torch.arange(w - 1, -1, -1)  # key j of the window is position p - (W-1) + j
-        window_at = slot_t[:, None] * w + torch.remainder(pos_t[:, None] - back[None, :], w)
-        short = min(positions) < w - 1
-        window_bias = hide(back[None, :] > pos_t[:, None], self.dtype) if short else None
         rates: dict[int, _RateStep] = {}
         for layer in self.model.model.layers:
             comp = layer.self_attn.compressor
             if comp is not None and comp.rate not in rates:
                 rates[comp.rate] = self._rate_step(comp.rate, slots, positions, slot_t, pos_t)
-        return _Step(slot_t * w + pos_t % w, window_at, window_bias, rates)
+        st = _Step(slot_t, pos_t, slot_t * w + pos_t % w, rates)
+        if not (self.compiled and self.dtype == torch.float32 and cpu_fused.available()):  # the eager attention gathers the window
+            back = torch.arange(w - 1, -1, -1)  # key j of the window is position p - (W-1) + j
+            st.window_at = slot_t[:, None] * w + torch.remainder(pos_t[:, None] - back[None, :], w)
+            if min(positions) < w - 1:
+                st.window_bias = hide(back[None, :] > pos_t[:, None], self.dtype)
+        return st
 
     def _rate_step(self, r: int, slots: Sequence[int], positions: list[int], slot_t: torch.Tensor, pos_t: torch.Tensor) -> _RateStep:
         tc1 = self.max_tokens // r + 1
@@ -159,18 +163,26 @@ class HostDecoder(StaticDecoder):
             if idx is not None:
                 self._compress(idx, lp.index, p.idx_kv, p.idx_gate, rs, rotary)
                 if t:
-                    scores = idx.scores(p.idx_q, p.idx_w, _slot_rows(lp.index.rows, rs, t))  # (n, T)
+                    scores = self._index_scores(idx, p, lp, rs, t)  # (n, T)
                     chosen, row_bias = pick_rows(idx, scores, rs.counts, p.q.dtype)  # (n, k)
                     row_at = rs.row_base[:, None] + chosen
             elif t:
                 row_at = rs.row_base[:, None] + torch.arange(t)  # (n, T)
                 if min(rs.counts) < t:
                     row_bias = pad_bias(rs.counts, t, p.q.dtype, ring.device)
-        if self.compiled and cpu_fused.usable(p.q):  # one compiled loop reading the ring and the rows in place
-            return cpu_slots.gather_attend(p.q, ring, st.window_at, st.window_bias, rows, row_at, row_bias, attn.sinks, attn.scaling)
+        if st.window_at is None:  # one compiled loop reading the ring and the rows in place
+            w = self.cfg.sliding_window
+            return cpu_slots.gather_attend(p.q, ring, st.slots, st.positions, w, rows, row_at, row_bias, attn.sinks, attn.scaling)
         win = ring.index_select(0, st.window_at.view(-1)).view(*st.window_at.shape, -1)  # (n, W, D)
         extra = None if row_at is None else _gather_rows(rows, row_at)
         return attend_with_sinks(p.q, win, st.window_bias, extra, row_bias, attn.sinks, attn.scaling)
+
+    def _index_scores(self, idx: Indexer, p: Projected, lp: LayerPool, rs: _RateStep, t: int) -> torch.Tensor:
+        """The indexer's scores of each token over rows ``0 .. t-1`` of its slot ``(n, t)``."""
+        if self.compiled and cpu_fused.usable(p.idx_q):  # rows read in place
+            flat = lp.index.rows.view(-1, lp.index.rows.shape[-1])
+            return cpu_slots.index_scores(p.idx_q, p.idx_w, flat, rs.row_base, t, idx.softmax_scale, idx.weights_scaling)
+        return idx.scores(p.idx_q, p.idx_w, _slot_rows(lp.index.rows, rs, t))
 
     def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, rs: _RateStep, rotary: Rotary) -> None:
         """Buffer the token's projections; pool the windows that close and store their rows."""

@@ -34,7 +34,8 @@ def _exp(x: np.float32) -> np.float32:
     clamped to [-87, 88] (results below ``exp(-87)`` round up to it: below every float32
     rounding step of the sums and products they enter); NaN stays NaN. Callers must not be
     compiled with reassociation: it could merge the two parts of ln 2."""
-    y = min(max(x, np.float32(-87.0)), np.float32(88.0)) if x == x else np.float32(0.0)
+    nan = np.isnan(x)
+    y = np.float32(0.0) if nan else min(max(x, np.float32(-87.0)), np.float32(88.0))
     k = np.floor(y * np.float32(1.4426950408889634) + np.float32(0.5))
     r = y - k * np.float32(0.693359375)  # Cody-Waite: ln 2 in two parts
     r = r - k * np.float32(-2.12194440e-4)
@@ -47,7 +48,7 @@ def _exp(x: np.float32) -> np.float32:
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
     p = p * _POW2[np.int64(k) + 126]
-    return p if x == x else x
+    return x if nan else p
 
 
 def _hc_mix(

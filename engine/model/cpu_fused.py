@@ -289,7 +289,7 @@ def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray
         for k in range(nb):
             seg = row[k * blk : (k + 1) * blk]  # indices from 0: provably in range, so it vectorises
             m = seg[0]
-            for i in range(1, seg.shape[0]):
+            for i in range(seg.shape[0]):  # from 0 (seg[0] again): a whole-block loop vectorises, ~4x faster
                 m = max(m, seg[i])
             bmax[b, k] = m
             top = max(top, m)

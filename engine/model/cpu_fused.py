@@ -271,6 +271,37 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
+def _quantize_rows(x: np.ndarray, err_norm: float, w_norm: float, step: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """``lm_head.Int8Screen.quantize`` for the uint8 screen, per row in float64: codes ``qx + 128``
+    (``qx = rint(x / sₓ)`` clamped to ±127, ``sₓ = max|x| / 127``, 1 for a zero row), the error
+    bound in integer units and the largest ``‖qx‖``."""
+    b_size, h = x.shape
+    xu = np.empty((b_size, h), np.uint8)
+    bound = np.empty(b_size, np.float64)
+    top = 0.0
+    for b in range(b_size):
+        sx = 0.0
+        for c in range(h):
+            sx = max(sx, abs(np.float64(x[b, c])))
+        sx = sx / 127.0
+        if not sx > 0.0:
+            sx = 1.0
+        hat2 = 0.0
+        err2 = 0.0
+        q2 = 0.0
+        for c in range(h):
+            xd = np.float64(x[b, c])
+            q = min(max(np.rint(xd / sx), -127.0), 127.0)
+            xu[b, c] = np.uint8(q + 128.0)
+            hat = q * sx
+            hat2 += hat * hat
+            err2 += (xd - hat) * (xd - hat)
+            q2 += q * q
+        bound[b] = (np.sqrt(hat2) * err_norm + np.sqrt(err2) * w_norm) * (1.0 + 1e-6) / (sx * step)
+        top = max(top, np.sqrt(q2))
+    return xu, bound, top
+
+
 def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray, limit: int, best: np.ndarray, row_max: np.ndarray) -> bool:
     """``lm_head`` screen → tokens: per row the maximum of the screened values ``y (B, V)``
     (integers), the candidates ``y ≥ max − margin`` and among them the best float64 logit
@@ -337,6 +368,7 @@ if numba is not None:  # error_model="numpy": a float division by zero gives inf
     _rope = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope)
     _rms_norm = numba.njit(cache=True, nogil=True, error_model="numpy")(_rms_norm)
     _screen_pick = numba.njit(cache=True, nogil=True, error_model="numpy")(_screen_pick)
+    _quantize_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_quantize_rows)
 
 _state = {"ok": None}
 
@@ -426,6 +458,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     n, d = x.shape[0], x.shape[-1]
     out = _rope(x.detach().reshape(n, -1, d).numpy(), cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy())
     return torch.from_numpy(out).view(x.shape)
+
+
+def quantize_rows(x: torch.Tensor, err_norm: float, w_norm: float, step: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``_quantize_rows`` of fp32 CPU rows ``x (B, H)``: uint8 codes, bounds ``(B,)`` float64, max ``‖qx‖``."""
+    xu, bound, top = _quantize_rows(x.detach().contiguous().numpy(), err_norm, w_norm, step)
+    return torch.from_numpy(xu), torch.from_numpy(bound), float(top)
 
 
 def screen_pick(y: torch.Tensor, margin: torch.Tensor, weight_rows: torch.Tensor, hidden: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:

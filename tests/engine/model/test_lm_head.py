@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.model import cpu_fused
 from engine.model.lm_head import BLOCK, HeadRows, Int8Screen, LMHead
 
 pytestmark = pytest.mark.skipif(not Int8Screen.available(), reason="no CPU int8 GEMM in this torch")
@@ -113,3 +114,18 @@ def test_non_finite_hidden_states_fall_back_to_the_projection() -> None:
     x[2, 0] = float("inf")
     got = head.argmax(x)
     assert torch.equal(got, head.logits(x).argmax(-1)) and bool((got < 3000).all())
+
+
+@pytest.mark.skipif(not cpu_fused.available(), reason="numba missing")
+def test_compiled_quantize_matches_the_tensor_ops() -> None:
+    """``cpu_fused.quantize_rows`` (the uint8 screen's input) gives the codes, bounds and largest
+    code norm of ``Int8Screen.quantize``, a zero row included."""
+    g = torch.Generator().manual_seed(7)
+    screen = Int8Screen(torch.randn(300, 48, generator=g))
+    x = torch.randn(9, 48, generator=g) * torch.logspace(-3, 2, 9)[:, None]
+    x[4] = 0.0
+    qx, bound = screen.quantize(x)
+    xu, bound_c, top = cpu_fused.quantize_rows(x, screen.err_norm, screen.w_norm, screen.step)
+    assert torch.equal(xu, (qx + 128).to(torch.uint8))
+    torch.testing.assert_close(bound_c, bound, rtol=1e-12, atol=0)
+    assert top == pytest.approx(float(qx.norm(dim=1).max()), rel=1e-12)

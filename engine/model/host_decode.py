@@ -54,6 +54,7 @@ class _RateStep:
     close_rows: torch.Tensor | None  # (m,) flat destination row of each closing window
     close_pos: torch.Tensor | None  # (m,) position of each closing window's row (window * r)
     has_prev: torch.Tensor | None  # (m, 1, 1) window > 0, None when all are
+    close_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin at close_pos (fp32), made once per step
 
 
 @dataclass
@@ -189,7 +190,9 @@ class HostDecoder(StaticDecoder):
         if self.compiled and cpu_fused.usable(kv) and cp.buf_kv.dtype == torch.float32:  # one compiled loop
             cos = sin = None
             if rs.close:
-                cos, sin = rotary.cos_sin(rs.close_pos, torch.float32)
+                if rs.close_rope is None:  # the compressor and the indexer of a rate share it
+                    rs.close_rope = rotary.cos_sin(rs.close_pos, torch.float32)
+                cos, sin = rs.close_rope
             cpu_slots.compress_step(
                 cp.buf_kv, cp.buf_gate, rs.buf_at, kv, gate, rs.close_slots, rs.close_rows, rs.has_prev, cos, sin,
                 cp.overlap_kv, cp.overlap_gate, comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, cp.rows,

@@ -236,16 +236,17 @@ def _sum(a: np.ndarray) -> np.float32:
     return s
 
 
+def _inv_rms(row: np.ndarray, eps: float) -> np.float32:
+    """``1 / sqrt(mean(row²) + eps)`` in fp32 (the sum of squares a vectorised ``_dot``)."""
+    return np.float32(1.0) / np.sqrt(_dot(row, row) / np.float32(row.shape[0]) + np.float32(eps))
+
+
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, weighted: bool) -> np.ndarray:
     """Each row of ``x (R, H)`` times ``1/sqrt(mean(x²) + eps)`` (then ``weight`` when ``weighted``)."""
     r, h = x.shape
     out = np.empty((r, h), np.float32)
-    e = np.float32(eps)
     for i in range(r):
-        ss = np.float32(0.0)
-        for c in range(h):
-            ss += x[i, c] * x[i, c]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(h) + e)
+        inv = _inv_rms(x[i], eps)
         if weighted:
             for c in range(h):
                 out[i, c] = weight[c] * (x[i, c] * inv)
@@ -256,19 +257,27 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, weighted: bool) -> 
 
 
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    n, m, d = x.shape
+    """A rotated copy of ``x (n, heads, D)`` (``_rope_in_place``)."""
+    out = x.copy()
+    _rope_in_place(out, cos, sin, 1.0)
+    return out
+
+
+def _rope_in_place(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, sign: float) -> None:
+    """RoPE in place on the trailing rope channels of every head of ``x (n, heads, D)`` by ``cos/sin
+    (n, R/2)`` (``sign`` -1 undoes it); per channel pair the products and sums of ``apply_rope``
+    (no fused multiply-add), so the same values."""
+    n, heads, d = x.shape
     half = cos.shape[1]
     start = d - 2 * half
-    out = x.copy()
     for t in range(n):
-        for h in range(m):
+        for hd in range(heads):
             for i in range(half):
-                even = x[t, h, start + 2 * i]
-                odd = x[t, h, start + 2 * i + 1]
-                c, s = cos[t, i], sin[t, i]
-                out[t, h, start + 2 * i] = even * c - odd * s
-                out[t, h, start + 2 * i + 1] = odd * c + even * s
-    return out
+                even = x[t, hd, start + 2 * i]
+                odd = x[t, hd, start + 2 * i + 1]
+                c, s = cos[t, i], np.float32(sign) * sin[t, i]
+                x[t, hd, start + 2 * i] = even * c - odd * s
+                x[t, hd, start + 2 * i + 1] = odd * c + even * s
 
 
 def _quantize_rows(x: np.ndarray, err_norm: float, w_norm: float, step: float) -> tuple[np.ndarray, np.ndarray, float]:
@@ -365,7 +374,9 @@ if numba is not None:  # error_model="numpy": a float division by zero gives inf
     _sum = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_sum)
     _mlp_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp_rows)
     _experts = numba.njit(cache=True, nogil=True, error_model="numpy")(_experts)
+    _rope_in_place = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope_in_place)
     _rope = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope)
+    _inv_rms = numba.njit(cache=True, nogil=True, error_model="numpy")(_inv_rms)
     _rms_norm = numba.njit(cache=True, nogil=True, error_model="numpy")(_rms_norm)
     _screen_pick = numba.njit(cache=True, nogil=True, error_model="numpy")(_screen_pick)
     _quantize_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_quantize_rows)

@@ -160,7 +160,7 @@ def _block_input(
     mixes = np.empty((n, m), np.float32)
     row = np.empty(width, np.float32)
     for t in range(n):
-        inv = _inv_rms(flat[t], norm_eps)
+        inv = cpu_fused._inv_rms(flat[t], norm_eps)
         for c in range(width):
             row[c] = flat[t, c] * inv
         for o in range(m):
@@ -170,11 +170,6 @@ def _block_input(
     return post, comb, cpu_fused._rms_norm(x, ln_w, ln_eps, True)
 
 
-def _inv_rms(row: np.ndarray, eps: float) -> np.float32:
-    """``1 / sqrt(mean(row²) + eps)`` in fp32."""
-    return np.float32(1.0) / np.sqrt(cpu_fused._dot(row, row) / np.float32(row.shape[0]) + np.float32(eps))
-
-
 def _rows_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x (n, K) @ w (O, K)ᵀ``, each entry one ``cpu_fused._dot``."""
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
@@ -182,22 +177,6 @@ def _rows_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         for o in range(w.shape[0]):
             out[t, o] = cpu_fused._dot(x[t], w[o])
     return out
-
-
-def _rope_heads(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, sign: float) -> None:
-    """RoPE in place on the trailing rope channels of every head of ``x (n, heads, D)``
-    (``sign`` -1 undoes it); per channel pair the products and sums of ``apply_rope``."""
-    n, heads, d = x.shape
-    half = cos.shape[1]
-    start = d - 2 * half
-    for t in range(n):
-        for hd in range(heads):
-            for i in range(half):
-                even = x[t, hd, start + 2 * i]
-                odd = x[t, hd, start + 2 * i + 1]
-                c, s = cos[t, i], np.float32(sign) * sin[t, i]
-                x[t, hd, start + 2 * i] = even * c - odd * s
-                x[t, hd, start + 2 * i + 1] = odd * c + even * s
 
 
 def _project_x(
@@ -222,14 +201,14 @@ def _project_q(
     q = _rows_dot(q_res, q_b).reshape(n, nh, d)
     for t in range(n):
         for hd in range(nh):
-            inv = _inv_rms(q[t, hd], q_eps)
+            inv = cpu_fused._inv_rms(q[t, hd], q_eps)
             for c in range(d):
                 q[t, hd, c] = q[t, hd, c] * inv
-    _rope_heads(q, cos, sin, 1.0)
+    cpu_fused._rope_in_place(q, cos, sin, 1.0)
     kv = cpu_fused._rms_norm(kv_raw, kvn_w, kv_eps, True).reshape(n, 1, d)
-    _rope_heads(kv, cos, sin, 1.0)
+    cpu_fused._rope_in_place(kv, cos, sin, 1.0)
     idx_q = _rows_dot(q_res, idx_q_b).reshape(n, hi, di)
-    _rope_heads(idx_q, cos, sin, 1.0)
+    cpu_fused._rope_in_place(idx_q, cos, sin, 1.0)
     return q, kv.reshape(n, d), idx_q
 
 
@@ -239,7 +218,7 @@ def _attn_output(out: np.ndarray, cos: np.ndarray, sin: np.ndarray, o_a: np.ndar
     ``o_b`` → ``(n, H)``."""
     n, nh, d = out.shape
     o = out.copy()
-    _rope_heads(o, cos, sin, -1.0)
+    cpu_fused._rope_in_place(o, cos, sin, -1.0)
     flat = o.reshape(n, nh * d)
     in_g = nh * d // groups
     lora = o_a.shape[0] // groups
@@ -307,9 +286,7 @@ def _moe(
 
 if cpu_fused.numba is not None:
     _jit = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")
-    _inv_rms = _jit(_inv_rms)
     _rows_dot = _jit(_rows_dot)
-    _rope_heads = _jit(_rope_heads)
     _block_input = _jit(_block_input)
     _project_x = _jit(_project_x)
     _project_q = _jit(_project_q)

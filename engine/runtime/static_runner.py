@@ -37,6 +37,12 @@ class StaticRunner:
         self._slot: dict[int, int] = {}  # id(seq) -> slot
         self.steps = 0  # static steps run (tests and metrics read it)
 
+    def warm_up(self) -> None:
+        """Compile the CPU decode step's kernels before the first request (``HostDecoder.warm_up``;
+        nothing to do on the GPU path, whose graphs are captured on first use per bucket)."""
+        if isinstance(self.decoder, HostDecoder):
+            self.decoder.warm_up()
+
     def holds(self, seq: Sequence) -> bool:
         return id(seq) in self._slot
 

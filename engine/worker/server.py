@@ -95,6 +95,8 @@ class Worker:
                     metrics=metrics,
                 )
             cores.append(EngineCore(model, build_sampler(model, config.model_dir), engine_cfg, kv=kv, metrics=metrics, dp_rank=rank))
+        if cores[0].static is not None:  # compile the CPU step's kernels before /health answers 200
+            cores[0].static.warm_up()
         self.fingerprint = cores[0].kv.fingerprint if cores[0].kv is not None else ""
         self.loop = EngineLoop(cores, self.worker_id)
 

@@ -216,3 +216,22 @@ def test_static_decode_triton_kernels_under_interpreter(
     assert proc.returncode == 0 and "ok" in proc.stdout, (
         proc.stdout[-2000:] + proc.stderr[-3000:]
     )
+
+
+def test_host_warm_up_leaves_no_trace(model) -> None:
+    """``HostDecoder.warm_up`` runs its throwaway sequences through the last two slots and frees
+    them: a sequence loaded there afterwards decodes as on the general path."""
+    dec = HostDecoder(model, max_slots=3, max_tokens=400)
+    dec.warm_up()
+    assert dec.num_tokens == [0, 0, 0] and dec.token_ids == [[], [], []]
+    (seq,) = prefilled(model, [37], seed=9)
+    general = seq.clone()
+    dec.load(2, seq)
+    rng = random.Random(10)
+    worst = 0.0
+    for _ in range(12):
+        tok = _ids(1, rng)
+        want = model([(general, tok)])
+        with torch.inference_mode():
+            worst = max(worst, (want - model.head.logits(dec.step([2], tok))).abs().max().item())
+    assert worst <= TOL, worst

@@ -49,6 +49,9 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection; parses one answer at a time into ``lines``."""
 
     def __init__(self) -> None:
+        # The loop, kept: asyncio.get_running_loop() per wait cost a getpid() system call each
+        # time (CPython checks the loop's process), one per request under strace.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
@@ -206,7 +209,7 @@ class _Conn(asyncio.Protocol):
     def wait(self) -> asyncio.Future:
         """A future set once more of the answer (or an error) is in: await it. (A plain
         function, not a coroutine: one frame less per wait.)"""
-        w = self.waiter = asyncio.get_running_loop().create_future()
+        w = self.waiter = self.loop.create_future()
         return w
 
     def resume(self) -> None:

@@ -157,7 +157,7 @@ class _Connection(asyncio.Protocol):
         self.last_active = 0.0
         self.dead = False  # a request was refused: parse nothing more
         self.refusal: Response | None = None  # its answer, sent after the earlier requests' ones
-        # the request being parsed
+        # the request being parsed (_begin resets them)
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []  # as received (Request.headers decodes)
         self._length = b""  # its Content-Length and Expect values
@@ -207,7 +207,9 @@ class _Connection(asyncio.Protocol):
             self._refuse(400, f"malformed request: {exc}")
 
     # ---- parser callbacks ----------------------------------------------------------------------
-    def on_message_begin(self) -> None:
+    # No on_message_begin: the parser calls only the callbacks the protocol has, and each call
+    # from C costs ~0.15 µs; on_message_complete resets the parse state for the next request.
+    def _begin(self) -> None:
         self._url = b""
         self._headers = []
         self._length = self._expect = b""
@@ -252,6 +254,7 @@ class _Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
         req = Request(self, p.get_method(), path.decode("latin-1"), query.decode("latin-1"), self._headers, body, p.should_keep_alive())
+        self._begin()
         if self.next is not None and not self.next.done():  # the connection's task waits for it
             self.next.set_result(req)
             self.next = None

@@ -1,4 +1,4 @@
-"""One decoder layer's decode step on the CPU in six compiled calls (numba) around the attention.
+"""One decoder layer's decode step on the CPU in eight compiled calls (numba) around the attention.
 
 A CPU decode step is a few dozen tokens, so the eager layer (``DecoderLayer.blocks``) costs its
 ~200 PyTorch calls and module dispatches, not its arithmetic: ~0.7 ms per layer at one token.
@@ -9,7 +9,7 @@ Here the parts around the slot attention are each one compiled loop over the tok
 2. ``_project_x`` and ``_project_q``: every projection of the normalised input, ``q_a_norm``,
    the ``q_b`` projections of attention and indexer, the q head norm, the kv norm, RoPE on q,
    kv and the indexer queries;
-3. (the caller's attention over its own state, PyTorch, unchanged)
+3. the caller's attention over its own state (``HostDecoder``: ``cpu_slots``' loops);
 4. ``_attn_output``: RoPE undone on the values, the grouped ``o_a`` and ``o_b`` projections;
    then ``cpu_fused._merge`` (the stream merge), ``_block_input`` again for the MoE block;
 5. ``_moe``: the router (score or hash), then ``cpu_fused._experts`` (routed + shared).

@@ -3,7 +3,7 @@ running sequence over 1,000 requests, in one run.
 
     python -m bench.engine_bench --output FILE.json [--model DIR] [--new-tokens 128]
         [--concurrency 1,8,32] [--prompt-lens 256,1024] [--memory-requests 1000] [--repeats 2]
-        [--general-path]
+        [--general-path] [--eager-slots]
 
 Throughput. For each prompt length P and concurrency B, B requests of P random token ids arrive
 at once; greedy, ``ignore_eos``, exactly N output tokens each.
@@ -15,6 +15,8 @@ at once; greedy, ``ignore_eos``, exactly N output tokens each.
   run has the same length and nothing is padded; ``min_new_tokens = max_new_tokens = N``.
 - ``--general-path``: our engine again with decode on the general path (per-sequence state
   tensors, ``engine/model/decode.py``) instead of the slot pools, side by side.
+- ``--eager-slots``: our engine again with the slot decode's eager PyTorch layers and attention
+  (``HostDecoder.compiled`` off) instead of its compiled loops, side by side.
 Both fp32, one intra-op thread (the engine's default: on a shared 2-core machine extra threads
 spin-wait), in this process, ours then transformers for each point, so both see the same machine.
 "same tokens" counts the sequences whose greedy outputs agree token for token (the two must
@@ -109,17 +111,26 @@ def run_hf(hf: Any, batch: list[list[int]], new_tokens: int) -> dict[str, Any]:
     return {"tok_s": len(batch) * new_tokens / elapsed, "elapsed_s": elapsed, "tokens": tokens}
 
 
-def throughput(engine: EngineCore, hf: Any, args: argparse.Namespace, vocab: int, general: EngineCore | None = None) -> list[dict[str, Any]]:
-    """Every (prompt length, concurrency) point: ours, transformers and (``general``) our engine
-    with decode on the general path instead of the slot pools, one after the other."""
+# side-by-side variants of our engine: (JSON key, label in the table, what it runs instead)
+VARIANTS = {
+    "general_path": ("general", "decode in the slot pools (default) against the general path"),
+    "eager_slots": ("eager", "the slot decode's compiled layers and attention (default) against its eager PyTorch path"),
+}
+
+
+def throughput(engine: EngineCore, hf: Any, args: argparse.Namespace, vocab: int, variants: dict[str, EngineCore] | None = None) -> list[dict[str, Any]]:
+    """Every (prompt length, concurrency) point: ours, transformers and each of ``variants`` (our
+    engine run another way, ``VARIANTS``), one after the other."""
     rows = []
     for plen in args.prompt_lens:
         for conc in args.concurrency:
             batch = prompts(conc, plen, seed=plen * 1000 + conc, vocab=vocab)
             ours = max((run_ours(engine, batch, args.new_tokens, f"p{plen}c{conc}r{r}") for r in range(args.repeats)), key=lambda r: r["tok_s"])
             theirs = None
-            if general is not None:
-                plain = max((run_ours(general, batch, args.new_tokens, f"g{plen}c{conc}r{r}") for r in range(args.repeats)), key=lambda r: r["tok_s"])
+            other = {
+                name: max((run_ours(eng, batch, args.new_tokens, f"{name}{plen}c{conc}r{r}") for r in range(args.repeats)), key=lambda r: r["tok_s"])
+                for name, eng in (variants or {}).items()
+            }  # fmt: skip
             if hf is not None:
                 theirs = max((run_hf(hf, batch, args.new_tokens) for _ in range(args.repeats)), key=lambda r: r["tok_s"])
             row = {
@@ -131,8 +142,8 @@ def throughput(engine: EngineCore, hf: Any, args: argparse.Namespace, vocab: int
                 "ours_first_token_s": ours["first_token_s"],
                 "ours_steps": ours["steps"],
             }
-            if general is not None:
-                row |= {"general_path_tok_s": plain["tok_s"], "slots_vs_general_path": ours["tok_s"] / plain["tok_s"]}
+            for name, res in other.items():
+                row |= {f"{name}_tok_s": res["tok_s"], f"slots_vs_{name}": ours["tok_s"] / res["tok_s"]}
             if theirs is not None:
                 same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
                 row |= {
@@ -203,12 +214,13 @@ def render(report: dict[str, Any]) -> str:
         f"{'prompt':>6}  {'conc':>4}  {'new':>4}  {'ours':>10}  {'transformers':>10}  {'ratio':>7}  {'same':>6}",
     ]
     lines += [_row_line(r) for r in report["throughput"]]
-    if any("general_path_tok_s" in r for r in report["throughput"]):
-        lines += ["", "decode in the slot pools (default) against the general path, same process:"]
-        lines += [
-            f"{r['prompt_len']:>6}  {r['concurrency']:>4}  slots {r['ours_tok_s']:8.1f}  general {r['general_path_tok_s']:8.1f}  {r['slots_vs_general_path']:5.2f}x"
-            for r in report["throughput"]
-        ]
+    for name, (label, title) in VARIANTS.items():
+        if any(f"{name}_tok_s" in r for r in report["throughput"]):
+            lines += ["", f"{title}, same process:"]
+            lines += [
+                f"{r['prompt_len']:>6}  {r['concurrency']:>4}  ours {r['ours_tok_s']:8.1f}  {label} {r[f'{name}_tok_s']:8.1f}  {r[f'slots_vs_{name}']:5.2f}x"
+                for r in report["throughput"]
+            ]
     m = report.get("memory")
     if m:
         mib = 1 << 20
@@ -238,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-concurrency", type=int, default=64)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--general-path", action="store_true", help="also run our engine with decode on the general path (no slot pools)")
+    ap.add_argument("--eager-slots", action="store_true", help="also run our engine with the slot decode's eager PyTorch layers and attention (no compiled loops)")
     args = ap.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
@@ -253,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(model_dir, dtype="float32", progress=False)
     max_seqs = max(64, max(args.concurrency), args.memory_concurrency)
     engine = build_engine(model_dir, EngineConfig(max_num_seqs=max_seqs), model=model)  # sets 1 thread
-    general = build_engine(model_dir, EngineConfig(max_num_seqs=max_seqs, static_decode=False), model=model) if args.general_path else None
+    variants: dict[str, EngineCore] = {}
+    if args.general_path:
+        variants["general_path"] = build_engine(model_dir, EngineConfig(max_num_seqs=max_seqs, static_decode=False), model=model)
+    if args.eager_slots and engine.static is not None and hasattr(engine.static.decoder, "compiled"):
+        variants["eager_slots"] = eager = build_engine(model_dir, EngineConfig(max_num_seqs=max_seqs), model=model)
+        eager.static.decoder.compiled = False
     torch.set_num_threads(int(os.environ.get("DEEPSERVE_CPU_THREADS", "1")))
     vocab = model.config.vocab_size
     hf = None
@@ -285,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         report["machine"]["transformers"] = transformers.__version__
-    report["throughput"] = throughput(engine, hf, args, vocab, general)
+    report["throughput"] = throughput(engine, hf, args, vocab, variants)
     del hf
     report["memory"] = memory(engine, args, vocab) if args.memory_requests else None
     report["wall_s"] = time.perf_counter() - t_start

@@ -19,10 +19,10 @@ Unlike the CUDA-graph path, nothing is padded to a bucket and no shape is fixed:
 every position, so a step reads only the rows that exist. With ``compiled`` (the default where
 numba runs) each layer is a handful of compiled loops instead of ~200 PyTorch calls: the mHC,
 projections, output projection and MoE through ``cpu_layer.decode_layer``, the attention over
-the ring and rows read in place and the compressors' token step through ``cpu_slots`` (step at
-8 sequences of 256 tokens 5.5 -> 3.7 ms, at 32 12.0 -> 9.6 ms, one thread). Without it, the
-general path's own modules (``DecoderLayer.blocks``, ``Attention.project_attend``) run the
-step. Either way the tokens and logprobs equal the general path's within fp32 rounding (the
+the ring and rows read in place and the compressors' token step through ``cpu_slots``
+(``bench.engine_bench --eager-slots``: 1.48x the eager path's throughput at 8 sequences of
+256 tokens, 1.25x at 32). Without it, the general path's own modules (``DecoderLayer.blocks``,
+``Attention.project_attend``) run the step. Either way the tokens and logprobs equal the general path's within fp32 rounding (the
 tests compare both).
 """
 
@@ -111,12 +111,18 @@ class HostDecoder(StaticDecoder):
             self.token_ids[s].append(int(t))
         return model.model.norm(model.model.hc_head(streams))
 
+    @property
+    def _compiled_here(self) -> bool:
+        """``compiled`` and the compiled loops can run: numba works and the pools are fp32 (the
+        layers check their own weights in ``cpu_layer.pack``)."""
+        return self.compiled and self.dtype == torch.float32 and cpu_fused.available()
+
     def warm_up(self) -> None:
         """Compile the step's numba kernels now instead of on the first request (~15 s on a cold
         numba cache, well under a second from its on-disk cache): two 8-token sequences prefilled
         on the general path, two decode steps in the last two slots (CSA rows exist by then, so
         every kernel runs), the head's greedy pass on two rows and on one; the slots are freed."""
-        if not (self.compiled and self.dtype == torch.float32 and cpu_fused.available()) or self.max_tokens < 16:
+        if not self._compiled_here or self.max_tokens < 16:
             return
         model = self.model
         slots = list(range(max(0, self.max_slots - 2), self.max_slots))
@@ -149,7 +155,7 @@ class HostDecoder(StaticDecoder):
             if comp is not None and comp.rate not in rates:
                 rates[comp.rate] = self._rate_step(comp.rate, slots, positions, slot_t, pos_t)
         st = _Step(slot_t, pos_t, slot_t * w + pos_t % w, rates)
-        if not (self.compiled and self.dtype == torch.float32 and cpu_fused.available()):  # the eager attention gathers the window
+        if not self._compiled_here:  # the eager attention gathers the window
             back = torch.arange(w - 1, -1, -1)  # key j of the window is position p - (W-1) + j
             st.window_at = slot_t[:, None] * w + torch.remainder(pos_t[:, None] - back[None, :], w)
             if min(positions) < w - 1:
@@ -192,7 +198,7 @@ class HostDecoder(StaticDecoder):
                 row_at = rs.row_base[:, None] + torch.arange(t)  # (n, T)
                 if min(rs.counts) < t:
                     row_bias = pad_bias(rs.counts, t, p.q.dtype, ring.device)
-        if st.window_at is None:  # one compiled loop reading the ring and the rows in place
+        if self._compiled_here:  # one compiled loop reading the ring and the rows in place
             w = self.cfg.sliding_window
             return cpu_slots.gather_attend(p.q, ring, st.slots, st.positions, w, rows, row_at, row_bias, attn.sinks, attn.scaling)
         win = ring.index_select(0, st.window_at.view(-1)).view(*st.window_at.shape, -1)  # (n, W, D)
@@ -201,14 +207,14 @@ class HostDecoder(StaticDecoder):
 
     def _index_scores(self, idx: Indexer, p: Projected, lp: LayerPool, rs: _RateStep, t: int) -> torch.Tensor:
         """The indexer's scores of each token over rows ``0 .. t-1`` of its slot ``(n, t)``."""
-        if self.compiled and cpu_fused.usable(p.idx_q):  # rows read in place
+        if self._compiled_here:  # rows read in place
             flat = lp.index.rows.view(-1, lp.index.rows.shape[-1])
             return cpu_slots.index_scores(p.idx_q, p.idx_w, flat, rs.row_base, t, idx.softmax_scale, idx.weights_scaling)
         return idx.scores(p.idx_q, p.idx_w, _slot_rows(lp.index.rows, rs, t))
 
     def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, rs: _RateStep, rotary: Rotary) -> None:
         """Buffer the token's projections; pool the windows that close and store their rows."""
-        if self.compiled and cpu_fused.usable(kv) and cp.buf_kv.dtype == torch.float32:  # one compiled loop
+        if self._compiled_here:  # one compiled loop
             cos = sin = None
             if rs.close:
                 if rs.close_rope is None:  # the compressor and the indexer of a rate share it

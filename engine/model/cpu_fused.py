@@ -236,6 +236,13 @@ def _sum(a: np.ndarray) -> np.float32:
     return s
 
 
+def _max(a: np.ndarray, m: np.float32) -> np.float32:
+    """``max(m, max(a))`` over fp32 values with no NaN, vectorised (compiled with ``nnan``)."""
+    for i in range(a.shape[0]):
+        m = max(m, a[i])
+    return m
+
+
 def _inv_rms(row: np.ndarray, eps: float) -> np.float32:
     """``1 / sqrt(mean(row²) + eps)`` in fp32 (the sum of squares a vectorised ``_dot``)."""
     return np.float32(1.0) / np.sqrt(_dot(row, row) / np.float32(row.shape[0]) + np.float32(eps))
@@ -314,14 +321,15 @@ def _quantize_rows(x: np.ndarray, err_norm: float, w_norm: float, step: float) -
 def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray, limit: int, best: np.ndarray, row_max: np.ndarray) -> bool:
     """``lm_head`` screen → tokens: per row the maximum of the screened values ``y (B, V)``
     (integers), the candidates ``y ≥ max − margin`` and among them the best float64 logit
-    ``w[v]·h[b]`` (lowest id on a tie; ``V`` when none is finite). False, with ``best`` unset,
-    when the candidates number more than ``limit`` in all. Maxima per block of ``SCREEN_BLOCK``
-    columns first (vectorised), so the candidate search only walks blocks that reach the bar."""
+    ``w[v]·h[b]`` (lowest id on a tie; ``V`` when none is finite). False as soon as the
+    candidates number more than ``limit`` in all (``best`` then partly set). Per row: maxima per
+    block of ``SCREEN_BLOCK`` columns first (vectorised), then one walk over the blocks that reach
+    the bar, scoring each candidate as it is found."""
     b_size, v_size = y.shape
     blk = SCREEN_BLOCK
     nb = (v_size + blk - 1) // blk
-    bmax = np.empty((b_size, nb), np.int64)
-    bar = np.empty(b_size, np.int64)
+    bmax = np.empty(nb, y.dtype)
+    d_size = w.shape[1]
     total = 0
     for b in range(b_size):
         row = y[b]
@@ -331,32 +339,28 @@ def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray
             m = seg[0]
             for i in range(seg.shape[0]):  # from 0 (seg[0] again): a whole-block loop vectorises, ~4x faster
                 m = max(m, seg[i])
-            bmax[b, k] = m
+            bmax[k] = m
             top = max(top, m)
         row_max[b] = top
-        bar[b] = np.int64(np.ceil(np.float64(top) - margin[b]))  # y is an integer: y >= thr <=> y >= ceil(thr)
-        for k in range(nb):
-            if bmax[b, k] >= bar[b]:
-                for v in range(k * blk, min(v_size, (k + 1) * blk)):
-                    if row[v] >= bar[b]:
-                        total += 1
-    if total > limit:
-        return False
-    for b in range(b_size):
-        row = y[b]
+        bar = np.int64(np.ceil(np.float64(top) - margin[b]))  # y is an integer: y >= thr <=> y >= ceil(thr)
         top_logit = -np.inf
         pick = v_size
+        hb = h[b]
         for k in range(nb):
-            if bmax[b, k] < bar[b]:
+            if bmax[k] < bar:
                 continue
             for v in range(k * blk, min(v_size, (k + 1) * blk)):
-                if row[v] >= bar[b]:
+                if row[v] >= bar:
+                    total += 1
+                    wv = w[v]
                     acc = 0.0
-                    for d in range(w.shape[1]):
-                        acc += np.float64(w[v, d]) * np.float64(h[b, d])
+                    for c in range(d_size):
+                        acc += np.float64(wv[c]) * np.float64(hb[c])
                     if acc > top_logit:
                         top_logit = acc
                         pick = v
+            if total > limit:  # too many candidates: stop at once
+                return False
         best[b] = pick
     return True
 
@@ -372,6 +376,7 @@ if numba is not None:  # error_model="numpy": a float division by zero gives inf
     _merge = numba.njit(cache=True, nogil=True, error_model="numpy")(_merge)
     _dot = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_dot)
     _sum = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_sum)
+    _max = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"nnan", "reassoc", "nsz"}, inline="always")(_max)
     _mlp_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp_rows)
     _experts = numba.njit(cache=True, nogil=True, error_model="numpy")(_experts)
     _rope_in_place = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope_in_place)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.model import cpu_fused
-from engine.model.cpu_fused import _dot, _exp, _sum
+from engine.model.cpu_fused import _dot, _exp, _max, _sum
 
 
 def _gather_attend(
@@ -37,37 +37,55 @@ def _gather_attend(
     e = row_at.shape[1]
     sc = np.float32(scaling)
     neg = np.float32(-np.inf)
+    zero = np.float32(0.0)
     out = np.zeros((n, nh, d), np.float32)
     logit = np.empty((nh, window + e), np.float32)
-    total = np.empty(nh, np.float32)
+    key = np.empty(window + e, np.int64)  # ring entry (window keys) or pool row (-1 - row) of key j
     for t in range(n):
         base, p = slots[t] * window, positions[t]
         first = max(0, p - window + 1)
         w = p - first + 1  # visible window keys
-        for j in range(w + e):
-            if j < w:
-                row = ring[base + (first + j) % window]
-                b = np.float32(0.0)
-            else:
-                row = rows[row_at[t, j - w]]
-                b = row_bias[t, j - w] if row_bias.shape[1] else np.float32(0.0)
+        at = base + first % window
+        for j in range(w):  # the ring's entries in chronological order: at most one wrap
+            key[j] = at
+            at = at + 1 if at + 1 < base + window else base
+        for j in range(e):
+            key[w + j] = -1 - row_at[t, j]
+        m_all = w + e
+        for j in range(m_all):
+            row = ring[key[j]] if j < w else rows[-1 - key[j]]
+            b = row_bias[t, j - w] if j >= w and row_bias.shape[1] else zero
             for h in range(nh):
                 logit[h, j] = _dot(q[t, h], row) * sc + b
         for h in range(nh):
-            m = sinks[h]
-            for j in range(w + e):
-                m = max(m, logit[h, j])
-            for j in range(w + e):  # no reduction in this loop: it vectorises
-                v = logit[h, j]
+            lh = logit[h, :m_all]
+            m = _max(lh, sinks[h])
+            for j in range(m_all):  # no reduction in these loops: they vectorise
+                v = lh[j]
                 pr = _exp(v - m)
-                logit[h, j] = np.float32(0.0) if v == neg else pr
-            total[h] = _exp(sinks[h] - m) + _sum(logit[h, : w + e])
-        for j in range(w + e):
-            row = ring[base + (first + j) % window] if j < w else rows[row_at[t, j - w]]
+                lh[j] = zero if v == neg else pr
+            total = _exp(sinks[h] - m) + _sum(lh)
+            for j in range(m_all):
+                lh[j] = lh[j] / total
+        o = out[t]
+        j = 0
+        while j + 4 <= m_all:  # four keys per pass over the output: a quarter of its loads and stores
+            r0 = ring[key[j]] if j < w else rows[-1 - key[j]]
+            r1 = ring[key[j + 1]] if j + 1 < w else rows[-1 - key[j + 1]]
+            r2 = ring[key[j + 2]] if j + 2 < w else rows[-1 - key[j + 2]]
+            r3 = ring[key[j + 3]] if j + 3 < w else rows[-1 - key[j + 3]]
             for h in range(nh):
-                pr = logit[h, j] / total[h]
+                p0, p1, p2, p3 = logit[h, j], logit[h, j + 1], logit[h, j + 2], logit[h, j + 3]
                 for c in range(d):
-                    out[t, h, c] += pr * row[c]
+                    o[h, c] += (p0 * r0[c] + p1 * r1[c]) + (p2 * r2[c] + p3 * r3[c])
+            j += 4
+        while j < m_all:
+            r0 = ring[key[j]] if j < w else rows[-1 - key[j]]
+            for h in range(nh):
+                p0 = logit[h, j]
+                for c in range(d):
+                    o[h, c] += p0 * r0[c]
+            j += 1
     return out
 
 
@@ -115,6 +133,54 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, row_base:
         q.detach().contiguous().numpy(), w.detach().contiguous().numpy(), rows.detach().numpy(), row_base.numpy(), t,
         softmax_scale, weights_scaling,
     ))  # fmt: skip
+
+
+def _top_rows(scores: np.ndarray, counts: np.ndarray, topk: int, chosen: np.ndarray, taken: np.ndarray) -> bool:
+    """``decode.pick_rows`` without ``torch.topk``: each row ``i``'s best ``min(topk, counts[i])``
+    columns of ``scores[i, :counts[i]]``, highest first, into ``chosen[i]`` (count in
+    ``taken[i]``). False when a row has a NaN or a tie across its cut (the k-th best equals the
+    best left out): there the chosen set depends on ``topk``'s tie order, which the caller
+    keeps by using it. Without such a tie the set is the one ``topk`` picks; equal scores
+    inside it are listed lowest column first."""
+    for i in range(scores.shape[0]):
+        c = counts[i]
+        k = min(topk, c)
+        taken[i] = k
+        out = chosen[i]
+        n = 0  # columns held, best first
+        left = -np.inf  # the best column left out so far
+        row = scores[i]
+        for j in range(c):
+            v = row[j]
+            if v != v:
+                return False
+            if n == k:
+                if v <= row[out[k - 1]]:
+                    left = max(left, v)
+                    continue
+                left = max(left, row[out[k - 1]])
+                n -= 1
+            at = n
+            while at > 0 and row[out[at - 1]] < v:  # strict: an equal score stays after the earlier column
+                out[at] = out[at - 1]
+                at -= 1
+            out[at] = j
+            n += 1
+        if k < c and left == row[out[k - 1]]:
+            return False
+    return True
+
+
+def top_rows(scores: torch.Tensor, counts: list[int], topk: int) -> tuple[torch.Tensor, list[int]] | None:
+    """``_top_rows`` on an fp32 ``scores (n, T)``: ``(n, k_max)`` int64 columns (row ``i``'s first
+    ``taken[i]`` valid) and ``taken``, or None where only ``torch.topk`` decides (a tie across
+    the cut, a NaN)."""
+    k_max = min(topk, max(counts))
+    chosen = np.zeros((scores.shape[0], k_max), np.int64)
+    taken = np.zeros(scores.shape[0], np.int64)
+    if not _top_rows(scores.contiguous().numpy(), np.asarray(counts, np.int64), topk, chosen, taken):
+        return None
+    return torch.from_numpy(chosen), taken.tolist()
 
 
 def _compress_step(
@@ -211,3 +277,4 @@ if cpu_fused.numba is not None:
     _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_gather_attend)
     _compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)
     _index_scores = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_index_scores)
+    _top_rows = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_top_rows)

@@ -192,7 +192,7 @@ class HostDecoder(StaticDecoder):
                 self._compress(idx, lp.index, p.idx_kv, p.idx_gate, rs, rotary)
                 if t:
                     scores = self._index_scores(idx, p, lp, rs, t)  # (n, T)
-                    chosen, row_bias = pick_rows(idx, scores, rs.counts, p.q.dtype)  # (n, k)
+                    chosen, row_bias = self._pick_rows(idx, scores, rs.counts, p.q.dtype)  # (n, k)
                     row_at = rs.row_base[:, None] + chosen
             elif t:
                 row_at = rs.row_base[:, None] + torch.arange(t)  # (n, T)
@@ -204,6 +204,17 @@ class HostDecoder(StaticDecoder):
         win = ring.index_select(0, st.window_at.view(-1)).view(*st.window_at.shape, -1)  # (n, W, D)
         extra = None if row_at is None else _gather_rows(rows, row_at)
         return attend_with_sinks(p.q, win, st.window_bias, extra, row_bias, attn.sinks, attn.scaling)
+
+    def _pick_rows(self, idx: Indexer, scores: torch.Tensor, counts: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``decode.pick_rows``; compiled (``cpu_slots.top_rows``) unless a tie across a row's cut
+        leaves the choice to ``torch.topk``'s order."""
+        if self._compiled_here:
+            picked = cpu_slots.top_rows(scores, counts, idx.topk)
+            if picked is not None:
+                chosen, taken = picked
+                k_max = chosen.shape[1]
+                return chosen, None if min(taken) == k_max else pad_bias(taken, k_max, dtype, scores.device)
+        return pick_rows(idx, scores, counts, dtype)
 
     def _index_scores(self, idx: Indexer, p: Projected, lp: LayerPool, rs: _RateStep, t: int) -> torch.Tensor:
         """The indexer's scores of each token over rows ``0 .. t-1`` of its slot ``(n, t)``."""

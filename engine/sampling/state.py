@@ -86,7 +86,7 @@ class SamplingState:
             grown = torch.empty(2 * self.step, dtype=torch.int64)
             grown[: self.step] = self._out
             self._out = grown
-        self._out[self.step] = token_id
+        self._out.numpy()[self.step] = token_id  # through numpy: ~20x cheaper than a tensor setitem
         self.step += 1
         return self.grammar is None or self.grammar.accept(token_id)
 

@@ -151,6 +151,62 @@ def profile_step(dec, batch: int, out_prefix: str) -> None:
     print(table)
     with open(f"{out_prefix}_b{batch}.txt", "w") as f:
         f.write(head + "\n" + table)
+    if dec.use_graphs:
+        profile_graph(dec, b, out_prefix)
+
+
+def profile_graph(dec, b: int, out_prefix: str) -> None:
+    """Kernels of one graph replay in start order (offset, duration, stream): the replay's span
+    against the sum of its kernels shows launch gaps and overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, _ = dec._graphs[b]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not ev:
+        print("graph profile: no kernels recorded")
+        return
+    per = len(ev) // 3
+    last = ev[-per:]
+    t0 = last[0].time_range.start
+    span = last[-1].time_range.end - t0
+    busy = sum(e.device_time for e in last)
+    lines = [f"graph replay b={b}: {per} kernels, span {span / 1e3:.3f} ms, kernel time {busy / 1e3:.3f} ms"]
+    lines += [f"{(e.time_range.start - t0) / 1e3:8.4f} {e.device_time:7.1f}us  {e.name[:90]}" for e in last]
+    print(lines[0], flush=True)
+    with open(f"{out_prefix}_b{b}_graph.txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def decode_variants(spec: str, ours, base, context: int, extra: int, batches: list[int], iters: int, rows: list) -> None:
+    """Static-step variants 'name:side=0|1,gemv=SLOTS,up=BI.BK.W,down=BH.BK.W;...'
+    (``static_decode.SIDE_STREAM``, ``kernels.moe_gemv.MAX_SLOTS`` / ``UP_CFG`` / ``DOWN_CFG``),
+    each a fresh decoder, graph step and replay per batch."""
+    from engine.model import static_decode as sd
+    from kernels import moe_gemv
+
+    keep = sd.SIDE_STREAM, moe_gemv.MAX_SLOTS, moe_gemv.UP_CFG, moe_gemv.DOWN_CFG
+    for item in spec.split(";"):
+        name, _, opts = item.partition(":")
+        kv = dict(o.split("=") for o in opts.split(",") if o)
+        sd.SIDE_STREAM = kv.get("side", "1") == "1"
+        moe_gemv.MAX_SLOTS = int(kv.get("gemv", keep[1]))
+        moe_gemv.UP_CFG = tuple(int(v) for v in kv["up"].split(".")) if "up" in kv else keep[2]
+        moe_gemv.DOWN_CFG = tuple(int(v) for v in kv["down"].split(".")) if "down" in kv else keep[3]
+        dec = sd.StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra)
+        for batch in batches:
+            nxt = torch.randint(2, ours.config.vocab_size, (batch,)).tolist()
+            t, r = time_static(dec, batch, base, nxt, iters)
+            print(f"decode variant {name} b={batch}: graph step {t * 1e3:.3f} ms, replay {r * 1e3:.3f} ms", flush=True)
+            rows.append({"what": f"decode variant {name} b={batch}", "variant_graph_ms": t * 1e3, "variant_replay_ms": r * 1e3})
+        del dec
+        torch.cuda.empty_cache()
+    sd.SIDE_STREAM, moe_gemv.MAX_SLOTS, moe_gemv.UP_CFG, moe_gemv.DOWN_CFG = keep
 
 
 def time_static(dec, batch: int, base, nxt, iters: int) -> tuple[float, float]:
@@ -387,6 +443,7 @@ def main() -> None:
         default="",
         help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S,hc=BM.BK.W.S.P,hc3=0|1,nr=ROWS;...' (kernels.prefill.FOLD_NORM_ROPE, kernels.moe_grouped, kernels.prefill.ATTN_TUNE / HC_PRE_TUNE, kernels.fused.NORM_ROPE_ROWS)",
     )
+    ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS;...' (first context)")
     ap.add_argument(
         "--small",
         action="store_true",
@@ -571,6 +628,8 @@ def main() -> None:
             print(row, flush=True)
             rows.append(row)
         del dec, dec_plain, dec_um
+        if first and args.decode_variants:
+            decode_variants(args.decode_variants, ours, base, context, extra, batches, args.graph_iters, rows)
         if cuda:
             torch.cuda.empty_cache()
     if cuda and not args.no_fp8:  # FP8 routed experts (engine.model.fp8) in the static step

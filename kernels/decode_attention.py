@@ -149,7 +149,7 @@ def decode_attention(
     num_splits = triton.cdiv(tiles, tiles_per_split)
 
     out = torch.empty_like(q)
-    dummy_i = torch.zeros(1, dtype=torch.int32, device=q.device)
+    dummy_i = torch.empty(1, dtype=torch.int32, device=q.device)  # never read (no fill launch)
     rows_t = rows if has_rows else swa
     if num_splits > 1:
         part_acc = torch.empty(b_size, h, num_splits, d, dtype=torch.float32, device=q.device)

@@ -136,14 +136,20 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams:
 def norm_rope(
     x: torch.Tensor, weight: torch.Tensor | None, mode: int, eps: float,
     cos_tab: torch.Tensor | None = None, sin_tab: torch.Tensor | None = None, pos: torch.Tensor | None = None,
-    pos_div: int = 1, sign: float = 1.0,
+    pos_div: int = 1, sign: float = 1.0, *, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """See ``norm_rope_reference``; ``x (N, G, D)`` with unit last stride → contiguous ``(N, G, D)``."""
+    """See ``norm_rope_reference``; ``x (N, G, D)`` with unit last stride → contiguous ``(N, G, D)``;
+    or, with ``out (R, D)`` contiguous and ``out_rows (N·G,)`` int64, row ``i`` of the result is
+    written to ``out[out_rows[i]]`` (a scatter into a pool, e.g. the window ring) and ``out`` returned."""
     if not use_triton(x):
-        return norm_rope_reference(x, weight, mode, eps, cos_tab, sin_tab, pos, pos_div, sign)
+        y = norm_rope_reference(x, weight, mode, eps, cos_tab, sin_tab, pos, pos_div, sign)
+        return y if out_rows is None else out.index_copy_(0, out_rows, y.reshape(-1, y.shape[-1]))
     n, g, d = x.shape
     assert x.stride(-1) == 1
-    out = torch.empty(n, g, d, dtype=x.dtype, device=x.device)
+    if out_rows is None:
+        out = torch.empty(n, g, d, dtype=x.dtype, device=x.device)
+    else:
+        assert out.is_contiguous() and out.shape[-1] == d and out.dtype == x.dtype and out_rows.numel() == n * g
     rope = 0 if cos_tab is None else 2 * cos_tab.shape[1]
     rows = n * g
     bd = next_pow2(d)
@@ -156,8 +162,9 @@ def norm_rope(
         _norm_rope_kernel[(triton.cdiv(rows, br),)](
             x, weight if weight is not None else x, pos if pos is not None else x,
             cos_tab if cos_tab is not None else x, sin_tab if sin_tab is not None else x, out,
+            out_rows if out_rows is not None else x,
             rows, g, d, x.stride(0), x.stride(1), pos_div, float(sign), eps,
-            MODE=mode, ROPE=rope, BD=bd, BR=br, num_warps=4 if d * br <= 4096 else 8,
+            MODE=mode, ROPE=rope, BD=bd, BR=br, DST=out_rows is not None, num_warps=4 if d * br <= 4096 else 8,
         )  # fmt: skip
     return out
 
@@ -291,9 +298,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _norm_rope_kernel(
-        x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
+        x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, dst_ptr,
         ROWS, G, D, stride_xn, stride_xg, pos_div, sign, eps,
-        MODE: tl.constexpr, ROPE: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+        MODE: tl.constexpr, ROPE: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, DST: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,) rows of the flattened (N·G, D)
         r_ok = row < ROWS
@@ -315,7 +322,11 @@ if HAS_TRITON:
             p = tl.load(pos_ptr + n, mask=r_ok, other=0)
             p = (p // pos_div) * pos_div
             y = _rope_rows(y, cos_ptr, sin_ptr, p, D, sign, ROPE, BR, BD)
-        tl.store(out_ptr + row.to(tl.int64)[:, None] * D + d[None, :], y.to(ty), mask=ok)
+        if DST:  # scattered into a pool's rows
+            orow = tl.load(dst_ptr + row, mask=r_ok, other=0).to(tl.int64)
+        else:
+            orow = row.to(tl.int64)
+        tl.store(out_ptr + orow[:, None] * D + d[None, :], y.to(ty), mask=ok)
 
     @triton.jit
     def _compress_kernel(

@@ -81,7 +81,7 @@ def route(
     indices = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
     if n == 0:
         return weights, indices
-    dummy = torch.zeros(1, dtype=torch.int64, device=logits.device)
+    dummy = torch.empty(1, dtype=torch.int64, device=logits.device)  # never read (no fill launch)
     _route_kernel[(triton.cdiv(n, block_n),)](
         logits, bias if bias is not None else logits, tid2eid.contiguous() if hashed else dummy,
         token_ids if hashed else dummy, weights, indices,

@@ -20,7 +20,13 @@ rows and to the scratch row for the others, so no step depends on data on the ho
 is ``kernels.decode_attention`` over (ring, row pool); CSA's rows come from
 ``kernels.indexer.indexer_scores`` over the fixed ``Tc`` columns (``-inf`` past each sequence's
 complete rows) and ``torch.topk`` with a fixed ``k`` (``-1`` for missing rows). The MoE runs the
-Triton grouped kernel (``Experts`` on CUDA bf16), whose expert counts stay on the device.
+Triton grouped kernel (``Experts`` on CUDA bf16), whose expert counts stay on the device; a step
+of at most ``kernels.moe_gemv.MAX_SLOTS`` routed slots (batch 1-2) runs the routed and the shared
+expert as two weight-streaming GEMV kernels instead (``kernels.moe_gemv``). The fused step runs
+independent branches on a side stream (the CSA indexer, or else the kv path, next to the q
+projection; the shared expert next to the router), captured as parallel branches of the graph.
+Index rows the layers share (window ring row and length, compressed row count and start) are
+computed on the host with the step's inputs.
 
 Prefill stays on the general path: ``load(slot, state)`` imports a ``SequenceState`` (normal
 mode, not a replay) into a slot, ``export(slot)`` gives it back. ``step(slots, token_ids)``
@@ -36,6 +42,7 @@ columns may break them differently from the general path's ``topk`` over the row
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +67,16 @@ from kernels.indexer import indexer_scores, mask_topk
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import moe_experts, route
 from kernels.moe_fp8 import moe_experts_fp8
+from kernels.moe_gemv import moe_gemv, shared_act, use_gemv
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# the fused step forks independent branches onto a side stream (captured into the graph as
+# parallel nodes): the CSA indexer (else the kv path) next to the q projection, the shared expert
+# next to the router; at batch 1 most kernels fill a few SMs, so the chains overlap (NOTES run 12)
+SIDE_STREAM = True
+# split-K ways of the mHC input dot (``fused.hc_pre_parts``) at most: at batch 1 its 1.5 MB fp32
+# ``fn`` read by 8 programs took 9.5 µs; ``hc_mix_parts`` adds many splits in tiles
+HC_SPLITS = 64
 
 
 @dataclass
@@ -107,6 +122,9 @@ class StaticDecoder:
     """
 
     output = "logits"
+    # routed + shared experts of a few slots as two GEMV kernels (``kernels.moe_gemv``);
+    # ``engine.parallel.ep.EPDecoder`` shards the routed experts and turns this off
+    gemv_experts = True
 
     def __init__(
         self,
@@ -143,14 +161,24 @@ class StaticDecoder:
                         index = self._comp_pool(attn.indexer, s1)
                 self.pools.append(LayerPool(swa, comp, index))
             bmax = self.buckets[-1]
+            # index rows the layers share, computed on the host with the inputs (no launches):
+            # ("ring", W): slot · W + pos % W, min(pos + 1, W); ("rows", r, Tc): (pos + 1) // r, slot · (Tc + 1)
+            self._derived: list[tuple[int, ...]] = []
+            for layer, lp in zip(model.model.layers, self.pools):
+                attn = layer.self_attn
+                keys = [("ring", attn.window)]
+                if lp.comp is not None:
+                    keys.append(("rows", attn.compressor.rate, lp.comp.rows.shape[1] - 1))
+                self._derived += [k for k in keys if k not in self._derived]
+            rows = 3 + 2 * len(self._derived)
             self._inputs = torch.zeros(
-                3, bmax, dtype=torch.long, device=dev
-            )  # ids, positions, slots
+                rows, bmax, dtype=torch.long, device=dev
+            )  # ids, positions, slots, then the derived rows
             # two pinned host copies of the inputs: a step writes one while the other's copy to the
             # device may still be queued behind the previous step
             pinned = dev.type == "cuda"
             self._host = [
-                torch.zeros(3, bmax, dtype=torch.long, pin_memory=pinned)
+                torch.zeros(rows, bmax, dtype=torch.long, pin_memory=pinned)
                 for _ in range(2)
             ]
             self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
@@ -179,6 +207,17 @@ class StaticDecoder:
                     lp.xproj = torch.cat([m.weight for m in mods]).contiguous()
                     lp.xsplit = tuple(m.weight.shape[0] for m in mods)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._side = torch.cuda.Stream(dev) if SIDE_STREAM and self.fused and dev.type == "cuda" else None
+        # fp32 contiguous copies of the mHC parameters (a bf16 checkpoint's fn/scale/base would be
+        # cast on every call: 3 launches per block)
+        self._hc32: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if self.fused:
+            with torch.inference_mode():
+                for layer in model.model.layers:
+                    for hc in (layer.attn_hc, layer.ffn_hc):
+                        self._hc32[id(hc)] = tuple(t.float().contiguous() for t in (hc.fn, hc.scale, hc.base))
+                head = model.model.hc_head
+                self._hc32[id(head)] = tuple(t.float().contiguous() for t in (head.hc_fn, head.hc_scale, head.hc_base))
 
     def _comp_pool(self, comp: Compressor, s1: int) -> CompPool:
         r, d, p = comp.rate, comp.width, comp.kv_proj.out_features
@@ -322,6 +361,7 @@ class StaticDecoder:
         )
         host[2, :n] = torch.as_tensor(slots, dtype=torch.long)
         host[0, n:b], host[1, n:b], host[2, n:b] = 0, 0, self.scratch
+        self._derive(host, b)
         self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
         if copied is not None:
             copied.record()
@@ -334,6 +374,18 @@ class StaticDecoder:
             self.num_tokens[s] += 1
             self.token_ids[s].append(int(t))
         return out[:n]
+
+    def _derive(self, host: torch.Tensor, b: int) -> None:
+        """Fill the derived rows of ``host[:, :b]`` (see ``__init__``) from its positions and slots."""
+        pos, slots = host[1, :b], host[2, :b]
+        for i, (kind, a, *rest) in enumerate(self._derived):
+            r = 3 + 2 * i
+            if kind == "ring":  # the flat ring row slot · W + pos % W, and the window length
+                torch.add(torch.remainder(pos, a), slots * a, out=host[r, :b])
+                torch.clamp(pos + 1, max=a, out=host[r + 1, :b])
+            else:
+                torch.div(pos + 1, a, rounding_mode="floor", out=host[r, :b])
+                torch.mul(slots, rest[0] + 1, out=host[r + 1, :b])
 
     def _check(self, slots: Sequence[int], token_ids: Sequence[int], empty_ok: bool = False) -> None:
         """``ValueError`` unless there is one token per slot, each slot once and not full."""
@@ -348,9 +400,10 @@ class StaticDecoder:
 
     def _capture(self, b: int) -> None:
         """Warm up (Triton compiles, rope tables) and capture bucket ``b`` on scratch inputs."""
-        self._inputs[:, :b] = torch.tensor([0, 0, self.scratch], device=self.device)[
-            :, None
-        ]
+        init = torch.zeros(self._inputs.shape[0], b, dtype=torch.long)
+        init[2] = self.scratch
+        self._derive(init, b)
+        self._inputs[:, :b] = init.to(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -375,17 +428,37 @@ class StaticDecoder:
         ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
         embeds = model.model.embed_tokens(ids)  # (b, H)
         streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
+        derived = {key: (self._inputs[3 + 2 * i, :b], self._inputs[4 + 2 * i, :b]) for i, key in enumerate(self._derived)}
         for layer, lp in zip(model.model.layers, self.pools):
             attn = layer.self_attn
-            post, comb, x = _hyper_connection_fused(layer.attn_hc, streams, layer.input_layernorm)
-            out = self._attention_fused(attn, lp, x, pos, slots)
+            post, comb, x = self._hyper_connection_fused(layer.attn_hc, streams, layer.input_layernorm)
+            out = self._attention_fused(attn, lp, x, pos, slots, derived)
             streams = fk.hc_merge(post, comb, out, streams)
-            post, comb, x = _hyper_connection_fused(layer.ffn_hc, streams, layer.post_attention_layernorm)
+            post, comb, x = self._hyper_connection_fused(layer.ffn_hc, streams, layer.post_attention_layernorm)
             streams = fk.hc_merge(post, comb, self._moe_fused(layer.mlp, x, ids), streams)
-        hidden = model.model.norm(model.model.hc_head(streams))  # (b, H)
+        head, norm = model.model.hc_head, model.model.norm
+        fn, scale, base = self._hc32[id(head)]
+        parts = fk.hc_pre_parts(streams, fn, max_splits=HC_SPLITS)
+        hc = streams.shape[1]
+        pre, _, _ = hc_mix_parts(parts, hc * streams.shape[2], head.norm_eps, scale, base, hc, 0, head.eps, head=True)
+        hidden = fk.collapse_norm(pre, streams, norm.weight, norm.eps)  # norm(hc_head(streams)): (b, H)
         return F.linear(hidden, model.lm_head.weight).float()
 
-    def _attention_fused(self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _hyper_connection_fused(self, hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_hyper_connection`` + the block's input ``RMSNorm`` in three kernels: split-K norm and
+        mixes, gates + Sinkhorn, collapse + norm."""
+        fn, scale, base = self._hc32[id(hc)]
+        parts = fk.hc_pre_parts(streams, fn, max_splits=HC_SPLITS)
+        pre, post, comb = hc_mix_parts(parts, streams.shape[1] * streams.shape[2], hc.norm_eps, scale, base, hc.hc, hc.iters, hc.hc_eps)
+        return post, comb, fk.collapse_norm(pre, streams, norm.weight, norm.eps)
+
+    def _attention_fused(
+        self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+        derived: dict[tuple, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # fmt: skip
+        """One layer's attention; on the side stream, next to the q projection: the CSA indexer
+        (compressor, scores, top-k) where there is one, else the kv path (norm, RoPE, window ring,
+        compressor)."""
         b = x.shape[0]
         cos, sin = self._rope_tab[attn.rope_kind]
         if lp.xproj is not None:  # one GEMM for every projection of x, then column views
@@ -398,37 +471,61 @@ class StaticDecoder:
                     idx = attn.indexer
                     parts += [idx.kv_proj(x), idx.gate_proj(x), idx.scorer.weights_proj(x)]
         q_res = fk.norm_rope(parts[0][:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
-        q = fk.norm_rope(attn.q_b_proj(q_res).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
-        kv = fk.norm_rope(parts[1][:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos)[:, 0]
-        w = attn.window
-        lp.swa.index_put_((slots, pos % w), kv)
-        swa_len = torch.clamp(pos + 1, max=w)
-        if attn.compressor is None:
-            out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling)
-        else:
-            comp = attn.compressor
-            ccos, csin = self._rope_tab["compress"]
-            self._compress_fused(comp, lp.comp, parts[2], parts[3], pos, slots, ccos, csin)
+        ring_row, swa_len = derived["ring", attn.window]
+        comp = attn.compressor
+        row_idx = None
+        ccos, csin = self._rope_tab.get("compress", (cos, sin))
+        if comp is not None:
             tc = lp.comp.rows.shape[1] - 1
-            row_len = torch.div(pos + 1, comp.rate, rounding_mode="floor")
-            row_start = slots * (tc + 1)
-            row_idx = None
+            row_len, row_start = derived["rows", comp.rate, tc]
             idx = attn.indexer
             if idx is not None:
-                self._compress_fused(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
-                idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
-                scores = indexer_scores(
-                    idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
-                    idx.softmax_scale * idx.weights_scaling, t_max=tc,
-                )  # fmt: skip
-                row_idx = mask_topk(scores, idx.topk)
+                with self._branch() as join:
+                    self._compress_fused(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
+                    idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+                    scores = indexer_scores(
+                        idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
+                        idx.softmax_scale * idx.weights_scaling, t_max=tc,
+                    )  # fmt: skip
+                    row_idx = mask_topk(scores, idx.topk, ordered=False)  # any order: no sort
+
+        def kv_path() -> None:  # this token's key into the window ring; the compressor
+            fk.norm_rope(
+                parts[1][:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos,
+                out=lp.swa.view(-1, attn.head_dim), out_rows=ring_row,
+            )  # fmt: skip
+            if comp is not None:
+                self._compress_fused(comp, lp.comp, parts[2], parts[3], pos, slots, ccos, csin)
+
+        if row_idx is None:  # no indexer on the side stream: the kv path goes there
+            with self._branch() as join:
+                kv_path()
+        q = fk.norm_rope(attn.q_b_proj(q_res).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        if row_idx is not None:
+            kv_path()
+        join()
+        if comp is None:
+            out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling)
+        else:
             out = decode_attention(
                 q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
                 swa_slot=slots, scale=attn.scaling, max_rows=tc,
             )  # fmt: skip
         out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
-        grouped = attn.o_a_proj(out.view(b, attn.o_groups, -1)).flatten(1)
-        return attn.o_b_proj(grouped)
+        return attn._output_fast(out)
+
+    @contextmanager
+    def _branch(self):
+        """Run the ``with`` body on the side stream (after the current stream's work so far);
+        yields ``join``, which makes the current stream wait for the body's work. Without a side
+        stream the body runs in place and ``join`` does nothing."""
+        if self._side is None:
+            yield lambda: None
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            yield lambda: main.wait_stream(self._side)
 
     def _compress_fused(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         fk.compress_step(
@@ -437,16 +534,33 @@ class StaticDecoder:
         )  # fmt: skip
 
     def _moe_fused(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-            return self._moe(moe, x, ids)
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
-        logits = F.linear(x, gate.weight)
-        if gate.hash_routed:
-            weights, indices = route(logits, gate.top_k, gate.scaling, tid2eid=gate.tid2eid, token_ids=ids, scoring_func=gate.scoring_func)
+        half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        few = (
+            self.gemv_experts and getattr(ex, "fp8", None) is None and sh.limit == ex.limit
+            and use_gemv(x, x.shape[0] * gate.top_k)
+        )  # fmt: skip
+        if not (half or few):
+            return self._moe(moe, x, ids)
+        if few:  # the shared expert's gate/up next to the router (side stream), then two GEMV kernels
+            shared = (sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
+            with self._branch() as join:
+                act = shared_act(x, shared, gate.top_k, ex.limit)
+        if not half:  # fp32 (tests): the general path's router
+            weights, indices = gate(x, ids)
         else:
-            weights, indices = route(logits, gate.top_k, gate.scaling, bias=gate.e_score_correction_bias, scoring_func=gate.scoring_func)
+            logits = F.linear(x, gate.weight)
+            if gate.hash_routed:
+                weights, indices = route(logits, gate.top_k, gate.scaling, tid2eid=gate.tid2eid, token_ids=ids, scoring_func=gate.scoring_func)
+            else:
+                weights, indices = route(logits, gate.top_k, gate.scaling, bias=gate.e_score_correction_bias, scoring_func=gate.scoring_func)
+        if few:
+            join()
+            return moe_gemv(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, shared, act=act)
+        with self._branch() as join:
+            shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
         routed = self._routed(ex, x, weights, indices)
-        shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
+        join()
         return routed + shared
 
     def _routed(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -614,14 +728,6 @@ class StaticDecoder:
             (ys * weights.reshape(-1, 1)).to(x.dtype).view(x.shape[0], k, -1).sum(dim=1)
         )
         return routed + moe.shared_experts(x)
-
-
-def _hyper_connection_fused(hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_hyper_connection`` + the block's input ``RMSNorm`` in three kernels: split-K norm and
-    mixes, gates + Sinkhorn, collapse + norm."""
-    parts = fk.hc_pre_parts(streams, hc.fn.float())
-    pre, post, comb = hc_mix_parts(parts, streams.shape[1] * streams.shape[2], hc.norm_eps, hc.scale, hc.base, hc.hc, hc.iters, hc.hc_eps)
-    return post, comb, fk.collapse_norm(pre, streams, norm.weight, norm.eps)
 
 
 def _hyper_connection(

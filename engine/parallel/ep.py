@@ -176,6 +176,8 @@ class EPDecoder(StaticDecoder):
     ``max_slots``/``buckets`` and calls ``step`` the same number of times (possibly with no slots).
     """
 
+    gemv_experts = False  # the routed experts are sharded: they go through ep_routed
+
     def __init__(self, model, max_slots: int, max_tokens: int, group=None, cpu_group=None, **kw) -> None:
         super().__init__(model, max_slots, max_tokens, **kw)
         self.group = group

@@ -182,6 +182,32 @@ def test_moe_experts(dtype) -> None:
     _check(moe_experts(x, w, idx, gate_up, down, limit=3.0, add=shared), ref + shared, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n,shared", [(1, True), (2, False), (3, True)])
+def test_moe_gemv(dtype, n, shared) -> None:
+    """Few-token experts (GEMV kernels, shared expert as slot k) against the fp32 reference."""
+    from kernels.moe_gemv import moe_gemv, moe_gemv_reference, shared_act
+
+    e, k, hidden, inter = (8, 6, 4096, 2048) if not SMALL else (16, 4, 96, 40)  # SMALL: masked tails
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(n, hidden, generator=g).to(DEV, dtype)
+    gate_up = (torch.randn(e, 2 * inter, hidden, generator=g) * hidden**-0.5).to(DEV, dtype)
+    down = (torch.randn(e, hidden, inter, generator=g) * inter**-0.5).to(DEV, dtype)
+    sh = tuple((torch.randn(a, b, generator=g) * b**-0.5).to(DEV, dtype) for a, b in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(DEV)
+    w = torch.rand(n, k, generator=g).to(DEV)
+    gate_up[idx[0, 0]] *= 8  # some gates past the clamp limit
+    shared_w = sh if shared else None
+    ref = moe_gemv_reference(x.float(), w, idx, gate_up.float(), down.float(), 3.0, None if not shared else tuple(t.float() for t in sh))
+    tol_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    poison(DEV)
+    _check(moe_gemv(x, w, idx, gate_up, down, 3.0, shared_w).float(), ref, tol_dtype)
+    if shared:  # the shared expert's SwiGLU rows first (as next to the router), then the routed slots
+        poison(DEV)
+        act = shared_act(x, sh, k, 3.0)
+        _check(moe_gemv(x, w, idx, gate_up, down, 3.0, sh, act=act).float(), ref, tol_dtype)
+
+
 # ---- mHC mixing weights ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 37, 300] if not SMALL else [1, 37])
 def test_hc_mix(n) -> None:
@@ -220,15 +246,36 @@ def test_fused_hyper_connection(dtype, n) -> None:
     flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)
     pre_r, post_r, comb_r = hc_mix_reference(flat @ fn.t(), scale, base, hc, iters, eps)
     x_r = fk.collapse_norm_reference(pre_r, streams, w, norm_eps)
-    parts = fk.hc_pre_parts(streams, fn, target_programs=7)
-    pre, post, comb = hc_mix_parts(parts, hc * h, norm_eps, scale, base, hc, iters, eps)
-    for a, b in ((pre, pre_r), (post, post_r), (comb, comb_r)):
-        assert (a - b).abs().max().item() <= 1e-4
+    for kw in ({"target_programs": 7}, {"block_k": 16, "max_splits": 64}):  # the second: > PRESUM_SPLITS at n=1
+        parts = fk.hc_pre_parts(streams, fn, **kw)
+        pre, post, comb = hc_mix_parts(parts, hc * h, norm_eps, scale, base, hc, iters, eps)
+        for a, b in ((pre, pre_r), (post, post_r), (comb, comb_r)):
+            assert (a - b).abs().max().item() <= 1e-4
     assert rel_err(fk.collapse_norm(pre_r, streams, w, norm_eps), x_r) <= TOL[dtype]
     out = torch.randn(n, h, generator=g).to(DEV, dtype)
     want = fk.hc_merge_reference(post_r, comb_r, out, streams)
     assert rel_err(fk.hc_merge(post_r, comb_r, out, streams), want) <= TOL[dtype]
     assert collapse(pre_r, streams).shape == (n, h)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_fused_hyper_head(n) -> None:
+    """``hc_mix_parts(head=True)``: ``HyperHead``'s gates from split-K partials (many splits)."""
+    from engine.model.layers import unweighted_rms_norm
+    from kernels import fused as fk
+    from kernels.mhc import hc_mix_parts
+
+    hc, h, eps, norm_eps = 4, (256 if SMALL else 4096), 1e-6, 1e-6
+    g = torch.Generator().manual_seed(22)
+    streams = torch.randn(n, hc, h, generator=g).to(DEV, torch.bfloat16)
+    fn = (0.05 * torch.randn(hc, hc * h, generator=g)).to(DEV)
+    scale = (1 + 0.2 * torch.randn(1, generator=g)).to(DEV)
+    base = (0.5 * torch.randn(hc, generator=g)).to(DEV)
+    mixes = unweighted_rms_norm(streams.flatten(1).float(), norm_eps) @ fn.t()
+    want = torch.sigmoid(mixes * scale + base) + eps
+    parts = fk.hc_pre_parts(streams, fn, block_k=16, max_splits=64)
+    pre, post, comb = hc_mix_parts(parts, hc * h, norm_eps, scale, base, hc, 0, eps, head=True)
+    assert (pre - want).abs().max().item() <= 1e-4 and post.numel() == comb.numel() == 0
 
 
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)
@@ -254,6 +301,15 @@ def test_fused_norm_rope(dtype, mode, rows_per_program, monkeypatch) -> None:
         got = fk.norm_rope(x, w, mode, 1e-6, cos, sin, pos, div, sign)
         assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
     assert rel_err(fk.norm_rope(x, w, mode, 1e-6), fk.norm_rope_reference(x, w, mode, 1e-6, None, None, None)) <= 1e-2
+    # scattered into rows of a pool (the static decode's window ring); the other rows untouched
+    pool = torch.randn(40, d, generator=g).to(DEV, dtype)
+    dst = torch.randperm(40, generator=g)[: n * heads].to(DEV)
+    got = fk.norm_rope(x, w, mode, 1e-6, cos, sin, pos, out=pool.clone(), out_rows=dst)
+    want = fk.norm_rope_reference(x, w, mode, 1e-6, cos, sin, pos).reshape(-1, d)
+    assert rel_err(got[dst], want) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    keep = torch.ones(40, dtype=torch.bool, device=DEV)
+    keep[dst] = False
+    assert torch.equal(got[keep], pool[keep])
 
 
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)

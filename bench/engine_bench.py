@@ -120,19 +120,21 @@ VARIANTS = {
 
 def throughput(engine: EngineCore, hf: Any, args: argparse.Namespace, vocab: int, variants: dict[str, EngineCore] | None = None) -> list[dict[str, Any]]:
     """Every (prompt length, concurrency) point: ours, transformers and each of ``variants`` (our
-    engine run another way, ``VARIANTS``), one after the other."""
+    engine run another way, ``VARIANTS``), ``repeats`` rounds of one run each, the best kept."""
     rows = []
     for plen in args.prompt_lens:
         for conc in args.concurrency:
             batch = prompts(conc, plen, seed=plen * 1000 + conc, vocab=vocab)
-            ours = max((run_ours(engine, batch, args.new_tokens, f"p{plen}c{conc}r{r}") for r in range(args.repeats)), key=lambda r: r["tok_s"])
-            theirs = None
-            other = {
-                name: max((run_ours(eng, batch, args.new_tokens, f"{name}{plen}c{conc}r{r}") for r in range(args.repeats)), key=lambda r: r["tok_s"])
-                for name, eng in (variants or {}).items()
-            }  # fmt: skip
-            if hf is not None:
-                theirs = max((run_hf(hf, batch, args.new_tokens) for _ in range(args.repeats)), key=lambda r: r["tok_s"])
+            runs: dict[str, list[dict[str, Any]]] = {"ours": [], "theirs": [], **{name: [] for name in variants or {}}}
+            for r in range(args.repeats):  # interleaved: a slow spell of the box falls on every side
+                runs["ours"].append(run_ours(engine, batch, args.new_tokens, f"p{plen}c{conc}r{r}"))
+                for name, eng in (variants or {}).items():
+                    runs[name].append(run_ours(eng, batch, args.new_tokens, f"{name}{plen}c{conc}r{r}"))
+                if hf is not None:
+                    runs["theirs"].append(run_hf(hf, batch, args.new_tokens))
+            best = {name: max(rs, key=lambda x: x["tok_s"]) for name, rs in runs.items() if rs}
+            ours, theirs = best.pop("ours"), best.pop("theirs", None)
+            other = best
             row = {
                 "prompt_len": plen,
                 "concurrency": conc,

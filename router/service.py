@@ -121,7 +121,9 @@ def _sampling(d: dict[str, Any]) -> SamplingParams:
     distinct settings: clients send the same few again and again, and building the frozen
     dataclass (14 fields, validation) costs 2 µs. The memo key is the settings' JSON text
     (orjson: 0.2 µs, against 0.6 for a tuple of the items and their types, which ``1``, ``1.0``
-    and ``true`` needed to stay apart); settings it cannot encode are not memoised."""
+    and ``true`` needed to stay apart). Exact for settings parsed from a JSON body, as here: JSON
+    has no NaN or infinity (orjson would write them as ``null``). Settings it cannot encode are
+    not memoised."""
     try:
         key = dumps(d)
     except (TypeError, ValueError):  # e.g. an integer beyond 64 bits: built each time

@@ -26,7 +26,8 @@ Layout (row ``D`` elements contiguous in every tensor)::
 The Triton kernel is flash-decoding: grid ``(B, H/BH, splits)``; each program holds ``BH`` heads'
 queries and walks its share of the key list (window rows first, then compressed rows) in tiles of
 ``BN`` rows with an online softmax in fp32. With ``splits > 1`` partial (max, sum, acc) go to a
-small combine kernel, which adds the sinks; otherwise the sinks are added in place.
+small combine kernel, which adds the sinks (and un-rotates the output when asked); otherwise the
+sinks are added in place.
 """
 
 from __future__ import annotations
@@ -102,13 +103,17 @@ def decode_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     fold_q: int = 1,
     rope_out: bool = True,
+    rope_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention for ``B`` sequences (layout in the module docstring). → ``(B, H, D)``.
 
     ``q_norm_eps`` / ``rope = (cos, sin)`` (tables ``(B, R/2)``, row ``b`` for query ``b``): ``q`` is
     raw, the kernel applies the unweighted RMS norm and the RoPE of the trailing ``R`` channels as it
     loads it (the rounding of ``fused.norm_rope``), and un-rotates the output (``-sin``) before its
-    store — the prefill path's two ``norm_rope`` passes folded in (one split only). ``fold_q``: 0 = q
+    store — the prefill path's two ``norm_rope`` passes folded in (one split when q is folded; with
+    ``fold_q=0`` and no ``q_norm_eps`` the output is un-rotated by the last kernel, split or not).
+    ``rope_pos (B,)`` int: query ``b`` uses table row ``rope_pos[b]`` (full position tables, e.g. the
+    static decode step's), else row ``b``. ``fold_q``: 0 = q
     comes normalised and rotated (only the output is un-rotated), 1 = q is normalised and rotated in
     registers as it loads, 2 = the main dot takes the raw q, the head norm scales the logits and a
     second small dot over the 64 rope channels adds the rotation's difference (needs ``rope``);
@@ -142,8 +147,8 @@ def decode_attention(
     tiles = max(1, triton.cdiv(w + k_rows, block_n))
     if num_splits is None:
         num_splits = max(1, min(2 * num_sms(q.device) // max(1, b_size * n_hb), tiles // 2))
-    if rope is not None or q_norm_eps is not None:
-        num_splits = 1  # the output's RoPE undo runs in the main kernel's epilogue
+    if q_norm_eps is not None or (rope is not None and fold_q > 0):
+        num_splits = 1  # q normalised / rotated as it loads: one program per head block
     num_splits = max(1, min(num_splits, tiles))
     tiles_per_split = triton.cdiv(tiles, num_splits)
     num_splits = triton.cdiv(tiles, tiles_per_split)
@@ -160,7 +165,7 @@ def decode_attention(
         fold_q = 1  # the correction dot needs K ≥ 16 rope channels on the GPU
     if rope is not None:
         cos_t, sin_t = rope
-        assert cos_t.is_contiguous() and sin_t.is_contiguous() and cos_t.shape[0] >= b_size
+        assert cos_t.is_contiguous() and sin_t.is_contiguous() and (rope_pos is not None or cos_t.shape[0] >= b_size)
         rope_dim = 2 * cos_t.shape[1]
     else:
         cos_t = sin_t = q
@@ -169,7 +174,7 @@ def decode_attention(
         q, swa, swa_len, swa_slot if swa_slot is not None else dummy_i,
         rows_t, row_start if has_rows else dummy_i, row_len if has_rows else dummy_i,
         row_idx if indexed else dummy_i, sinks,
-        out, part_acc, part_ml, cos_t, sin_t, float(q_norm_eps or 0.0),
+        out, part_acc, part_ml, cos_t, sin_t, rope_pos if rope_pos is not None else dummy_i, float(q_norm_eps or 0.0),
         h, d, w, k_rows,
         q.stride(0), q.stride(1), swa.stride(0), swa.stride(1), rows_t.stride(0),
         row_idx.stride(0) if indexed else 0, out.stride(0), out.stride(1),
@@ -177,13 +182,15 @@ def decode_attention(
         D_PAD=d_pad, BH=block_h, BN=block_n, HAS_ROWS=has_rows, INDEXED=indexed,
         HAS_SLOT=swa_slot is not None, SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
         Q_NORM=q_norm_eps is not None and fold_q > 0, ROPE=rope_dim, QMODE=fold_q if (q_norm_eps is not None or rope is not None) else 0,
-        ROPE_OUT=rope is not None and rope_out,
+        ROPE_OUT=rope is not None and rope_out, HAS_POS=rope_pos is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_attn_combine_kernel[(b_size, n_hb)](
             part_acc, part_ml, sinks, out, h, d, num_splits, out.stride(0), out.stride(1),
-            D_PAD=d_pad, BH=block_h, num_warps=4,
+            cos_t, sin_t, rope_pos if rope_pos is not None else dummy_i,
+            D_PAD=d_pad, BH=block_h, ROPE=rope_dim, ROPE_OUT=rope is not None and rope_out,
+            HAS_POS=rope_pos is not None, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -208,18 +215,23 @@ if HAS_TRITON:
     def _decode_attn_kernel(
         q_ptr, swa_ptr, swa_len_ptr, swa_slot_ptr,
         rows_ptr, row_start_ptr, row_len_ptr, row_idx_ptr, sinks_ptr,
-        out_ptr, part_acc_ptr, part_ml_ptr, cos_ptr, sin_ptr, q_eps,
+        out_ptr, part_acc_ptr, part_ml_ptr, cos_ptr, sin_ptr, pos_ptr, q_eps,
         H, D, W, K_ROWS,
         stride_qb, stride_qh, stride_ss, stride_sw, stride_r, stride_ib, stride_ob, stride_oh,
         qk_scale, tiles_per_split,
         D_PAD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_ROWS: tl.constexpr,
         INDEXED: tl.constexpr, HAS_SLOT: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
         Q_NORM: tl.constexpr = False, ROPE: tl.constexpr = 0, QMODE: tl.constexpr = 0, ROPE_OUT: tl.constexpr = False,
+        HAS_POS: tl.constexpr = False,
     ):  # fmt: skip
         b = tl.program_id(0)
         hb = tl.program_id(1)
         sp = tl.program_id(2)
         n_split = tl.num_programs(2)
+        if HAS_POS:  # the rope tables' row of this query
+            rp = tl.load(pos_ptr + b)
+        else:
+            rp = b
         offs_h = hb * BH + tl.arange(0, BH)  # (BH,)
         offs_d = tl.arange(0, D_PAD)  # (D_PAD,)
         h_ok = offs_h < H
@@ -240,7 +252,7 @@ if HAS_TRITON:
             qrp = tl.load(q_rows + (offs_q ^ 1)[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
             qr = (qr * row_scale[:, None]).to(ty).to(tl.float32)
             qrp = (qrp * row_scale[:, None]).to(ty).to(tl.float32)
-            rot = _rope_pairs(qr, qrp, cos_ptr, sin_ptr, b, offs_q, offs_q >= 0, D, 1.0, ROPE)
+            rot = _rope_pairs(qr, qrp, cos_ptr, sin_ptr, rp, offs_q, offs_q >= 0, D, 1.0, ROPE)
             dq = (rot - qr).to(ty)  # (BH, ROPE): rope(norm(q)) - norm(q) on the rope channels
             row_scale = row_scale * qk_scale
         elif QMODE == 1:
@@ -260,7 +272,7 @@ if HAS_TRITON:
                 ).to(tl.float32)
                 if Q_NORM:
                     qp = (qp * rs[:, None]).to(ty).to(tl.float32)
-                qf = _rope_pairs(qf, qp, cos_ptr, sin_ptr, b, offs_d, is_r, D, 1.0, ROPE)
+                qf = _rope_pairs(qf, qp, cos_ptr, sin_ptr, rp, offs_d, is_r, D, 1.0, ROPE)
             q = qf.to(ty)
 
         n_swa = tl.load(swa_len_ptr + b).to(tl.int32)
@@ -330,22 +342,28 @@ if HAS_TRITON:
             o = acc * (alpha / denom)[:, None]
             o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
-            if ROPE_OUT:  # undo the values' rotation at the query position, as fused.norm_rope(sign=-1):
-                # the stored rope channels and their partners are read back (this program's own
-                # writes, after a barrier), rotated, and written again
-                offs_r = D - ROPE + tl.arange(0, ROPE)
-                r_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh
-                tl.debug_barrier()
-                orr = tl.load(r_ptrs + offs_r[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-                orp = tl.load(r_ptrs + (offs_r ^ 1)[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-                tl.debug_barrier()
-                on = _rope_pairs(orr, orp, cos_ptr, sin_ptr, b, offs_r, offs_r >= 0, D, -1.0, ROPE)
-                tl.store(r_ptrs + offs_r[None, :], on.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+            if ROPE_OUT:
+                _undo_rope_out(out_ptr + b.to(tl.int64) * stride_ob, offs_h, h_ok, stride_oh, cos_ptr, sin_ptr, rp, D, ROPE)
+
+    @triton.jit
+    def _undo_rope_out(o_ptr, offs_h, h_ok, stride_oh, cos_ptr, sin_ptr, p, D, ROPE: tl.constexpr):
+        """Undo the values' rotation at table row ``p`` in the stored output rows ``o_ptr`` (heads
+        ``offs_h``), as ``fused.norm_rope(sign=-1)``: the rope channels and their partners are read
+        back (this program's own writes, after a barrier), rotated, and written again."""
+        offs_r = D - ROPE + tl.arange(0, ROPE)
+        r_ptrs = o_ptr + offs_h[:, None] * stride_oh
+        tl.debug_barrier()
+        orr = tl.load(r_ptrs + offs_r[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        orp = tl.load(r_ptrs + (offs_r ^ 1)[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        tl.debug_barrier()
+        on = _rope_pairs(orr, orp, cos_ptr, sin_ptr, p, offs_r, offs_r >= 0, D, -1.0, ROPE)
+        tl.store(r_ptrs + offs_r[None, :], on.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
 
     @triton.jit
     def _decode_attn_combine_kernel(
         part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, H, D, n_split, stride_ob, stride_oh,
-        D_PAD: tl.constexpr, BH: tl.constexpr,
+        cos_ptr, sin_ptr, pos_ptr,
+        D_PAD: tl.constexpr, BH: tl.constexpr, ROPE: tl.constexpr, ROPE_OUT: tl.constexpr, HAS_POS: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         hb = tl.program_id(1)
@@ -371,6 +389,12 @@ if HAS_TRITON:
         o = acc / l_f[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+        if ROPE_OUT:
+            if HAS_POS:
+                rp = tl.load(pos_ptr + b)
+            else:
+                rp = b
+            _undo_rope_out(out_ptr + b.to(tl.int64) * stride_ob, offs_h, h_ok, stride_oh, cos_ptr, sin_ptr, rp, D, ROPE)
 
 
 def decode_attention_cost(b: int, h: int, d: int, keys_per_seq: float, elem: int = 2) -> tuple[float, float]:

@@ -77,6 +77,12 @@ SIDE_STREAM = True
 # split-K ways of the mHC input dot (``fused.hc_pre_parts``) at most: at batch 1 its 1.5 MB fp32
 # ``fn`` read by 8 programs took 9.5 µs; ``hc_mix_parts`` adds many splits in tiles
 HC_SPLITS = 64
+# decode attention un-rotates its output in its last kernel (the split combine, else the main
+# kernel's epilogue) instead of a norm_rope pass after it (run 13)
+ATTN_ROPE_OUT = True
+# at batch 1 the layers without top-k rows (window + HCA rows: 4-5 key tiles) run the attention
+# as one split: no partials, no combine kernel (run 13)
+ATTN_ONE_SPLIT = True
 
 
 @dataclass
@@ -504,14 +510,18 @@ class StaticDecoder:
         if row_idx is not None:
             kv_path()
         join()
+        kw = {"rope": (cos, sin), "rope_pos": pos, "fold_q": 0} if ATTN_ROPE_OUT else {}
+        if ATTN_ONE_SPLIT and b == 1 and row_idx is None:
+            kw["num_splits"] = 1
         if comp is None:
-            out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling)
+            out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling, **kw)
         else:
             out = decode_attention(
                 q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
-                swa_slot=slots, scale=attn.scaling, max_rows=tc,
+                swa_slot=slots, scale=attn.scaling, max_rows=tc, **kw,
             )  # fmt: skip
-        out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
+        if not ATTN_ROPE_OUT:
+            out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
         return attn._output_fast(out)
 
     @contextmanager

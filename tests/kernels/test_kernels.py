@@ -82,6 +82,25 @@ def test_decode_attention_default_slots_and_max_rows() -> None:
     _check(decode_attention(**args, max_rows=40), decode_attention_reference(**args), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_attention_rope_out_at_positions(splits, dtype) -> None:
+    """``rope=(cos, sin), fold_q=0, rope_pos=pos``: the output un-rotated at each query's position
+    (full tables, as the static decode step passes them) by the main kernel or the split combine."""
+    from kernels.fused import norm_rope_reference
+
+    b, h, d, rope = (3, 16, 64, 16) if SMALL else (3, 64, 512, 64)
+    inp = attn_inputs(b, h, d, 32, "hca", [20, 0, 45], 0, dtype, DEV, seed=5)
+    g = torch.Generator().manual_seed(3)
+    ang = torch.rand(100, rope // 2, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    pos = torch.tensor([7, 99, 0], device=DEV)
+    ref = norm_rope_reference(decode_attention_reference(**inp.args()), None, 0, 0.0, cos, sin, pos, sign=-1.0)
+    poison(DEV)
+    out = decode_attention(**inp.args(), num_splits=splits, rope=(cos, sin), rope_pos=pos, fold_q=0)
+    _check(out, ref, dtype)
+
+
 # ---- indexer ----------------------------------------------------------------------------------------
 IDX_CASES = [(5, 64, 128, [300, 0, 17, 700, 90], 512), (3, 8, 16, [5, 40, 2], 4)]
 if SMALL:

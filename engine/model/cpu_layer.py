@@ -170,6 +170,37 @@ def _block_input(
     return post, comb, cpu_fused._rms_norm(x, ln_w, ln_eps, True)
 
 
+def _final_hidden(
+    streams: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, hc_eps: float, norm_eps: float,
+    ln_w: np.ndarray, ln_eps: float,
+) -> np.ndarray:  # fmt: skip
+    """``HyperHead.forward`` then the model's final RMSNorm: the streams' weights
+    ``sigmoid(fn·rmsnorm(flat)·scale + base) + hc_eps``, the weighted sum of the streams, normed
+    → ``(n, H)``."""
+    n, hc = streams.shape[0], streams.shape[1]
+    width = hc * streams.shape[2]
+    flat = streams.reshape(n, width)
+    pre = np.empty((hc, n), np.float32)
+    row = np.empty(width, np.float32)
+    one = np.float32(1.0)
+    for t in range(n):
+        inv = cpu_fused._inv_rms(flat[t], norm_eps)
+        for c in range(width):
+            row[c] = flat[t, c] * inv
+        for s in range(hc):
+            z = cpu_fused._dot(row, fn[s]) * scale[0] + base[s]
+            pre[s, t] = one / (one + np.exp(-z)) + np.float32(hc_eps)
+    return cpu_fused._rms_norm(cpu_fused._collapse(pre, streams), ln_w, ln_eps, True)
+
+
+def final_hidden(model: torch.nn.Module, streams: np.ndarray) -> torch.Tensor:
+    """``model.model.norm(model.model.hc_head(streams))`` in one compiled call (fp32 CPU)."""
+    head, norm = model.model.hc_head, model.model.norm
+    return torch.from_numpy(_final_hidden(
+        streams, _np(head.hc_fn), _np(head.hc_scale), _np(head.hc_base), head.eps, head.norm_eps, _np(norm.weight), norm.eps,
+    ))  # fmt: skip
+
+
 def _rows_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x (n, K) @ w (O, K)ᵀ``, each entry one ``cpu_fused._dot``."""
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
@@ -288,6 +319,7 @@ if cpu_fused.numba is not None:
     _jit = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")
     _rows_dot = _jit(_rows_dot)
     _block_input = _jit(_block_input)
+    _final_hidden = _jit(_final_hidden)
     _project_x = _jit(_project_x)
     _project_q = _jit(_project_q)
     _attn_output = _jit(_attn_output)

@@ -140,9 +140,11 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, row_base:
 def _top_rows(scores: np.ndarray, counts: np.ndarray, topk: int, chosen: np.ndarray, taken: np.ndarray, own: np.ndarray) -> None:
     """``decode.pick_rows`` without ``torch.topk``: each row ``i``'s best ``min(topk, counts[i])``
     columns of ``scores[i, :counts[i]]``, highest first, into ``chosen[i]`` (count in
-    ``taken[i]``). ``own[i]`` False (``chosen[i]`` unset) when the row has a NaN or equal scores
-    among its chosen columns or across its cut (the k-th best equals the best left out): there
-    the set or its order depends on ``topk``'s tie order. Otherwise both are ``topk``'s."""
+    ``taken[i]``). ``own[i]`` False (``chosen[i]`` unset) when the row has a NaN or a tie across
+    its cut (the k-th best equals the best left out): there the set depends on ``topk``'s tie
+    order. Otherwise the set is ``topk``'s, in its order of scores; equal scores inside it are
+    listed lowest column first (``topk`` may list them otherwise: the attention's sum over them
+    then differs by rounding only)."""
     for i in range(scores.shape[0]):
         c = counts[i]
         k = min(topk, c)
@@ -173,15 +175,12 @@ def _top_rows(scores: np.ndarray, counts: np.ndarray, topk: int, chosen: np.ndar
             continue
         if k < c and left == row[out[k - 1]]:
             own[i] = False
-        for a in range(1, k):
-            if row[out[a]] == row[out[a - 1]]:
-                own[i] = False
 
 
 def top_rows(scores: torch.Tensor, counts: list[int], topk: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """``_top_rows`` on an fp32 ``scores (n, T)``: ``(n, k_max)`` int64 columns (row ``i``'s first
     ``taken[i]`` valid, ``k_max = min(topk, max(counts))``), ``taken``, and the rows left to
-    ``torch.topk`` (a tie, a NaN; their columns unset)."""
+    ``torch.topk`` (a tie across the cut, a NaN; their columns unset)."""
     k_max = min(topk, max(counts))
     n = scores.shape[0]
     chosen = np.zeros((n, k_max), np.int64)

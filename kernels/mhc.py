@@ -25,7 +25,8 @@ from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 hc_mix_reference = mix_gates  # the math of ``HyperConnection.forward`` after its ``F.linear``
 PRESUM_SPLITS = 8  # hc_mix_parts: above this many splits, add them in tiles before the gates
 # hc == 4: each token's Sinkhorn in one thread's registers (16 scalars, sums without shuffles)
-# instead of a (BLOCK_N, 4, 4) tile whose row and column sums cross threads (run 13)
+# instead of a (BLOCK_N, 4, 4) tile whose row and column sums cross threads (run 13: the b=1 step
+# the same within noise)
 SINK_REGS = True
 
 

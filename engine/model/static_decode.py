@@ -78,11 +78,9 @@ SIDE_STREAM = True
 # ``fn`` read by 8 programs took 9.5 µs; ``hc_mix_parts`` adds many splits in tiles
 HC_SPLITS = 64
 # decode attention un-rotates its output in its last kernel (the split combine, else the main
-# kernel's epilogue) instead of a norm_rope pass after it (run 13)
+# kernel's epilogue) instead of a norm_rope pass after it; b=1 step the same within noise, one
+# launch less per layer (run 13; one split without the combine at b=1 was 8 µs slower)
 ATTN_ROPE_OUT = True
-# at batch 1 the layers without top-k rows (window + HCA rows: 4-5 key tiles) run the attention
-# as one split: no partials, no combine kernel (run 13)
-ATTN_ONE_SPLIT = True
 
 
 @dataclass
@@ -511,8 +509,6 @@ class StaticDecoder:
             kv_path()
         join()
         kw = {"rope": (cos, sin), "rope_pos": pos, "fold_q": 0} if ATTN_ROPE_OUT else {}
-        if ATTN_ONE_SPLIT and b == 1 and row_idx is None:
-            kw["num_splits"] = 1
         if comp is None:
             out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling, **kw)
         else:

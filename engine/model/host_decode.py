@@ -13,7 +13,8 @@ batched tensor ops with no per-sequence loop:
 - each compressor buffers the token at ``p % r``; only the rows whose window closes this step
   (known on the host) pool it, with ``decode.pool_windows``, and write row ``p // r``;
 - HCA reads rows ``[0, max count)`` of each slot (bias on the shorter ones), CSA scores as many
-  indexer rows and picks with ``decode.pick_rows``; one ``attend_with_sinks`` for the batch.
+  indexer rows and picks with ``decode.pick_rows`` (compiled: ``cpu_slots.top_rows``); one
+  ``attend_with_sinks`` for the batch.
 
 Unlike the CUDA-graph path, nothing is padded to a bucket and no shape is fixed: the host knows
 every position, so a step reads only the rows that exist. With ``compiled`` (the default where

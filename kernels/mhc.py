@@ -24,10 +24,6 @@ from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 hc_mix_reference = mix_gates  # the math of ``HyperConnection.forward`` after its ``F.linear``
 PRESUM_SPLITS = 8  # hc_mix_parts: above this many splits, add them in tiles before the gates
-# hc == 4: each token's Sinkhorn in one thread's registers (16 scalars, sums without shuffles)
-# instead of a (BLOCK_N, 4, 4) tile whose row and column sums cross threads (run 13: the b=1 step
-# the same within noise)
-SINK_REGS = True
 
 
 def hc_mix(
@@ -54,7 +50,7 @@ def hc_mix(
             mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
             n, mixes.stride(0), iters, eps, 0, 1, 1, 0.0, mixes,
             HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, NORM=False, SQ=m, MP=1, PRESUM=False, SB=1,
-            HEAD=False, REGS=SINK_REGS and hc == 4, num_warps=4,
+            HEAD=False, num_warps=4,
         )  # fmt: skip
     return pre, post, comb
 
@@ -97,7 +93,7 @@ def hc_mix_parts(
             parts, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
             n, splits * mp, iters, eps, mp, splits, k, norm_eps, sums,
             HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, NORM=True, SQ=m, MP=mp, PRESUM=presum, SB=sb,
-            HEAD=head, REGS=SINK_REGS and hc == 4, num_warps=warps,
+            HEAD=head, num_warps=warps,
         )  # fmt: skip
     return pre, post, comb
 
@@ -118,7 +114,6 @@ if HAS_TRITON:
         N, stride_m, iters, eps, stride_s, splits, norm_k, norm_eps, sum_ptr,
         HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
         SQ: tl.constexpr, MP: tl.constexpr, PRESUM: tl.constexpr, SB: tl.constexpr, HEAD: tl.constexpr,
-        REGS: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         r_ok = rows < N
@@ -146,10 +141,9 @@ if HAS_TRITON:
         # pre / post: (BN, HCP)
         if NORM:  # column SQ holds the sum of squares: the RMS scale of each row
             sq = _load_mix(mix_ptr + rows64 * stride_m + SQ, r_ok, stride_s, splits)
-            rs1 = 1.0 / tl.sqrt(sq / norm_k + norm_eps)  # (BN,)
+            rs = (1.0 / tl.sqrt(sq / norm_k + norm_eps))[:, None]
         else:
-            rs1 = tl.full((BLOCK_N,), 1.0, tl.float32)
-        rs = rs1[:, None]
+            rs = tl.full((BLOCK_N, 1), 1.0, tl.float32)
         x = _load_mix(mix_ptr + rows64[:, None] * stride_m + c[None, :], mask2, stride_s, splits) * rs
         b = tl.load(base_ptr + c, mask=c_ok, other=0.0)
         pre = 1.0 / (1.0 + tl.exp(-(x * s_pre + b[None, :]))) + eps
@@ -161,104 +155,24 @@ if HAS_TRITON:
             b = tl.load(base_ptr + HC + c, mask=c_ok, other=0.0)
             post = 2.0 / (1.0 + tl.exp(-(x * s_post + b[None, :])))
             tl.store(post_ptr + rows64[:, None] * HC + c[None, :], post, mask=mask2)
-            if REGS:  # hc == 4: the 16 entries of each token's matrix as (BN,) vectors, one row per thread
-                rp = mix_ptr + rows64 * stride_m
-                cp = comb_ptr + rows64 * 16
-                z00, z01, z02, z03 = _softmax4(
-                    _logit(rp, base_ptr, 8, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 9, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 10, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 11, r_ok, stride_s, splits, rs1, s_comb),
-                    eps,
-                )
-                z10, z11, z12, z13 = _softmax4(
-                    _logit(rp, base_ptr, 12, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 13, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 14, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 15, r_ok, stride_s, splits, rs1, s_comb),
-                    eps,
-                )
-                z20, z21, z22, z23 = _softmax4(
-                    _logit(rp, base_ptr, 16, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 17, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 18, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 19, r_ok, stride_s, splits, rs1, s_comb),
-                    eps,
-                )
-                z30, z31, z32, z33 = _softmax4(
-                    _logit(rp, base_ptr, 20, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 21, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 22, r_ok, stride_s, splits, rs1, s_comb),
-                    _logit(rp, base_ptr, 23, r_ok, stride_s, splits, rs1, s_comb),
-                    eps,
-                )
-                z00, z10, z20, z30 = _norm4(z00, z10, z20, z30, eps)  # columns
-                z01, z11, z21, z31 = _norm4(z01, z11, z21, z31, eps)
-                z02, z12, z22, z32 = _norm4(z02, z12, z22, z32, eps)
-                z03, z13, z23, z33 = _norm4(z03, z13, z23, z33, eps)
-                for _ in range(iters - 1):
-                    z00, z01, z02, z03 = _norm4(z00, z01, z02, z03, eps)  # rows
-                    z10, z11, z12, z13 = _norm4(z10, z11, z12, z13, eps)
-                    z20, z21, z22, z23 = _norm4(z20, z21, z22, z23, eps)
-                    z30, z31, z32, z33 = _norm4(z30, z31, z32, z33, eps)
-                    z00, z10, z20, z30 = _norm4(z00, z10, z20, z30, eps)  # columns
-                    z01, z11, z21, z31 = _norm4(z01, z11, z21, z31, eps)
-                    z02, z12, z22, z32 = _norm4(z02, z12, z22, z32, eps)
-                    z03, z13, z23, z33 = _norm4(z03, z13, z23, z33, eps)
-                _store4(cp, z00, z01, z02, z03, r_ok)
-                _store4(cp + 4, z10, z11, z12, z13, r_ok)
-                _store4(cp + 8, z20, z21, z22, z23, r_ok)
-                _store4(cp + 12, z30, z31, z32, z33, r_ok)
-            else:  # comb: (BN, HCP_i, HCP_j)
-                i3 = c[None, :, None]
-                j3 = c[None, None, :]
-                ok3 = r_ok[:, None, None] & (i3 < HC) & (j3 < HC)
-                off = 2 * HC + i3 * HC + j3
-                x = _load_mix(mix_ptr + rows64[:, None, None] * stride_m + off, ok3, stride_s, splits) * rs[:, :, None]
-                b = tl.load(base_ptr + off, mask=(i3 < HC) & (j3 < HC), other=0.0)
-                z = tl.where(ok3, x * s_comb + b, float("-inf"))
-                z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-                z = z / tl.sum(z, axis=2)[:, :, None] + eps  # softmax over j, + eps
-                z = tl.where(ok3, z, 0.0)
-                z = z / (tl.sum(z, axis=1)[:, None, :] + eps)  # columns: sum over i
-                for _ in range(iters - 1):
-                    z = z / (tl.sum(z, axis=2)[:, :, None] + eps)  # rows: sum over j
-                    z = z / (tl.sum(z, axis=1)[:, None, :] + eps)  # columns
-                tl.store(
-                    comb_ptr + rows64[:, None, None] * (HC * HC) + i3 * HC + j3, z, mask=ok3
-                )
-
-    @triton.jit
-    def _logit(row_ptr, base_ptr, col, r_ok, stride_s, splits, rs, s_comb):
-        """``(BN,)`` comb logits: column ``col`` of the mix rows ``row_ptr``, RMS-scaled, times
-        ``scale[2]``, plus ``base[col]``."""
-        x = _load_mix(row_ptr + col, r_ok, stride_s, splits)
-        return x * rs * s_comb + tl.load(base_ptr + col)
-
-    @triton.jit
-    def _softmax4(a, b, c, d, eps):
-        """Softmax over four ``(BN,)`` vectors (one matrix row per token), ``+ eps``."""
-        m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-        a = tl.exp(a - m)
-        b = tl.exp(b - m)
-        c = tl.exp(c - m)
-        d = tl.exp(d - m)
-        s = (a + b) + (c + d)
-        return a / s + eps, b / s + eps, c / s + eps, d / s + eps
-
-    @triton.jit
-    def _norm4(a, b, c, d, eps):
-        """One Sinkhorn half-step of four entries: each ``x / (sum + eps)``."""
-        s = (a + b) + (c + d) + eps
-        return a / s, b / s, c / s, d / s
-
-    @triton.jit
-    def _store4(ptr, a, b, c, d, r_ok):
-        """Store four ``(BN,)`` vectors at ``ptr + 0..3``."""
-        tl.store(ptr, a, mask=r_ok)
-        tl.store(ptr + 1, b, mask=r_ok)
-        tl.store(ptr + 2, c, mask=r_ok)
-        tl.store(ptr + 3, d, mask=r_ok)
+            # comb: (BN, HCP_i, HCP_j)
+            i3 = c[None, :, None]
+            j3 = c[None, None, :]
+            ok3 = r_ok[:, None, None] & (i3 < HC) & (j3 < HC)
+            off = 2 * HC + i3 * HC + j3
+            x = _load_mix(mix_ptr + rows64[:, None, None] * stride_m + off, ok3, stride_s, splits) * rs[:, :, None]
+            b = tl.load(base_ptr + off, mask=(i3 < HC) & (j3 < HC), other=0.0)
+            z = tl.where(ok3, x * s_comb + b, float("-inf"))
+            z = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+            z = z / tl.sum(z, axis=2)[:, :, None] + eps  # softmax over j, + eps
+            z = tl.where(ok3, z, 0.0)
+            z = z / (tl.sum(z, axis=1)[:, None, :] + eps)  # columns: sum over i
+            for _ in range(iters - 1):
+                z = z / (tl.sum(z, axis=2)[:, :, None] + eps)  # rows: sum over j
+                z = z / (tl.sum(z, axis=1)[:, None, :] + eps)  # columns
+            tl.store(
+                comb_ptr + rows64[:, None, None] * (HC * HC) + i3 * HC + j3, z, mask=ok3
+            )
 
 
 __all__ = ["hc_mix", "hc_mix_parts", "hc_mix_reference"]

@@ -47,6 +47,21 @@ def num_sms(device: torch.device) -> int:
 
 
 if HAS_TRITON:
+    # griddepcontrol (programmatic dependent launch) compiles for the GPU only
+    _GDC = tl.constexpr(not INTERPRET)
+
+    @triton.jit
+    def launch_dependents():
+        """Let a kernel launched after this one with ``launch_pdl`` start now (it waits for this
+        kernel's completion with ``gdc_wait`` before touching its outputs); no effect otherwise."""
+        if _GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def gdc_wait():
+        """Wait until the previous kernel (of a ``launch_pdl`` launch) has completed and flushed."""
+        if _GDC:
+            tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def mma(a, b, PRECISION: tl.constexpr):

@@ -37,6 +37,7 @@ import torch
 from kernels._common import (
     HAS_TRITON,
     dot_precision,
+    launch_dependents,
     mma,
     next_pow2,
     num_sms,
@@ -224,6 +225,7 @@ if HAS_TRITON:
         Q_NORM: tl.constexpr = False, ROPE: tl.constexpr = 0, QMODE: tl.constexpr = 0, ROPE_OUT: tl.constexpr = False,
         HAS_POS: tl.constexpr = False,
     ):  # fmt: skip
+        launch_dependents()  # a GEMV after this (kernels.gemv.PDL) streams its first weights meanwhile
         b = tl.program_id(0)
         hb = tl.program_id(1)
         sp = tl.program_id(2)
@@ -365,6 +367,7 @@ if HAS_TRITON:
         cos_ptr, sin_ptr, pos_ptr,
         D_PAD: tl.constexpr, BH: tl.constexpr, ROPE: tl.constexpr, ROPE_OUT: tl.constexpr, HAS_POS: tl.constexpr,
     ):  # fmt: skip
+        launch_dependents()
         b = tl.program_id(0)
         hb = tl.program_id(1)
         offs_h = hb * BH + tl.arange(0, BH)

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 
+if HAS_TRITON:
+    from kernels._common import launch_dependents
+
 # norm_rope: rows of D per program for calls of at least NORM_ROPE_MIN_ROWS rows (prefill); the
 # bench sweeps them (bench/gpu_prefill_trace.py --micro)
 NORM_ROPE_ROWS = 8
@@ -234,6 +237,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _collapse_norm_kernel(pre_ptr, x_ptr, w_ptr, out_ptr, H, eps, HC: tl.constexpr, BH: tl.constexpr):
+        launch_dependents()  # a GEMV after this (kernels.gemv.PDL) streams its first weights meanwhile
         n = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)
         ok = h < H
@@ -302,6 +306,7 @@ if HAS_TRITON:
         ROWS, G, D, stride_xn, stride_xg, pos_div, sign, eps,
         MODE: tl.constexpr, ROPE: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, DST: tl.constexpr,
     ):  # fmt: skip
+        launch_dependents()
         row = tl.program_id(0) * BR + tl.arange(0, BR)  # (BR,) rows of the flattened (N·G, D)
         r_ok = row < ROWS
         n = (row // G).to(tl.int64)
@@ -335,6 +340,7 @@ if HAS_TRITON:
         P, D, R, TC1, eps, stride_kv, stride_g,
         OVERLAP: tl.constexpr, ROPE: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
+        launch_dependents()
         b = tl.program_id(0)
         pos = tl.load(pos_ptr + b)
         slot = tl.load(slot_ptr + b)

@@ -63,6 +63,8 @@ from kernels import fused as fk
 from kernels._common import use_triton
 from kernels.compressor import gated_pool
 from kernels.decode_attention import decode_attention
+from kernels.gemv import gemv
+from kernels.gemv import use_gemv as use_dense_gemv
 from kernels.indexer import indexer_scores, mask_topk
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import moe_experts, route
@@ -81,6 +83,10 @@ HC_SPLITS = 64
 # kernel's epilogue) instead of a norm_rope pass after it; b=1 step the same within noise, one
 # launch less per layer (run 13; one split without the combine at b=1 was 8 µs slower)
 ATTN_ROPE_OUT = True
+# the fused step's dense projections of at most ``kernels.gemv.MAX_ROWS`` tokens (merged x
+# projection, q_b, the indexer's q_b, o_a, o_b, router, lm_head) through the weight-streaming GEMV
+# kernel instead of cuBLAS (small-tile GEMMs and split-K reduces at ~2.2-3.5 TB/s; NOTES run 14)
+DENSE_GEMV = True
 
 
 @dataclass
@@ -198,6 +204,7 @@ class StaticDecoder:
                     cos, sin = rot.cos_sin(every, dt)
                     self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
         self.merge_proj = merge_proj and self.fused
+        self.dense_gemv = DENSE_GEMV and self.fused
         if self.merge_proj:  # our own concatenated copy; the model's parameters stay as they are
             with torch.inference_mode():
                 for layer, lp in zip(model.model.layers, self.pools):
@@ -446,7 +453,21 @@ class StaticDecoder:
         hc = streams.shape[1]
         pre, _, _ = hc_mix_parts(parts, hc * streams.shape[2], head.norm_eps, scale, base, hc, 0, head.eps, head=True)
         hidden = fk.collapse_norm(pre, streams, norm.weight, norm.eps)  # norm(hc_head(streams)): (b, H)
-        return F.linear(hidden, model.lm_head.weight).float()
+        return self._linear(hidden, model.lm_head.weight, torch.float32)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for a few tokens."""
+        if self.dense_gemv and use_dense_gemv(x):
+            return gemv(x, w, out_dtype=out_dtype)
+        y = F.linear(x, w)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def _output(self, attn: Attention, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output projections (``Attention._output_fast``): grouped ``o_a``, ``o_b``."""
+        if self.dense_gemv and use_dense_gemv(out):
+            grouped = gemv(out.reshape(out.shape[0], -1), attn.o_a_proj.weight, attn.o_groups)
+            return gemv(grouped, attn.o_b_proj.weight)
+        return attn._output_fast(out)
 
     def _hyper_connection_fused(self, hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``_hyper_connection`` + the block's input ``RMSNorm`` in three kernels: split-K norm and
@@ -466,7 +487,7 @@ class StaticDecoder:
         b = x.shape[0]
         cos, sin = self._rope_tab[attn.rope_kind]
         if lp.xproj is not None:  # one GEMM for every projection of x, then column views
-            parts = list(F.linear(x, lp.xproj).split(lp.xsplit, dim=-1))
+            parts = list(self._linear(x, lp.xproj).split(lp.xsplit, dim=-1))
         else:
             parts = [attn.q_a_proj(x), attn.kv_proj(x)]
             if attn.compressor is not None:
@@ -486,7 +507,7 @@ class StaticDecoder:
             if idx is not None:
                 with self._branch() as join:
                     self._compress_fused(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
-                    idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+                    idx_q = fk.norm_rope(self._linear(q_res, idx.q_b_proj.weight).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
                     scores = indexer_scores(
                         idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
                         idx.softmax_scale * idx.weights_scaling, t_max=tc,
@@ -504,7 +525,7 @@ class StaticDecoder:
         if row_idx is None:  # no indexer on the side stream: the kv path goes there
             with self._branch() as join:
                 kv_path()
-        q = fk.norm_rope(attn.q_b_proj(q_res).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        q = fk.norm_rope(self._linear(q_res, attn.q_b_proj.weight).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
         if row_idx is not None:
             kv_path()
         join()
@@ -518,7 +539,7 @@ class StaticDecoder:
             )  # fmt: skip
         if not ATTN_ROPE_OUT:
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
-        return attn._output_fast(out)
+        return self._output(attn, out)
 
     @contextmanager
     def _branch(self):
@@ -555,7 +576,7 @@ class StaticDecoder:
         if not half:  # fp32 (tests): the general path's router
             weights, indices = gate(x, ids)
         else:
-            logits = F.linear(x, gate.weight)
+            logits = self._linear(x, gate.weight)
             if gate.hash_routed:
                 weights, indices = route(logits, gate.top_k, gate.scaling, tid2eid=gate.tid2eid, token_ids=ids, scoring_func=gate.scoring_func)
             else:

@@ -1,0 +1,215 @@
+"""Dense projections of one or two tokens: a weight-streaming GEMV kernel.
+
+At decode batch 1-2 a projection ``y = x @ Wᵀ`` reads ``W (N, K)`` once and does two FLOPs per
+weight element for each token: it is a pure weight stream. cuBLAS (``F.linear``) runs these as
+small-tile GEMMs, several with a split-K reduce kernel behind them, at ~2.2-3.5 TB/s on an H200
+(NOTES run 12: the q_b/o_a/o_b projections ~19-21 µs for 64 MB, the merged x projection ~9.5 µs
+for 21 MB). Here one program takes ``BN`` rows of ``W`` and streams them in ``(BN, BK)`` tiles
+(16-byte loads along ``K``), both tokens' dots in fp32 registers, one rounding to the output
+dtype — no split, no reduce kernel::
+
+    y[t, r] = Σ_k x[t, g(r)·K + k] · W[r, k]        g(r) = r // (N / groups)
+
+``groups > 1`` is the block-diagonal grouped projection (``GroupedLinear``, the attention's
+``o_a``): the ``N / groups`` rows of group ``g`` read columns ``[g·K, (g+1)·K)`` of ``x``, and
+``y`` comes out as the flat ``(T, N)`` the next projection reads. ``out_dtype=torch.float32``
+writes the product rounded to ``x``'s dtype as fp32 (``F.linear(x, W).float()`` in one kernel:
+the lm_head's logits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._common import HAS_TRITON, INTERPRET, tl, triton, use_triton
+from kernels.moe import _RND
+
+# at most this many tokens take the GEMV (each program applies every weight tile to all of them)
+MAX_ROWS = 2
+# programmatic dependent launch: the kernel may start while the previous kernel in the stream (or
+# CUDA graph) still runs; it loads its first weight tile (no dependency), then waits for it
+# (``gdc_wait``) before reading ``x`` or writing ``y``
+PDL = False
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Whether ``gemv`` should run the projection of ``x (T, ·)``: a few tokens, Triton available."""
+    return use_triton(x) and 0 < x.shape[0] <= MAX_ROWS
+
+
+def config(n: int, k: int) -> tuple[int, int, int]:
+    """(rows per program BN, K tile BK, num_warps) for ``W (n, k)``; the microbench
+    (``python -m kernels.gemv``) sweeps them."""
+    bk = min(1024, triton.next_power_of_2(k)) if HAS_TRITON else 1024
+    if n <= 512:  # the router: few rows, keep enough programs in flight
+        return 1, min(2048, bk * 2), 4
+    return 4, bk, 4
+
+
+def gemv_reference(x: torch.Tensor, w: torch.Tensor, groups: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x (T, groups·K)``, ``w (N, K)`` → ``(T, N)`` (module docstring), through PyTorch."""
+    if groups == 1:
+        y = F.linear(x, w)
+    else:
+        t = x.shape[0]
+        xg = x.reshape(t, groups, -1).transpose(0, 1)  # (G, T, K)
+        y = torch.bmm(xg, w.view(groups, -1, w.shape[1]).transpose(1, 2)).transpose(0, 1).reshape(t, -1)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, groups: int = 1, out_dtype: torch.dtype | None = None,
+    cfg: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``x (T, groups·K)``, ``w (N, K)`` → ``(T, N)`` in ``out_dtype`` (default ``x``'s); the
+    reference where Triton cannot run, for more than ``MAX_ROWS`` tokens, a strided ``w`` or ``x``."""
+    if not use_triton(x) or x.shape[0] > MAX_ROWS or not w.is_contiguous() or x.stride(-1) != 1:
+        return gemv_reference(x, w, groups, out_dtype)
+    t = x.shape[0]
+    n, k = w.shape
+    assert x.shape[1] == groups * k and n % groups == 0
+    out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
+    if t == 0:
+        return out
+    bn, bk, warps = cfg or config(n, k)
+    rpg = n // groups
+    assert groups == 1 or rpg % bn == 0, "a program's rows must lie in one group"
+    pdl = PDL and not INTERPRET
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, w, out, n, k, rpg, x.stride(0), out.stride(0),
+        T=t, BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return out
+
+
+if HAS_TRITON:
+    from kernels._common import gdc_wait, launch_dependents
+    from kernels.moe import _round_to
+
+    @triton.jit
+    def _load_w(w_rows, c, r_ok, K, EVEN: tl.constexpr):
+        if EVEN:
+            wt = tl.load(w_rows + c[None, :])
+        else:
+            wt = tl.load(w_rows + c[None, :], mask=r_ok[:, None] & (c < K)[None, :], other=0.0)
+        return wt.to(tl.float32)
+
+    @triton.jit
+    def _load_x(x_row, c, K, EVEN: tl.constexpr):
+        if EVEN:
+            xv = tl.load(x_row + c)
+        else:
+            xv = tl.load(x_row + c, mask=c < K, other=0.0)
+        return xv.to(tl.float32)[None, :]
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, y_ptr, N, K, RPG, stride_x, stride_y,
+        T: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, RND: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        if PDL:  # the next kernel (if launched as a dependent) may start once every program is here
+            launch_dependents()
+        r0 = tl.program_id(0) * BN
+        rows = r0 + tl.arange(0, BN)
+        r_ok = rows < N
+        cols = tl.arange(0, BK)
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+        x0 = x_ptr + (r0 // RPG).to(tl.int64) * K  # this program's group's columns
+        wt = _load_w(w_rows, cols, r_ok, K, EVEN)  # weights need nothing from the previous kernel
+        if PDL:
+            gdc_wait()
+        acc0 = wt * _load_x(x0, cols, K, EVEN)
+        if T > 1:
+            acc1 = wt * _load_x(x0 + stride_x, cols, K, EVEN)
+        for k0 in range(BK, K, BK):
+            c = k0 + cols
+            wt = _load_w(w_rows, c, r_ok, K, EVEN)
+            acc0 += wt * _load_x(x0, c, K, EVEN)
+            if T > 1:
+                acc1 += wt * _load_x(x0 + stride_x, c, K, EVEN)
+        y0 = _round_to(tl.sum(acc0, axis=1), RND)
+        tl.store(y_ptr + rows, y0.to(y_ptr.dtype.element_ty), mask=r_ok)
+        if T > 1:
+            y1 = _round_to(tl.sum(acc1, axis=1), RND)
+            tl.store(y_ptr + stride_y + rows, y1.to(y_ptr.dtype.element_ty), mask=r_ok)
+
+
+def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
+    """The slice's dense projections at batch 1-2: ``gemv`` configs against ``F.linear``, CUDA-graph
+    replays of 8 calls over rotated weight copies (no L2 reuse between calls), µs per call and TB/s
+    of weight read; the default config also with ``PDL`` (each call starts under the previous one)."""
+    import json
+
+    global PDL
+    dev, dt = "cuda", torch.bfloat16
+    shapes = [  # (name, N, K, groups)
+        ("xproj hca", 2560, 4096, 1), ("xproj csa", 4160, 4096, 1), ("q_b", 32768, 1024, 1),
+        ("idx q_b", 8192, 1024, 1), ("o_a", 8192, 4096, 8), ("o_b", 4096, 8192, 1), ("router", 256, 4096, 1),
+        ("lm_head", 129280, 4096, 1),
+    ]  # fmt: skip
+    wide = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8)]
+    narrow = [(1, 1024, 4), (1, 2048, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 1024, 4)]
+    g = torch.Generator(device=dev).manual_seed(0)
+    results = []
+
+    def graph_us(fn, reps: int = 8) -> float:
+        fn(0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(reps):
+                fn(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / (10 * reps)
+
+    for name, n, k, groups in shapes:
+        copies = 2 if n * k > 1 << 28 else 8
+        ws = [torch.randn(n, k, device=dev, dtype=dt, generator=g) * k**-0.5 for _ in range(copies)]
+        nbytes = n * k * 2
+        out_dtype = torch.float32 if name == "lm_head" else None
+        top: list = []
+        for t in (1, 2):
+            x = torch.randn(t, groups * k, device=dev, dtype=dt, generator=g)
+            ref = gemv_reference(x.float(), ws[0].float(), groups)
+            base = graph_us(lambda i, x=x: gemv_reference(x, ws[i % copies], groups, out_dtype))
+            results.append({"shape": name, "t": t, "what": "torch", "us": base, "tbps": nbytes / base / 1e6})
+            cands = (narrow if n <= 512 else wide) if t == 1 else top
+            cands = [c for c in dict.fromkeys([config(n, k), *cands]) if groups == 1 or (n // groups) % c[0] == 0]
+            mine = []
+            for cfg in cands:
+                for pdl in ((False, True) if cfg == config(n, k) else (False,)):
+                    PDL = pdl
+                    got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
+                    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+                    us = graph_us(lambda i, x=x, cfg=cfg: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
+                    r = {"shape": name, "t": t, "what": f"gemv {cfg}" + (" pdl" if pdl else ""), "cfg": cfg, "pdl": pdl,
+                         "us": us, "tbps": nbytes / us / 1e6, "err": err}  # fmt: skip
+                    results.append(r)
+                    mine.append(r)
+                    PDL = False
+            plain = sorted((r for r in mine if not r["pdl"]), key=lambda r: r["us"])
+            if t == 1:
+                top = [r["cfg"] for r in plain[:3]]
+            best, dflt = plain[0], next(r for r in mine if r["pdl"])
+            print(f"{name:10s} t={t} torch {base:7.1f} us {nbytes / base / 1e6:5.2f} TB/s | best {best['what']:20s} {best['us']:7.1f} us "
+                  f"{best['tbps']:5.2f} TB/s err {best['err']:.1e} | default {config(n, k)} "
+                  f"{next(r['us'] for r in mine if r['cfg'] == config(n, k) and not r['pdl']):7.1f} us, pdl {dflt['us']:7.1f} us", flush=True)  # fmt: skip
+        del ws
+    with open(f"{out_dir}/gemv_sweep.json", "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    _sweep(sys.argv[1] if len(sys.argv) > 1 else ".")

@@ -1,20 +1,21 @@
-"""Dense projections of one or two tokens: a weight-streaming GEMV kernel.
+"""Dense projections of one token: a weight-streaming GEMV kernel.
 
-At decode batch 1-2 a projection ``y = x @ Wᵀ`` reads ``W (N, K)`` once and does two FLOPs per
-weight element for each token: it is a pure weight stream. cuBLAS (``F.linear``) runs these as
-small-tile GEMMs, several with a split-K reduce kernel behind them, at ~2.2-3.5 TB/s on an H200
-(NOTES run 12: the q_b/o_a/o_b projections ~19-21 µs for 64 MB, the merged x projection ~9.5 µs
-for 21 MB). Here one program takes ``BN`` rows of ``W`` and streams them in ``(BN, BK)`` tiles
-(16-byte loads along ``K``), both tokens' dots in fp32 registers, one rounding to the output
-dtype — no split, no reduce kernel::
+At decode batch 1 a projection ``y = x @ Wᵀ`` reads ``W (N, K)`` once and does two FLOPs per
+weight element: it is a pure weight stream. cuBLAS (``F.linear``) runs these as small-tile GEMMs,
+several with a split-K reduce kernel behind them, at ~2.2-3.5 TB/s on an H200 (NOTES run 14: the
+q_b/o_a/o_b projections 19-21 µs for 64 MB, the merged x projection ~9.7 µs for 21 MB, the 2 MB
+router 5.5 µs). Here one program takes ``BN`` rows of ``W`` and streams them in ``(BN, BK)`` tiles
+(16-byte loads along ``K``, the next tile's loads issued before the current one is summed), fp32
+accumulators, one rounding to the output dtype — no split, no reduce kernel::
 
-    y[t, r] = Σ_k x[t, g(r)·K + k] · W[r, k]        g(r) = r // (N / groups)
+    y[0, r] = Σ_k x[0, g(r)·K + k] · W[r, k]        g(r) = r // (N / groups)
 
 ``groups > 1`` is the block-diagonal grouped projection (``GroupedLinear``, the attention's
 ``o_a``): the ``N / groups`` rows of group ``g`` read columns ``[g·K, (g+1)·K)`` of ``x``, and
-``y`` comes out as the flat ``(T, N)`` the next projection reads. ``out_dtype=torch.float32``
+``y`` comes out as the flat ``(1, N)`` the next projection reads. ``out_dtype=torch.float32``
 writes the product rounded to ``x``'s dtype as fp32 (``F.linear(x, W).float()`` in one kernel:
-the lm_head's logits).
+the lm_head's logits). With ``PDL`` the kernel is a programmatic dependent launch: it starts under
+the previous kernel's tail and streams its first weight tile before it waits for that kernel.
 """
 
 from __future__ import annotations
@@ -25,17 +26,20 @@ import torch.nn.functional as F
 from kernels._common import HAS_TRITON, INTERPRET, tl, triton, use_triton
 from kernels.moe import _RND
 
-# at most this many tokens take the GEMV (each program applies every weight tile to all of them)
-MAX_ROWS = 2
+# one token only: a second token's accumulators (117 registers, half the programs per SM) made it
+# slower than cuBLAS on q_b and the lm_head, and the b=2 step 26 µs slower (NOTES run 14)
 # programmatic dependent launch: the kernel may start while the previous kernel in the stream (or
 # CUDA graph) still runs; it loads its first weight tile (no dependency), then waits for it
 # (``gdc_wait``) before reading ``x`` or writing ``y``
-PDL = False
+PDL = True
+# the next weight tile's loads issued before the current tile's FMAs (two tiles in flight per
+# program along K); run 14 call 2 A/B
+PREFETCH = True
 
 
 def use_gemv(x: torch.Tensor) -> bool:
-    """Whether ``gemv`` should run the projection of ``x (T, ·)``: a few tokens, Triton available."""
-    return use_triton(x) and 0 < x.shape[0] <= MAX_ROWS
+    """Whether ``gemv`` should run the projection of ``x (T, ·)``: one token, Triton available."""
+    return use_triton(x) and x.shape[0] == 1
 
 
 def config(n: int, k: int) -> tuple[int, int, int]:
@@ -63,22 +67,19 @@ def gemv(
     cfg: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``x (T, groups·K)``, ``w (N, K)`` → ``(T, N)`` in ``out_dtype`` (default ``x``'s); the
-    reference where Triton cannot run, for more than ``MAX_ROWS`` tokens, a strided ``w`` or ``x``."""
-    if not use_triton(x) or x.shape[0] > MAX_ROWS or not w.is_contiguous() or x.stride(-1) != 1:
+    reference where Triton cannot run, for other than one token, a strided ``w`` or ``x``."""
+    if not use_triton(x) or x.shape[0] != 1 or not w.is_contiguous() or x.stride(-1) != 1:
         return gemv_reference(x, w, groups, out_dtype)
-    t = x.shape[0]
     n, k = w.shape
     assert x.shape[1] == groups * k and n % groups == 0
-    out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
-    if t == 0:
-        return out
+    out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     bn, bk, warps = cfg or config(n, k)
     rpg = n // groups
     assert groups == 1 or rpg % bn == 0, "a program's rows must lie in one group"
     pdl = PDL and not INTERPRET
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, w, out, n, k, rpg, x.stride(0), out.stride(0),
-        T=t, BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl,
+        x, w, out, n, k, rpg,
+        BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl, PREFETCH=PREFETCH,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -91,10 +92,8 @@ if HAS_TRITON:
     @triton.jit
     def _load_w(w_rows, c, r_ok, K, EVEN: tl.constexpr):
         if EVEN:
-            wt = tl.load(w_rows + c[None, :])
-        else:
-            wt = tl.load(w_rows + c[None, :], mask=r_ok[:, None] & (c < K)[None, :], other=0.0)
-        return wt.to(tl.float32)
+            return tl.load(w_rows + c[None, :])
+        return tl.load(w_rows + c[None, :], mask=r_ok[:, None] & (c < K)[None, :], other=0.0)
 
     @triton.jit
     def _load_x(x_row, c, K, EVEN: tl.constexpr):
@@ -106,9 +105,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, y_ptr, N, K, RPG, stride_x, stride_y,
-        T: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, RND: tl.constexpr,
-        PDL: tl.constexpr,
+        x_ptr, w_ptr, y_ptr, N, K, RPG,
+        BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, RND: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # the next kernel (if launched as a dependent) may start once every program is here
             launch_dependents()
@@ -121,39 +120,39 @@ if HAS_TRITON:
         wt = _load_w(w_rows, cols, r_ok, K, EVEN)  # weights need nothing from the previous kernel
         if PDL:
             gdc_wait()
-        acc0 = wt * _load_x(x0, cols, K, EVEN)
-        if T > 1:
-            acc1 = wt * _load_x(x0 + stride_x, cols, K, EVEN)
-        for k0 in range(BK, K, BK):
-            c = k0 + cols
-            wt = _load_w(w_rows, c, r_ok, K, EVEN)
-            acc0 += wt * _load_x(x0, c, K, EVEN)
-            if T > 1:
-                acc1 += wt * _load_x(x0 + stride_x, c, K, EVEN)
-        y0 = _round_to(tl.sum(acc0, axis=1), RND)
-        tl.store(y_ptr + rows, y0.to(y_ptr.dtype.element_ty), mask=r_ok)
-        if T > 1:
-            y1 = _round_to(tl.sum(acc1, axis=1), RND)
-            tl.store(y_ptr + stride_y + rows, y1.to(y_ptr.dtype.element_ty), mask=r_ok)
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        if PREFETCH:
+            for k0 in range(BK, K, BK):  # tile k0's loads in flight while tile k0 - BK is summed
+                nxt = _load_w(w_rows, k0 + cols, r_ok, K, EVEN)
+                acc += wt.to(tl.float32) * _load_x(x0, k0 - BK + cols, K, EVEN)
+                wt = nxt
+            acc += wt.to(tl.float32) * _load_x(x0, (tl.cdiv(K, BK) - 1) * BK + cols, K, EVEN)
+        else:
+            acc += wt.to(tl.float32) * _load_x(x0, cols, K, EVEN)
+            for k0 in range(BK, K, BK):
+                acc += _load_w(w_rows, k0 + cols, r_ok, K, EVEN).to(tl.float32) * _load_x(x0, k0 + cols, K, EVEN)
+        y = _round_to(tl.sum(acc, axis=1), RND)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=r_ok)
 
 
 def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
-    """The slice's dense projections at batch 1-2: ``gemv`` configs against ``F.linear``, CUDA-graph
-    replays of 8 calls over rotated weight copies (no L2 reuse between calls), µs per call and TB/s
-    of weight read; the default config also with ``PDL`` (each call starts under the previous one)."""
+    """The slice's dense projections at batch 1: ``gemv`` configs (with and without ``PREFETCH``;
+    ``PDL`` as set) against ``F.linear``, CUDA-graph replays of 8 calls over rotated weight copies
+    (no L2 reuse between calls), µs per call and TB/s of weight read."""
     import json
 
-    global PDL
+    global PREFETCH
     dev, dt = "cuda", torch.bfloat16
     shapes = [  # (name, N, K, groups)
         ("xproj hca", 2560, 4096, 1), ("xproj csa", 4160, 4096, 1), ("q_b", 32768, 1024, 1),
         ("idx q_b", 8192, 1024, 1), ("o_a", 8192, 4096, 8), ("o_b", 4096, 8192, 1), ("router", 256, 4096, 1),
         ("lm_head", 129280, 4096, 1),
     ]  # fmt: skip
-    wide = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8)]
-    narrow = [(1, 1024, 4), (1, 2048, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 1024, 4)]
+    wide = [(4, 1024, 4), (4, 2048, 4), (2, 2048, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4)]
+    narrow = [(1, 2048, 4), (1, 1024, 4), (1, 4096, 8), (2, 1024, 4)]
     g = torch.Generator(device=dev).manual_seed(0)
     results = []
+    keep = PREFETCH
 
     def graph_us(fn, reps: int = 8) -> float:
         fn(0)
@@ -177,33 +176,27 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
         ws = [torch.randn(n, k, device=dev, dtype=dt, generator=g) * k**-0.5 for _ in range(copies)]
         nbytes = n * k * 2
         out_dtype = torch.float32 if name == "lm_head" else None
-        top: list = []
-        for t in (1, 2):
-            x = torch.randn(t, groups * k, device=dev, dtype=dt, generator=g)
-            ref = gemv_reference(x.float(), ws[0].float(), groups)
-            base = graph_us(lambda i, x=x: gemv_reference(x, ws[i % copies], groups, out_dtype))
-            results.append({"shape": name, "t": t, "what": "torch", "us": base, "tbps": nbytes / base / 1e6})
-            cands = (narrow if n <= 512 else wide) if t == 1 else top
-            cands = [c for c in dict.fromkeys([config(n, k), *cands]) if groups == 1 or (n // groups) % c[0] == 0]
+        x = torch.randn(1, groups * k, device=dev, dtype=dt, generator=g)
+        ref = gemv_reference(x.float(), ws[0].float(), groups)
+        base = graph_us(lambda i: gemv_reference(x, ws[i % copies], groups, out_dtype))
+        results.append({"shape": name, "what": "torch", "us": base, "tbps": nbytes / base / 1e6})
+        cands = [c for c in dict.fromkeys([config(n, k), *(narrow if n <= 512 else wide)]) if groups == 1 or (n // groups) % c[0] == 0]
+        line = f"{name:10s} torch {base:6.1f} us {nbytes / base / 1e6:5.2f} TB/s |"
+        for pre in (False, True):
+            PREFETCH = pre
             mine = []
             for cfg in cands:
-                for pdl in ((False, True) if cfg == config(n, k) else (False,)):
-                    PDL = pdl
-                    got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
-                    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-                    us = graph_us(lambda i, x=x, cfg=cfg: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
-                    r = {"shape": name, "t": t, "what": f"gemv {cfg}" + (" pdl" if pdl else ""), "cfg": cfg, "pdl": pdl,
-                         "us": us, "tbps": nbytes / us / 1e6, "err": err}  # fmt: skip
-                    results.append(r)
-                    mine.append(r)
-                    PDL = False
-            plain = sorted((r for r in mine if not r["pdl"]), key=lambda r: r["us"])
-            if t == 1:
-                top = [r["cfg"] for r in plain[:3]]
-            best, dflt = plain[0], next(r for r in mine if r["pdl"])
-            print(f"{name:10s} t={t} torch {base:7.1f} us {nbytes / base / 1e6:5.2f} TB/s | best {best['what']:20s} {best['us']:7.1f} us "
-                  f"{best['tbps']:5.2f} TB/s err {best['err']:.1e} | default {config(n, k)} "
-                  f"{next(r['us'] for r in mine if r['cfg'] == config(n, k) and not r['pdl']):7.1f} us, pdl {dflt['us']:7.1f} us", flush=True)  # fmt: skip
+                got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
+                err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+                us = graph_us(lambda i, cfg=cfg: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
+                mine.append({"shape": name, "what": f"gemv {cfg} prefetch={int(pre)} pdl={int(PDL)}", "cfg": cfg, "prefetch": pre,
+                             "us": us, "tbps": nbytes / us / 1e6, "err": err})  # fmt: skip
+            results += mine
+            best = min(mine, key=lambda r: r["us"])
+            dflt = next(r for r in mine if r["cfg"] == config(n, k))
+            line += f" pre={int(pre)}: default {dflt['us']:6.1f} us {dflt['tbps']:4.2f} TB/s, best {best['cfg']} {best['us']:6.1f} us (err {best['err']:.0e}) |"
+        PREFETCH = keep
+        print(line, flush=True)
         del ws
     with open(f"{out_dir}/gemv_sweep.json", "w") as f:
         json.dump(results, f, indent=1)

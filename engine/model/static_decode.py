@@ -83,9 +83,9 @@ HC_SPLITS = 64
 # kernel's epilogue) instead of a norm_rope pass after it; b=1 step the same within noise, one
 # launch less per layer (run 13; one split without the combine at b=1 was 8 µs slower)
 ATTN_ROPE_OUT = True
-# the fused step's dense projections of at most ``kernels.gemv.MAX_ROWS`` tokens (merged x
-# projection, q_b, the indexer's q_b, o_a, o_b, router, lm_head) through the weight-streaming GEMV
-# kernel instead of cuBLAS (small-tile GEMMs and split-K reduces at ~2.2-3.5 TB/s; NOTES run 14)
+# the fused step's dense projections at batch 1 (merged x projection, q_b, the indexer's q_b, o_a,
+# o_b, router, lm_head) through the weight-streaming GEMV kernel (``kernels.gemv``) instead of
+# cuBLAS (small-tile GEMMs and split-K reduces at ~2.2-3.5 TB/s; NOTES run 14)
 DENSE_GEMV = True
 
 
@@ -456,7 +456,7 @@ class StaticDecoder:
         return self._linear(hidden, model.lm_head.weight, torch.float32)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for a few tokens."""
+        """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for one token."""
         if self.dense_gemv and use_dense_gemv(x):
             return gemv(x, w, out_dtype=out_dtype)
         y = F.linear(x, w)

@@ -28,15 +28,12 @@ pays for one walk. Single-threaded (the router's event loop); no locking.
 from __future__ import annotations
 
 import math
-import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from hashlib import sha256
 from itertools import islice
 from typing import Any
 
 from engine.protocol import KV_REMOVED, KV_STORED, KVEvent
-from kvstore.keys import ROOT_KEY, chain_keys
 from router.policies.base import PrefixMatch, RankKey
 
 SHARED_TIERS = frozenset({"redis", "fs"})
@@ -241,79 +238,6 @@ class KVIndex:
 
     def matched_blocks(self, rank: RankKey, keys: Sequence[str]) -> int:
         return self.match(keys).local.get(rank, 0)
-
-
-class PromptHasher:
-    """``kvstore.keys.chain_keys`` of prompts, fast: the router hashes every prompt it places.
-
-    Same keys as the engine's (the first 128 bits of a SHA-256 of parent key, fingerprint, format
-    and the unit's int64 token bytes, chained), computed with less Python per unit:
-
-    - a memo maps ``(parent key, hash(tuple(unit tokens)))`` to the unit's key, so a prompt
-      sharing a prefix with an earlier one (the next turn of a conversation, a common system
-      prompt) pays a tuple hash per shared unit (~0.6 µs per 128 tokens) instead of a SHA-256;
-    - a unit missing from the memo is packed to int64 bytes with a precompiled ``struct``
-      (0.8 µs per 128 tokens; ``array('q')`` of the prompt took 2 µs, ``numpy.asarray`` per
-      unit more), with the fingerprint and format bytes encoded once; the first unit's hash
-      starts from a copy of the root key's hash state (0.06 µs instead of 0.3).
-
-    The 64-bit Python hash could collide: that would only misplace one request (the engine
-    hashes on its own), never corrupt anything. The memo keeps at most ``max_entries`` units;
-    over that, the oldest quarter is dropped at once (``trim_oldest``; one at a time cost ~25 µs
-    per new unit once full). ``reference`` is the contract (tests compare).
-    """
-
-    def __init__(self, block_size: int, fingerprint: str = "", max_entries: int = 200_000, fmt: str = "v1") -> None:
-        self.block_size = block_size
-        self.max_entries = max_entries
-        self._fmt = fmt
-        self._fingerprint = fingerprint
-        self._suffix = (fingerprint + fmt).encode()
-        self._root = sha256(ROOT_KEY.encode() + self._suffix)
-        self._pack = struct.Struct(f"={block_size}q").pack  # a unit's int64 bytes, native order
-        self._memo: dict[tuple[str, int], str] = {}
-
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    @fingerprint.setter
-    def fingerprint(self, value: str) -> None:
-        if value != self._fingerprint:
-            self._fingerprint = value
-            self._suffix = (value + self._fmt).encode()
-            self._root = sha256(ROOT_KEY.encode() + self._suffix)
-            self._memo.clear()
-
-    def keys(self, token_ids: Sequence[int]) -> tuple[str, ...]:
-        """The prompt's unit keys; ``ValueError`` for a token id outside int64."""
-        bs = self.block_size
-        n = len(token_ids) // bs
-        if n == 0:
-            return ()
-        memo, pack, suffix = self._memo, self._pack, self._suffix
-        parent, out = ROOT_KEY, []
-        for start in range(0, n * bs, bs):
-            unit = tuple(token_ids[start : start + bs])
-            mk = (parent, hash(unit))
-            key = memo.get(mk)
-            if key is None:
-                h = self._root.copy() if start == 0 else sha256(parent.encode() + suffix)
-                try:
-                    h.update(pack(*unit))
-                except struct.error as exc:
-                    raise ValueError(f"token ids must be int64: {exc}") from None
-                key = memo[mk] = h.hexdigest()[:32]
-                if len(memo) > self.max_entries:
-                    trim_oldest(memo, self.max_entries - self.max_entries // 4)
-            parent = key
-            out.append(key)
-        return tuple(out)
-
-    @staticmethod
-    def reference(token_ids: Sequence[int], block_size: int, fingerprint: str) -> list[str]:
-        """The contract this class must equal (tests compare)."""
-        return chain_keys(token_ids, block_size, fingerprint)
 
 
 def _store(holders: dict[str, dict[RankKey, float]], rank: RankKey, keys: Iterable[str]) -> None:

@@ -27,9 +27,11 @@ import gc
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from kvstore.keys import TokenIdsText
 from router.config import RouterConfig
 from router.errors import Overloaded, RouterError
 from router.http_server import HttpServer, Request, Response
@@ -67,14 +69,66 @@ class BadRequest(ValueError):
     pass
 
 
-def _body(request: Request) -> dict[str, Any]:
+def _body(raw: bytes) -> dict[str, Any]:
     try:
-        body = loads(request.body)
+        body = loads(raw)
     except ValueError:
         raise BadRequest("body is not JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object")
     return body
+
+
+_PROMPT_KEY = b'"prompt_token_ids"'
+_DIGITS_COMMAS = b"0123456789,"
+
+
+def _canonical_prompt(raw: bytes) -> tuple[int, int] | None:
+    """Where the body ``raw`` holds its prompt as a canonical id list (``kvstore.keys.token_text``:
+    non-negative decimals, commas, nothing else, no leading zeros: as orjson or any compact JSON
+    encoder writes it): the offsets of its ``[`` and ``]``, else None (the body is then parsed
+    whole). The caller parses the body with the array emptied and checks the top-level field is
+    that empty array. Refused here: a body with any backslash (an escaped key could hide the real
+    field), the key seen twice, anything but blanks and a colon between the key and the ``[``."""
+    if raw.find(b"\\") >= 0:
+        return None
+    i = raw.find(_PROMPT_KEY)
+    if i < 0 or raw.find(_PROMPT_KEY, i + 18) >= 0:
+        return None
+    start = raw.find(b"[", i + 18)
+    if start < 0 or raw[i + 18 : start].strip() != b":":
+        return None
+    end = raw.find(b"]", start)
+    text = raw[start + 1 : end]
+    if (
+        end < 0
+        or not text
+        or text.translate(None, _DIGITS_COMMAS)
+        or text[0] == 44  # ","
+        or text[-1] == 44
+        or text.rfind(b",,") >= 0  # (rfind: twice as fast as find or ``in`` on this text)
+        or text.rfind(b",0") >= 0  # an id with a leading zero, or the id 0 after the first: parsed whole
+        or (text[0] == 48 and len(text) > 1 and text[1] != 44)  # "0" then a digit
+    ):
+        return None
+    return start, end
+
+
+def parse_body(raw: bytes) -> tuple[dict[str, Any], GenerateRequest]:
+    """The generate body ``raw``: its JSON object and the request. A prompt written canonically
+    (``_canonical_prompt``) is not parsed: the object is parsed with that array left empty, and
+    the request's prompt is the array's text (``kvstore.keys.TokenIdsText``), counted by its
+    commas and hashed as it is by the router; anything else is parsed whole and checked by
+    ``parse_generate``."""
+    span = _canonical_prompt(raw)
+    if span is not None:
+        start, end = span
+        d = _body(b"%s%s" % (raw[: start + 1], raw[end:]))
+        if d.get("prompt_token_ids") == []:
+            text = raw[start + 1 : end]
+            return d, parse_generate(d, raw, TokenIdsText(text, text.count(b",") + 1))
+    d = _body(raw)
+    return d, parse_generate(d, raw)
 
 
 _INT_LIST_TEXT = b"0123456789,- \t\r\n"  # what a JSON array of integers is written with
@@ -144,11 +198,13 @@ def _sampling(d: dict[str, Any]) -> SamplingParams:
     return sp
 
 
-def parse_generate(d: dict[str, Any], raw: bytes = b"") -> GenerateRequest:
+def parse_generate(d: dict[str, Any], raw: bytes = b"", prompt: Sequence[int] | None = None) -> GenerateRequest:
     """``GenerateRequest.from_dict`` without re-building the token lists: JSON already gave the
     ints; their type is checked (a bad request must be refused here, not fail on a worker and
-    count against that worker's health). ``raw``: the JSON body ``d`` came from, if any."""
-    prompt = _token_ids(d["prompt_token_ids"], raw, b'"prompt_token_ids"', empty_ok=False)
+    count against that worker's health). ``raw``: the JSON body ``d`` came from, if any;
+    ``prompt``: the prompt, when the caller read it off ``raw`` itself (``parse_body``)."""
+    if prompt is None:
+        prompt = _token_ids(d["prompt_token_ids"], raw, b'"prompt_token_ids"', empty_ok=False)
     out = _token_ids(d.get("output_token_ids") or [], raw, b'"output_token_ids"', empty_ok=True)
     # positional (request_id, prompt, sampling, priority, output, prefill_only, dp_rank,
     # session_key, arrival_time): the keyword call cost 0.3 µs more
@@ -225,8 +281,7 @@ class RouterService:
     # ---- the hot route ------------------------------------------------------------------------
     async def generate(self, request: Request) -> Response | None:
         try:
-            d = _body(request)
-            req = parse_generate(d, request.body)
+            d, req = parse_body(request.body)
         except (KeyError, ValueError, TypeError) as exc:
             return _error(400, f"invalid request: {exc}", "invalid_request")
         events = self.router.stream(req, forward_head(d, request.body, req))
@@ -258,7 +313,7 @@ class RouterService:
     # ---- the rest -----------------------------------------------------------------------------
     async def abort(self, request: Request) -> Response:
         try:
-            body = _body(request)
+            body = _body(request.body)
         except BadRequest as exc:
             return _error(400, str(exc), "invalid_request")
         return _json_ok({"aborted": await self.router.abort(str(body.get("request_id", "")))})
@@ -278,7 +333,7 @@ class RouterService:
 
     async def register(self, request: Request) -> Response:
         try:
-            body = _body(request)
+            body = _body(request.body)
         except BadRequest as exc:
             return _error(400, str(exc), "invalid_request")
         if "url" not in body:
@@ -293,7 +348,7 @@ class RouterService:
 
     async def deregister(self, request: Request) -> Response:
         try:
-            body = _body(request)
+            body = _body(request.body)
             await self.router.remove_worker(str(body.get("worker_id") or body.get("url", "")), drain=bool(body.get("drain", True)))
         except BadRequest as exc:
             return _error(400, str(exc), "invalid_request")
@@ -303,7 +358,7 @@ class RouterService:
 
     async def drain(self, request: Request) -> Response:
         try:
-            body = _body(request)
+            body = _body(request.body)
             self.router.drain(str(body.get("worker_id") or body.get("url", "")), bool(body.get("draining", True)))
         except BadRequest as exc:
             return _error(400, str(exc), "invalid_request")

@@ -63,32 +63,33 @@ def test_bounded_size_drops_least_recently_used():
 
 
 # ---- fast paths: the same answers as the reference code -------------------------------------
-def test_prompt_hasher_equals_engine_keys():
-    """The router's keys must be the engine's (``KVConnector.keys``), or no KV event matches."""
+def test_router_keys_equal_engine_keys():
+    """The router's keys must be the engine's (``KVConnector.keys``), or no KV event matches: a
+    prompt read off a request body as text (``parse_body``'s fast path) or parsed (the general
+    path) is hashed to the keys the engine gets from its id list."""
     import random
     from types import SimpleNamespace
 
+    import orjson
+
     from engine.kv_connector import KVConnector
-    from router.kv_index import PromptHasher
+    from kvstore.keys import TokenIdsText
+    from router.service import parse_body
 
     rng = random.Random(0)
     fp = "abc123-bfloat16"
     engine = SimpleNamespace(unit=128, fingerprint=fp)
-    h = PromptHasher(128, fp)
-    base = [rng.randrange(200_000) for _ in range(700)]
-    prompts = [base, base[:256], base + [1, 2, 3] * 100, [rng.randrange(-3, 1 << 40) for _ in range(1000)], [0] * 127, [5] * 128, []]
-    for p in prompts * 2:  # second pass: memo hits
-        want = KVConnector.keys(engine, p)
-        assert list(h.keys(p)) == want == PromptHasher.reference(p, 128, fp)
-        assert list(h.keys(tuple(p))) == want
-    h.fingerprint = "other"  # a new fingerprint drops the memo
-    assert list(h.keys(base)) == chain_keys(base, 128, "other")
-    small = PromptHasher(128, fp, max_entries=2)
+    base = [rng.randrange(1, 200_000) for _ in range(700)]
+    prompts = [base, base[:256], base[:128], base + [1, 2, 3] * 100, [0] + base[:300], [rng.randrange(-3, 1 << 40) for _ in range(1000)], [7] * 127, [5] * 128]
     for p in prompts:
-        assert list(small.keys(p)) == chain_keys(p, 128, fp)
-    assert len(small._memo) <= 2
-    with pytest.raises(ValueError):  # the service answers 400, not 500
-        h.keys([1 << 63] * 128)
+        want = KVConnector.keys(engine, p)
+        raw = orjson.dumps({"request_id": "r", "prompt_token_ids": p})
+        _, req = parse_body(raw)
+        assert (type(req.prompt_token_ids) is TokenIdsText) == (min(p) >= 0), "canonical prompts are read as text"
+        assert chain_keys(req.prompt_token_ids, 128, fp) == want
+        _, req = parse_body(raw.replace(b",", b", "))  # not canonical: parsed
+        assert type(req.prompt_token_ids) is list and chain_keys(req.prompt_token_ids, 128, fp) == want
+    assert chain_keys(base, 128, "other") != chain_keys(base, 128, fp)
 
 
 def _reference_match(idx: KVIndex, keys, now: float) -> dict:

@@ -114,3 +114,57 @@ def test_token_ids_that_are_not_integers_are_refused(raw):
         parse_generate(d, raw)
     with pytest.raises(ValueError, match="token ids"):
         parse_generate(d)  # no body to read: each element's type is looked at
+
+
+_READ_AS_TEXT = (  # canonical prompts: read off the body as text (kvstore.keys.TokenIdsText)
+    b'{"request_id":"r","prompt_token_ids":[1,2,3]}',
+    b'{"request_id":"r","prompt_token_ids":[0,12,3],"output_token_ids":[4],"sampling":{"max_tokens":3}}',
+    b'{"request_id":"r","prompt_token_ids" : [5]}\n',
+)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        *_READ_AS_TEXT,
+        b'{"request_id":"r","prompt_token_ids":[7,8],"session_key":"prompt_token_ids"}',  # key seen twice
+        b'{"request_id":"r","prompt_token_ids":[1, 2]}',  # blanks: parsed whole
+        b'{"request_id":"r","prompt_token_ids":[1,0,2]}',  # the id 0 after the first: parsed whole
+        b'{"request_id":"r","prompt_token_ids":[-1,2]}',
+        b'{"request_id":"r","prompt_token_ids":[01,2]}',  # not JSON
+        b'{"request_id":"r","prompt_token_ids":[1,,2]}',
+        b'{"request_id":"r","prompt_token_ids":[1,2,]}',
+        b'{"request_id":"r","prompt_token_ids":[,1]}',
+        b'{"request_id":"r","prompt_token_ids":[]}',
+        b'{"request_id":"r","prompt_token_ids":[1,2.5]}',
+        b'{"request_id":"r","prompt_token_ids":[1,true]}',
+        b'{"request_id":"r","sampling":{"prompt_token_ids":[1]}}',  # only nested: no prompt
+        b'{"request_id":"prompt_token_ids","x":[1,2]}',  # the key's text as a value
+        b'{"request_id":"r","prompt_token_ids":{"a":[1,2]}}',
+        b'{"request_id":"r\\u0030","prompt_token_ids":[1,2,3]}',  # a backslash: parsed whole
+        b'{"request_id":"r","prompt_token_ids":[1,2,3]',  # truncated
+        b'[{"request_id":"r","prompt_token_ids":[1,2,3]}]',
+    ],
+)
+def test_parse_body_equals_parsing_the_whole_body(raw):
+    """``parse_body`` (the service's parse, prompt read off the text when canonical) accepts and
+    refuses exactly what parsing the whole body does, with the same request."""
+    from kvstore.keys import TokenIdsText
+    from router.service import BadRequest, parse_body
+
+    try:
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise BadRequest("body must be a JSON object")
+        want: GenerateRequest | type = parse_generate(d, raw)
+    except (KeyError, ValueError, TypeError) as exc:
+        want = type(exc)
+    try:
+        got_d, got = parse_body(raw)
+    except (KeyError, ValueError, TypeError) as exc:
+        assert want is type(exc) or issubclass(want, ValueError) and isinstance(exc, ValueError)
+        return
+    assert isinstance(want, GenerateRequest), f"accepted a body whole parsing refuses: {raw!r}"
+    assert replace(got, prompt_token_ids=list(got.prompt_token_ids), arrival_time=0) == replace(want, arrival_time=0)
+    assert forward_head(got_d, raw, got) == forward_head(d, raw, want) or "arrival_time" not in d
+    assert (type(got.prompt_token_ids) is TokenIdsText) == (raw in _READ_AS_TEXT)

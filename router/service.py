@@ -80,16 +80,17 @@ def _body(raw: bytes) -> dict[str, Any]:
 
 
 _PROMPT_KEY = b'"prompt_token_ids"'
-_DIGITS_COMMAS = b"0123456789,"
+_DIGITS = b"0123456789"
 
 
-def _canonical_prompt(raw: bytes) -> tuple[int, int] | None:
-    """Where the body ``raw`` holds its prompt as a canonical id list (``kvstore.keys.token_text``:
-    non-negative decimals, commas, nothing else, no leading zeros: as orjson or any compact JSON
-    encoder writes it): the offsets of its ``[`` and ``]``, else None (the body is then parsed
-    whole). The caller parses the body with the array emptied and checks the top-level field is
-    that empty array. Refused here: a body with any backslash (an escaped key could hide the real
-    field), the key seen twice, anything but blanks and a colon between the key and the ``[``."""
+def _canonical_prompt(raw: bytes) -> tuple[bytes, int, int, int] | None:
+    """The prompt of the body ``raw`` if written as a canonical id list (``kvstore.keys.token_text``:
+    non-negative decimals and commas, nothing else, no leading zeros, as orjson or any compact
+    JSON encoder writes it): ``(text, ids, [ offset, ] offset)``, else None (the body is then
+    parsed whole). The caller parses the body with the array emptied and checks the top-level
+    field is that empty array. Refused here: a body with any backslash (an escaped key could hide
+    the real field), the key seen twice, anything but blanks and a colon between the key and the
+    ``[``, the id 0 anywhere but first (rare: parsed whole rather than told from a leading zero)."""
     if raw.find(b"\\") >= 0:
         return None
     i = raw.find(_PROMPT_KEY)
@@ -100,18 +101,20 @@ def _canonical_prompt(raw: bytes) -> tuple[int, int] | None:
         return None
     end = raw.find(b"]", start)
     text = raw[start + 1 : end]
+    if end < 0 or not text:
+        return None
+    commas = text.translate(None, _DIGITS)  # one pass: the commas are all that is left, if valid
     if (
-        end < 0
-        or not text
-        or text.translate(None, _DIGITS_COMMAS)
+        commas.count(b",") != len(commas)
         or text[0] == 44  # ","
         or text[-1] == 44
         or text.rfind(b",,") >= 0  # (rfind: twice as fast as find or ``in`` on this text)
-        or text.rfind(b",0") >= 0  # an id with a leading zero, or the id 0 after the first: parsed whole
-        or (text[0] == 48 and len(text) > 1 and text[1] != 44)  # "0" then a digit
+        or text.rfind(b",0") >= 0
+        or (text[0] == 48 and len(text) > 1)  # "0" then a digit (a leading zero) or a comma
+        and text[1] != 44
     ):
         return None
-    return start, end
+    return text, len(commas) + 1, start, end
 
 
 def parse_body(raw: bytes) -> tuple[dict[str, Any], GenerateRequest]:
@@ -120,13 +123,12 @@ def parse_body(raw: bytes) -> tuple[dict[str, Any], GenerateRequest]:
     the request's prompt is the array's text (``kvstore.keys.TokenIdsText``), counted by its
     commas and hashed as it is by the router; anything else is parsed whole and checked by
     ``parse_generate``."""
-    span = _canonical_prompt(raw)
-    if span is not None:
-        start, end = span
+    found = _canonical_prompt(raw)
+    if found is not None:
+        text, n, start, end = found
         d = _body(b"%s%s" % (raw[: start + 1], raw[end:]))
         if d.get("prompt_token_ids") == []:
-            text = raw[start + 1 : end]
-            return d, parse_generate(d, raw, TokenIdsText(text, text.count(b",") + 1))
+            return d, parse_generate(d, raw, TokenIdsText(text, n))
     d = _body(raw)
     return d, parse_generate(d, raw)
 

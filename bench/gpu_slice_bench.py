@@ -184,16 +184,16 @@ def profile_graph(dec, b: int, out_prefix: str) -> None:
 
 
 def decode_variants(spec: str, ours, base, context: int, extra: int, batches: list[int], iters: int, rows: list) -> None:
-    """Static-step variants 'name:side=0|1,gemv=SLOTS,up=BI.BK.W,down=BH.BK.W,undo=0|1,dgemv=0|1,pdl=0|1,pre=0|1,b=1.16;...'
+    """Static-step variants 'name:side=0|1,gemv=SLOTS,up=BI.BK.W,down=BH.BK.W,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...'
     (``static_decode.SIDE_STREAM``, ``kernels.moe_gemv.MAX_SLOTS`` / ``UP_CFG`` / ``DOWN_CFG``,
-    ``static_decode.ATTN_ROPE_OUT`` / ``DENSE_GEMV``, ``kernels.gemv.PDL`` / ``PREFETCH``; flags left out
+    ``static_decode.ATTN_ROPE_OUT`` / ``DENSE_GEMV``, ``kernels.gemv.PDL``; flags left out
     take their defaults), each a fresh decoder, graph step and replay per batch (``b``: these
     batches only)."""
     from engine.model import static_decode as sd
     from kernels import gemv, moe_gemv
 
     keep = sd.SIDE_STREAM, moe_gemv.MAX_SLOTS, moe_gemv.UP_CFG, moe_gemv.DOWN_CFG
-    flags = ((sd, "ATTN_ROPE_OUT", "undo"), (sd, "DENSE_GEMV", "dgemv"), (gemv, "PDL", "pdl"), (gemv, "PREFETCH", "pre"))
+    flags = ((sd, "ATTN_ROPE_OUT", "undo"), (sd, "DENSE_GEMV", "dgemv"), (gemv, "PDL", "pdl"), (gemv, "SUM_TILES", "sum"))
     keep_flags = [getattr(mod, attr) for mod, attr, _ in flags]
     for item in spec.split(";"):
         name, _, opts = item.partition(":")
@@ -451,7 +451,7 @@ def main() -> None:
         default="",
         help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S,hc=BM.BK.W.S.P,hc3=0|1,nr=ROWS;...' (kernels.prefill.FOLD_NORM_ROPE, kernels.moe_grouped, kernels.prefill.ATTN_TUNE / HC_PRE_TUNE, kernels.fused.NORM_ROPE_ROWS)",
     )
-    ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,pre=0|1,b=1.16;...' (first context)")
+    ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...' (first context)")
     ap.add_argument(
         "--small",
         action="store_true",

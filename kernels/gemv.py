@@ -5,8 +5,8 @@ weight element: it is a pure weight stream. cuBLAS (``F.linear``) runs these as 
 several with a split-K reduce kernel behind them, at ~2.2-3.5 TB/s on an H200 (NOTES run 14: the
 q_b/o_a/o_b projections 19-21 µs for 64 MB, the merged x projection ~9.7 µs for 21 MB, the 2 MB
 router 5.5 µs). Here one program takes ``BN`` rows of ``W`` and streams them in ``(BN, BK)`` tiles
-(16-byte loads along ``K``, the next tile's loads issued before the current one is summed), fp32
-accumulators, one rounding to the output dtype — no split, no reduce kernel::
+(16-byte loads along ``K``), fp32 accumulators, one rounding to the output dtype — no split, no
+reduce kernel::
 
     y[0, r] = Σ_k x[0, g(r)·K + k] · W[r, k]        g(r) = r // (N / groups)
 
@@ -32,9 +32,9 @@ from kernels.moe import _RND
 # CUDA graph) still runs; it loads its first weight tile (no dependency), then waits for it
 # (``gdc_wait``) before reading ``x`` or writing ``y``
 PDL = True
-# the next weight tile's loads issued before the current tile's FMAs (two tiles in flight per
-# program along K); run 14 call 2 A/B
-PREFETCH = True
+# each K tile summed to (BN,) at once (no (BN, BK) fp32 accumulator live across tiles: fewer
+# registers, more programs per SM); run 14 call 3 A/B
+SUM_TILES = False
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -79,7 +79,7 @@ def gemv(
     pdl = PDL and not INTERPRET
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, out, n, k, rpg,
-        BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl, PREFETCH=PREFETCH,
+        BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl, SUM_TILES=SUM_TILES,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -107,7 +107,7 @@ if HAS_TRITON:
     def _gemv_kernel(
         x_ptr, w_ptr, y_ptr, N, K, RPG,
         BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, RND: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
+        SUM_TILES: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # the next kernel (if launched as a dependent) may start once every program is here
             launch_dependents()
@@ -120,39 +120,38 @@ if HAS_TRITON:
         wt = _load_w(w_rows, cols, r_ok, K, EVEN)  # weights need nothing from the previous kernel
         if PDL:
             gdc_wait()
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        if PREFETCH:
-            for k0 in range(BK, K, BK):  # tile k0's loads in flight while tile k0 - BK is summed
-                nxt = _load_w(w_rows, k0 + cols, r_ok, K, EVEN)
-                acc += wt.to(tl.float32) * _load_x(x0, k0 - BK + cols, K, EVEN)
-                wt = nxt
-            acc += wt.to(tl.float32) * _load_x(x0, (tl.cdiv(K, BK) - 1) * BK + cols, K, EVEN)
+        # (a form issuing tile k+1's loads before tile k's FMAs, 88 registers instead of 64, was
+        # 30 µs slower per b=1 step: NOTES run 14 call 2)
+        if SUM_TILES:
+            acc1 = tl.sum(wt.to(tl.float32) * _load_x(x0, cols, K, EVEN), axis=1)
+            for k0 in range(BK, K, BK):
+                acc1 += tl.sum(_load_w(w_rows, k0 + cols, r_ok, K, EVEN).to(tl.float32) * _load_x(x0, k0 + cols, K, EVEN), axis=1)
+            y = _round_to(acc1, RND)
         else:
-            acc += wt.to(tl.float32) * _load_x(x0, cols, K, EVEN)
+            acc = wt.to(tl.float32) * _load_x(x0, cols, K, EVEN)
             for k0 in range(BK, K, BK):
                 acc += _load_w(w_rows, k0 + cols, r_ok, K, EVEN).to(tl.float32) * _load_x(x0, k0 + cols, K, EVEN)
-        y = _round_to(tl.sum(acc, axis=1), RND)
+            y = _round_to(tl.sum(acc, axis=1), RND)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=r_ok)
 
 
 def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
-    """The slice's dense projections at batch 1: ``gemv`` configs (with and without ``PREFETCH``;
-    ``PDL`` as set) against ``F.linear``, CUDA-graph replays of 8 calls over rotated weight copies
-    (no L2 reuse between calls), µs per call and TB/s of weight read."""
+    """The slice's dense projections at batch 1: ``gemv`` configs (``PDL`` as set) against
+    ``F.linear``, CUDA-graph replays of 8 calls over rotated weight copies (no L2 reuse between
+    calls), µs per call and TB/s of weight read."""
     import json
 
-    global PREFETCH
+    global SUM_TILES
     dev, dt = "cuda", torch.bfloat16
     shapes = [  # (name, N, K, groups)
         ("xproj hca", 2560, 4096, 1), ("xproj csa", 4160, 4096, 1), ("q_b", 32768, 1024, 1),
         ("idx q_b", 8192, 1024, 1), ("o_a", 8192, 4096, 8), ("o_b", 4096, 8192, 1), ("router", 256, 4096, 1),
         ("lm_head", 129280, 4096, 1),
     ]  # fmt: skip
-    wide = [(4, 1024, 4), (4, 2048, 4), (2, 2048, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4)]
+    wide = [(4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 1024, 8), (2, 2048, 4), (16, 256, 4)]
     narrow = [(1, 2048, 4), (1, 1024, 4), (1, 4096, 8), (2, 1024, 4)]
     g = torch.Generator(device=dev).manual_seed(0)
     results = []
-    keep = PREFETCH
 
     def graph_us(fn, reps: int = 8) -> float:
         fn(0)
@@ -182,20 +181,21 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
         results.append({"shape": name, "what": "torch", "us": base, "tbps": nbytes / base / 1e6})
         cands = [c for c in dict.fromkeys([config(n, k), *(narrow if n <= 512 else wide)]) if groups == 1 or (n // groups) % c[0] == 0]
         line = f"{name:10s} torch {base:6.1f} us {nbytes / base / 1e6:5.2f} TB/s |"
-        for pre in (False, True):
-            PREFETCH = pre
+        keep = SUM_TILES
+        for tiles in (False, True):
+            SUM_TILES = tiles
             mine = []
             for cfg in cands:
                 got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
                 err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
                 us = graph_us(lambda i, cfg=cfg: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
-                mine.append({"shape": name, "what": f"gemv {cfg} prefetch={int(pre)} pdl={int(PDL)}", "cfg": cfg, "prefetch": pre,
+                mine.append({"shape": name, "what": f"gemv {cfg} pdl={int(PDL)} sum_tiles={int(tiles)}", "cfg": cfg,
                              "us": us, "tbps": nbytes / us / 1e6, "err": err})  # fmt: skip
             results += mine
             best = min(mine, key=lambda r: r["us"])
             dflt = next(r for r in mine if r["cfg"] == config(n, k))
-            line += f" pre={int(pre)}: default {dflt['us']:6.1f} us {dflt['tbps']:4.2f} TB/s, best {best['cfg']} {best['us']:6.1f} us (err {best['err']:.0e}) |"
-        PREFETCH = keep
+            line += f" sum={int(tiles)}: default {dflt['us']:6.1f} us {dflt['tbps']:4.2f} TB/s, best {best['cfg']} {best['us']:6.1f} us (err {best['err']:.0e}) |"
+        SUM_TILES = keep
         print(line, flush=True)
         del ws
     with open(f"{out_dir}/gemv_sweep.json", "w") as f:

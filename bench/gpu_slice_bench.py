@@ -193,7 +193,7 @@ def decode_variants(spec: str, ours, base, context: int, extra: int, batches: li
     from kernels import gemv, moe_gemv
 
     keep = sd.SIDE_STREAM, moe_gemv.MAX_SLOTS, moe_gemv.UP_CFG, moe_gemv.DOWN_CFG
-    flags = ((sd, "ATTN_ROPE_OUT", "undo"), (sd, "DENSE_GEMV", "dgemv"), (gemv, "PDL", "pdl"), (gemv, "SUM_TILES", "sum"))
+    flags = ((sd, "ATTN_ROPE_OUT", "undo"), (sd, "DENSE_GEMV", "dgemv"), (gemv, "PDL", "pdl"))
     keep_flags = [getattr(mod, attr) for mod, attr, _ in flags]
     for item in spec.split(";"):
         name, _, opts = item.partition(":")

@@ -26,15 +26,14 @@ import torch.nn.functional as F
 from kernels._common import HAS_TRITON, INTERPRET, tl, triton, use_triton
 from kernels.moe import _RND
 
-# one token only: a second token's accumulators (117 registers, half the programs per SM) made it
-# slower than cuBLAS on q_b and the lm_head, and the b=2 step 26 µs slower (NOTES run 14)
 # programmatic dependent launch: the kernel may start while the previous kernel in the stream (or
-# CUDA graph) still runs; it loads its first weight tile (no dependency), then waits for it
-# (``gdc_wait``) before reading ``x`` or writing ``y``
+# CUDA graph) still runs; it loads its first weight tile (no dependency), then waits for that
+# kernel (``gdc_wait``) before reading ``x`` or writing ``y``; b=1 step −12 to −16 µs (NOTES run 14)
 PDL = True
-# each K tile summed to (BN,) at once (no (BN, BK) fp32 accumulator live across tiles: fewer
-# registers, more programs per SM); run 14 call 3 A/B
-SUM_TILES = False
+
+
+# One token only: a second token's accumulators in the same program (117 registers, half the
+# programs per SM) lost to cuBLAS on q_b and the lm_head and made the b=2 step 26 µs slower (run 14).
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -79,7 +78,7 @@ def gemv(
     pdl = PDL and not INTERPRET
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, out, n, k, rpg,
-        BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl, SUM_TILES=SUM_TILES,
+        BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -107,7 +106,6 @@ if HAS_TRITON:
     def _gemv_kernel(
         x_ptr, w_ptr, y_ptr, N, K, RPG,
         BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, RND: tl.constexpr, PDL: tl.constexpr,
-        SUM_TILES: tl.constexpr,
     ):  # fmt: skip
         if PDL:  # the next kernel (if launched as a dependent) may start once every program is here
             launch_dependents()
@@ -120,18 +118,12 @@ if HAS_TRITON:
         wt = _load_w(w_rows, cols, r_ok, K, EVEN)  # weights need nothing from the previous kernel
         if PDL:
             gdc_wait()
-        # (a form issuing tile k+1's loads before tile k's FMAs, 88 registers instead of 64, was
-        # 30 µs slower per b=1 step: NOTES run 14 call 2)
-        if SUM_TILES:
-            acc1 = tl.sum(wt.to(tl.float32) * _load_x(x0, cols, K, EVEN), axis=1)
-            for k0 in range(BK, K, BK):
-                acc1 += tl.sum(_load_w(w_rows, k0 + cols, r_ok, K, EVEN).to(tl.float32) * _load_x(x0, k0 + cols, K, EVEN), axis=1)
-            y = _round_to(acc1, RND)
-        else:
-            acc = wt.to(tl.float32) * _load_x(x0, cols, K, EVEN)
-            for k0 in range(BK, K, BK):
-                acc += _load_w(w_rows, k0 + cols, r_ok, K, EVEN).to(tl.float32) * _load_x(x0, k0 + cols, K, EVEN)
-            y = _round_to(tl.sum(acc, axis=1), RND)
+        # (tried in run 14 and slower per b=1 step: tile k+1's loads issued before tile k's FMAs,
+        # 88 registers, +30 µs; each tile summed to (BN,) at once, 40 registers, +20 µs)
+        acc = wt.to(tl.float32) * _load_x(x0, cols, K, EVEN)
+        for k0 in range(BK, K, BK):
+            acc += _load_w(w_rows, k0 + cols, r_ok, K, EVEN).to(tl.float32) * _load_x(x0, k0 + cols, K, EVEN)
+        y = _round_to(tl.sum(acc, axis=1), RND)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=r_ok)
 
 
@@ -141,7 +133,6 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
     calls), µs per call and TB/s of weight read."""
     import json
 
-    global SUM_TILES
     dev, dt = "cuda", torch.bfloat16
     shapes = [  # (name, N, K, groups)
         ("xproj hca", 2560, 4096, 1), ("xproj csa", 4160, 4096, 1), ("q_b", 32768, 1024, 1),
@@ -181,21 +172,16 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
         results.append({"shape": name, "what": "torch", "us": base, "tbps": nbytes / base / 1e6})
         cands = [c for c in dict.fromkeys([config(n, k), *(narrow if n <= 512 else wide)]) if groups == 1 or (n // groups) % c[0] == 0]
         line = f"{name:10s} torch {base:6.1f} us {nbytes / base / 1e6:5.2f} TB/s |"
-        keep = SUM_TILES
-        for tiles in (False, True):
-            SUM_TILES = tiles
-            mine = []
-            for cfg in cands:
-                got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
-                err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-                us = graph_us(lambda i, cfg=cfg: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
-                mine.append({"shape": name, "what": f"gemv {cfg} pdl={int(PDL)} sum_tiles={int(tiles)}", "cfg": cfg,
-                             "us": us, "tbps": nbytes / us / 1e6, "err": err})  # fmt: skip
-            results += mine
-            best = min(mine, key=lambda r: r["us"])
-            dflt = next(r for r in mine if r["cfg"] == config(n, k))
-            line += f" sum={int(tiles)}: default {dflt['us']:6.1f} us {dflt['tbps']:4.2f} TB/s, best {best['cfg']} {best['us']:6.1f} us (err {best['err']:.0e}) |"
-        SUM_TILES = keep
+        mine = []
+        for cfg in cands:
+            got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
+            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            us = graph_us(lambda i, cfg=cfg: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
+            mine.append({"shape": name, "what": f"gemv {cfg} pdl={int(PDL)}", "cfg": cfg, "us": us, "tbps": nbytes / us / 1e6, "err": err})
+        results += mine
+        best = min(mine, key=lambda r: r["us"])
+        dflt = next(r for r in mine if r["cfg"] == config(n, k))
+        line += f" default {dflt['us']:6.1f} us {dflt['tbps']:4.2f} TB/s, best {best['cfg']} {best['us']:6.1f} us (err {best['err']:.0e})"
         print(line, flush=True)
         del ws
     with open(f"{out_dir}/gemv_sweep.json", "w") as f:

@@ -22,7 +22,9 @@ is ``kernels.decode_attention`` over (ring, row pool); CSA's rows come from
 complete rows) and ``torch.topk`` with a fixed ``k`` (``-1`` for missing rows). The MoE runs the
 Triton grouped kernel (``Experts`` on CUDA bf16), whose expert counts stay on the device; a step
 of at most ``kernels.moe_gemv.MAX_SLOTS`` routed slots (batch 1-2) runs the routed and the shared
-expert as two weight-streaming GEMV kernels instead (``kernels.moe_gemv``). The fused step runs
+expert as two weight-streaming GEMV kernels instead (``kernels.moe_gemv``); at batch 1 the dense
+projections (x projections, q_b, o_a, o_b, router, lm_head) are weight-streaming GEMV kernels too
+(``kernels.gemv``, programmatic dependent launches in the graph). The fused step runs
 independent branches on a side stream (the CSA indexer, or else the kv path, next to the q
 projection; the shared expert next to the router), captured as parallel branches of the graph.
 Index rows the layers share (window ring row and length, compressed row count and start) are

@@ -12,6 +12,7 @@ its body (``TokenIdsText``, ``chain_keys_text``) and the engine from its id list
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -41,7 +42,10 @@ def unit_key_text(parent: str, text: bytes, fingerprint: str, fmt: str = FORMAT)
     return _chain((text,), _salt(fingerprint, fmt), parent)[0]
 
 
+@functools.lru_cache(maxsize=64)
 def _salt(fingerprint: str, fmt: str) -> bytes:
+    """The key prefix of a model and key format: built once (a router hashes every prompt with
+    the same one)."""
     return b"%s%s:" % (fingerprint.encode(), fmt.encode())
 
 

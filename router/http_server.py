@@ -286,7 +286,8 @@ class _Connection(asyncio.Protocol):
 
     def _send(self, resp: Response, keep_alive: bool) -> None:
         body = resp.body
-        self.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (_head(resp.status, resp.content_type, resp.headers, keep_alive), len(body), body))
+        head = _head(resp.status, resp.content_type, resp.headers, keep_alive) if resp.headers else _plain_head(resp.status, resp.content_type, keep_alive)
+        self.transport.write(b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body))
 
     async def _run(self, req: Request) -> None:
         server = self.server

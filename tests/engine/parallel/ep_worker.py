@@ -52,6 +52,11 @@ def run(rank: int, world: int, init: str, model_dir: str, backend: str, dtype: s
     full([(st, [rng.randrange(2, vocab) for _ in range(n)]) for st, n in zip(states, lengths)])
     ep = EPDecoder(sharded, max_slots=4, max_tokens=300, use_graphs=use_graphs)
     one = StaticDecoder(full, max_slots=4, max_tokens=300, use_graphs=use_graphs) if dtype != "float32" else None
+    if one is not None:
+        # the same expert kernels as EP's (no one-token GEMV experts): in bf16 the GEMV's other
+        # roundings flip a near-tied top-k pick of the tiny random model at some steps (0.2 of
+        # the logits' scale; fp32 equal to 1e-4), which is not what this test compares
+        one.gemv_experts = False
     for i, st in enumerate(states):
         ep.load(i, st)
         if one is not None:

@@ -30,6 +30,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from kernels.testing import replay_ms
+
 
 def build_model(device: str, small: bool, seed: int = 0):
     from transformers import DeepseekV4Config
@@ -95,17 +97,7 @@ def timed_replay(dec, b: int, iters: int, barrier: bool) -> float:
     if not dec.use_graphs or b not in dec._graphs:
         return float("nan")
     graph, _ = dec._graphs[b]
-    graph.replay()
-    torch.cuda.synchronize()
-    if barrier:
-        dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters / 1e3
+    return replay_ms(graph, iters, dist.barrier if barrier else None) / 1e3
 
 
 def first_logits(dec, n: int, base, toks) -> torch.Tensor:

@@ -133,6 +133,8 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
     calls), µs per call and TB/s of weight read."""
     import json
 
+    from kernels.testing import graph_time_ms
+
     dev, dt = "cuda", torch.bfloat16
     shapes = [  # (name, N, K, groups)
         ("xproj hca", 2560, 4096, 1), ("xproj csa", 4160, 4096, 1), ("q_b", 32768, 1024, 1),
@@ -144,22 +146,8 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
     g = torch.Generator(device=dev).manual_seed(0)
     results = []
 
-    def graph_us(fn, reps: int = 8) -> float:
-        fn(0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(reps):
-                fn(i)
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / (10 * reps)
+    def graph_us(fn) -> float:
+        return 1e3 * graph_time_ms(fn, reps=8, replays=10)
 
     for name, n, k, groups in shapes:
         copies = 2 if n * k > 1 << 28 else 8
@@ -168,7 +156,7 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
         out_dtype = torch.float32 if name == "lm_head" else None
         x = torch.randn(1, groups * k, device=dev, dtype=dt, generator=g)
         ref = gemv_reference(x.float(), ws[0].float(), groups)
-        base = graph_us(lambda i: gemv_reference(x, ws[i % copies], groups, out_dtype))
+        base = graph_us(lambda i, x=x, ws=ws: gemv_reference(x, ws[i % copies], groups, out_dtype))
         results.append({"shape": name, "what": "torch", "us": base, "tbps": nbytes / base / 1e6})
         cands = [c for c in dict.fromkeys([config(n, k), *(narrow if n <= 512 else wide)]) if groups == 1 or (n // groups) % c[0] == 0]
         line = f"{name:10s} torch {base:6.1f} us {nbytes / base / 1e6:5.2f} TB/s |"
@@ -176,7 +164,7 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
         for cfg in cands:
             got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
             err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            us = graph_us(lambda i, cfg=cfg: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
+            us = graph_us(lambda i, cfg=cfg, x=x, ws=ws: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
             mine.append({"shape": name, "what": f"gemv {cfg} pdl={int(PDL)}", "cfg": cfg, "us": us, "tbps": nbytes / us / 1e6, "err": err})
         results += mine
         best = min(mine, key=lambda r: r["us"])

@@ -199,6 +199,7 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
     import json
 
     from kernels.moe import moe_experts
+    from kernels.testing import graph_time_ms
 
     dev, dt = "cuda", torch.bfloat16
     e, h, i, k = 256, 4096, 2048, 6
@@ -209,22 +210,8 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
     sd = torch.randn(h, i, device=dev, dtype=dt, generator=g) * i**-0.5
     results = []
 
-    def graph_ms(fn, reps: int = 20) -> float:
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / (5 * reps)
+    def graph_ms(fn) -> float:
+        return graph_time_ms(lambda _: fn(), reps=20, replays=5)
 
     for n in (1, 2):
         x = torch.randn(n, h, device=dev, dtype=dt, generator=g)

@@ -139,3 +139,32 @@ def pool_inputs(
     gate = (2 * torch.randn(at, p, generator=g)).to(device=device, dtype=dtype)
     bias = torch.randn(r, p, generator=g).to(device)
     return kv, gate, bias, torch.tensor(win, dtype=torch.int32, device=device), torch.tensor(prev, dtype=torch.int32, device=device)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int, before=None) -> float:
+    """Milliseconds per replay of a captured CUDA graph: one warm replay, ``before()`` if given
+    (e.g. a barrier between ranks), then ``replays`` replays between two events."""
+    graph.replay()
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def graph_time_ms(fn, reps: int = 8, replays: int = 10) -> float:
+    """Milliseconds per call of ``fn(i)`` on CUDA: ``reps`` calls (``i = 0..reps-1``, e.g. to
+    rotate weight copies so no call finds the last one's in L2) captured in one CUDA graph, the
+    graph replayed ``replays`` times (device microbenchmarks)."""
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    return replay_ms(graph, replays) / reps

@@ -83,28 +83,44 @@ _PROMPT_KEY = b'"prompt_token_ids"'
 _DIGITS = b"0123456789"
 
 
+def _array_in_body(raw: bytes, key: bytes) -> tuple[bytes, int, int] | None:
+    """The text between the ``[`` and the first ``]`` after the body's field ``key`` (given
+    quoted), with their offsets, where the body can be read by its text: no backslash anywhere
+    (an escaped key could hide the real field) and nothing but blanks and a colon between the key
+    and the ``[``. None otherwise. Whether ``key`` is the only one is the caller's check, made
+    once the text is known to hold no quote (``_only_key``): then no second key can start before
+    the ``]``, and the array, most of the body, is not scanned twice."""
+    if raw.find(b"\\") >= 0:
+        return None
+    i = raw.find(key)
+    if i < 0:
+        return None
+    j = i + len(key)
+    start = raw.find(b"[", j)
+    if start < 0 or raw[j:start].strip() != b":":
+        return None
+    end = raw.find(b"]", start)
+    if end < 0:
+        return None
+    return raw[start + 1 : end], start, end
+
+
+def _only_key(raw: bytes, key: bytes, end: int) -> bool:
+    """No second ``key`` after offset ``end`` (a duplicate, or the same name nested later)."""
+    return raw.find(key, end) < 0
+
+
 def _canonical_prompt(raw: bytes) -> tuple[bytes, int, int, int] | None:
     """The prompt of the body ``raw`` if written as a canonical id list (``kvstore.keys.token_text``:
     non-negative decimals and commas, nothing else, no leading zeros, as orjson or any compact
     JSON encoder writes it): ``(text, ids, [ offset, ] offset)``, else None (the body is then
     parsed whole). The caller parses the body with the array emptied and checks the top-level
-    field is that empty array. Refused here: a body with any backslash (an escaped key could hide
-    the real field), the key seen twice, anything but blanks and a colon between the key and the
-    ``[``, the id 0 anywhere but first (rare: parsed whole rather than told from a leading zero).
-    A second key is looked for only after the array: before it are the first key, the colon and
-    the array's digits and commas (the array, most of the body, is not scanned twice)."""
-    if raw.find(b"\\") >= 0:
+    field is that empty array. Refused here besides ``_array_in_body``'s refusals: the key seen
+    twice, the id 0 anywhere but first (rare: parsed whole rather than told from a leading zero)."""
+    found = _array_in_body(raw, _PROMPT_KEY)
+    if found is None or not found[0]:
         return None
-    i = raw.find(_PROMPT_KEY)
-    if i < 0:
-        return None
-    start = raw.find(b"[", i + 18)
-    if start < 0 or raw[i + 18 : start].strip() != b":":
-        return None
-    end = raw.find(b"]", start)
-    text = raw[start + 1 : end]
-    if end < 0 or not text:
-        return None
+    text, start, end = found
     commas = text.translate(None, _DIGITS)  # one pass: the commas are all that is left, if valid
     if (
         commas != b"," * len(commas)
@@ -114,7 +130,7 @@ def _canonical_prompt(raw: bytes) -> tuple[bytes, int, int, int] | None:
         or text.rfind(b",0") >= 0
         or (text[0] == 48 and len(text) > 1)  # "0" then a digit (a leading zero) or a comma
         and text[1] != 44
-        or raw.find(_PROMPT_KEY, end) >= 0
+        or not _only_key(raw, _PROMPT_KEY, end)
     ):
         return None
     return text, len(commas) + 1, start, end
@@ -143,17 +159,11 @@ def _int_list_in_body(raw: bytes, key: bytes) -> bool:
     """Whether the body ``raw`` shows the array under its top-level field ``key`` (given
     quoted) to be written with integers only: one pass over that array's text, in C, instead of
     a look at each element's type (4x cheaper for 128 ids). False (not known: look at the
-    elements) for a body with any backslash (an escaped key could hide the real field), a key
-    seen twice (a nested or duplicate field), or any other character in the array (a boolean,
-    float, string, null or nested array or object)."""
-    if raw.find(b"\\") >= 0:
-        return False
-    i = raw.find(key)
-    if i < 0 or raw.find(key, i + len(key)) >= 0:
-        return False
-    start = raw.find(b"[", i + len(key))  # only ':' and blanks before it: the field's array
-    end = raw.find(b"]", start)
-    return start >= 0 and end >= 0 and not raw[start + 1 : end].translate(None, _INT_LIST_TEXT)
+    elements) where ``_array_in_body`` cannot read the array, for a key seen twice (a nested or
+    duplicate field), or any other character in the array (a boolean, float, string, null or
+    nested array or object)."""
+    found = _array_in_body(raw, key)
+    return found is not None and not found[0].translate(None, _INT_LIST_TEXT) and _only_key(raw, key, found[2])
 
 
 def _token_ids(ids: Any, raw: bytes, key: bytes, empty_ok: bool) -> list[int]:

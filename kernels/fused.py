@@ -2,7 +2,7 @@
 PyTorch ops of the general path launch 5-45 small ones.
 
 At batch 1 the step's time was ~1,000 elementwise / copy / reduce launches of 1-2 µs each
-(BENCHMARKS.md run 4); these kernels replace the largest groups, each with its PyTorch
+(slice bench run 4, ``kernels/NOTES.md``); these kernels replace the largest groups, each with its PyTorch
 reference (the general path's own ops) used off CUDA, so the CPU path is unchanged:
 
 - ``hc_pre_parts``: the mHC input norm + ``F.linear(flat, fn)`` as split-K partial dot products

@@ -27,7 +27,7 @@ as long as its busiest rank's share (``max`` over ranks below).
 
 The shipped default (``default_cost_model.json``) is an estimate at H200 scale for a 13B-active
 MoE (DeepSeek V4 Flash), not a measurement; ``bench/simulator/fit.py`` replaces it with one fitted
-from measured runs (see its docstring and BENCHMARKS.md).
+from measured runs (see its docstring and docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

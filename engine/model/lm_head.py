@@ -16,6 +16,10 @@ only the columns that can still be the maximum:
   pass (``cpu_fused.screen_pick``: block maxima, then only the blocks that reach the bar), or
   tensor ops over 128-column blocks where numba is missing.
 
+The weight codes span ±127 where the CPU's int8 products are exact and ±63 where it sums byte
+products pairwise into saturating int16 (AVX2 and AVX-512 without VNNI; ``int8_gemm`` measures
+which): the bound assumes exact integer products, and ±63 keeps every pair sum inside int16.
+
 Greedy tokens therefore do not depend on the screen (nor on the batch, whose range sets the
 uint8 step): they are the argmax of the exact logits. Rows whose candidates would be too many
 fall back to the fp32 projection. Anything that needs logit values (logprobs, penalties,
@@ -30,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model import cpu_fused
+from engine.model import cpu_fused, int8_gemm
 from engine.model.layers import PackedLinear
 
 BLOCK = 128  # columns per candidate block (amax over 128 contiguous floats is ~3x faster than over 32)
@@ -40,14 +44,19 @@ ROW_COPY_BYTES = 256 << 20  # keep a row-major copy of a transposed lm_head up t
 
 class Int8Screen:
     """An int8 copy of a ``(V, H)`` weight (one scale for the whole tensor) and the constants of
-    the screen's error bound."""
+    the screen's error bound.
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    ``levels``: the largest weight code, ``int8_gemm.probe().weight_levels`` by default — 127
+    where this CPU's int8 products are exact over the full range (VNNI, AMX), 63 where they are
+    summed pairwise into saturating int16 (AVX2, AVX-512 without VNNI)."""
+
+    def __init__(self, weight: torch.Tensor, levels: int | None = None) -> None:
+        self.levels = levels or int8_gemm.probe().weight_levels
         w = weight.detach().double()  # (V, H)
-        self.step = float(w.abs().max()) / 127.0 or 1.0  # weight quantisation step
-        q = torch.round(w / self.step).clamp_(-127, 127).to(torch.int8).contiguous()  # (V, H) row-major
+        self.step = float(w.abs().max()) / self.levels or 1.0  # weight quantisation step
+        q = torch.round(w / self.step).clamp_(-self.levels, self.levels).to(torch.int8).contiguous()  # (V, H) row-major
         self.qt = q.t()  # (H, V) view of (V, H): int_mm's fast layout
-        self.packed = _onednn_prepack(q)  # oneDNN's blocked layout, for 2+ rows
+        self.packed = _onednn_prepack(q, self.levels)  # oneDNN's blocked layout, for 2+ rows
         self.ones, self.zeros = torch.ones(w.shape[0]), torch.zeros(w.shape[0], dtype=torch.long)
         self.err_norm = float((w - q.double() * self.step).norm(dim=1).max())  # max_v ‖w_v − ŵ_v‖₂
         self.w_norm = float(w.norm(dim=1).max())  # max_v ‖w_v‖₂
@@ -106,11 +115,11 @@ class Int8Screen:
         self.top = peak * self.unit * 1.25 if 0 < peak < 255 else None
 
 
-def _onednn_prepack(q: torch.Tensor) -> torch.Tensor | None:
+def _onednn_prepack(q: torch.Tensor, levels: int) -> torch.Tensor | None:
     """oneDNN's pre-packed int8 weight (measured 2x faster than ``_int_mm`` at 8 rows), or None
     where this torch build lacks the op or the products could leave fp32's exact integers."""
     ops = getattr(torch.ops, "onednn", None)
-    if ops is None or not hasattr(ops, "qlinear_prepack") or q.shape[1] * 127 * 127 >= 1 << 24:
+    if ops is None or not hasattr(ops, "qlinear_prepack") or q.shape[1] * 127 * levels >= 1 << 24:
         return None
     try:
         return ops.qlinear_prepack(q, [8, q.shape[1]])

@@ -6,10 +6,23 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model import cpu_fused
+from engine.model import cpu_fused, int8_gemm
 from engine.model.lm_head import BLOCK, HeadRows, Int8Screen, LMHead
 
 pytestmark = pytest.mark.skipif(not Int8Screen.available(), reason="no CPU int8 GEMM in this torch")
+
+# The weight ranges this process's int8 GEMM multiplies exactly: ±63 everywhere, ±127 with VNNI/AMX.
+# (tests/engine/model/test_int8_gemm.py runs this file again with oneDNN capped at AVX2.)
+EXACT_LEVELS = [int8_gemm.FULL_LEVELS, int8_gemm.SAFE_LEVELS] if int8_gemm.probe().exact_full_range else [int8_gemm.SAFE_LEVELS]
+
+
+@pytest.fixture(autouse=True, params=EXACT_LEVELS, ids=lambda lv: f"codes{lv}")
+def weight_levels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every test runs with each weight range whose products are exact on this machine."""
+    gemm = int8_gemm.probe()
+    forced = int8_gemm.Int8Gemm(request.param == int8_gemm.FULL_LEVELS, gemm.cpu_dot_flags, gemm.onednn_isa_cap)
+    monkeypatch.setattr("engine.model.lm_head.int8_gemm.probe", lambda: forced)
+    return request.param
 
 
 @pytest.fixture(autouse=True, params=["compiled", "tensor-ops"])
@@ -70,6 +83,21 @@ def test_uint8_range_saturated_or_coarse_stays_exact(top: float) -> None:
         assert y.dtype == torch.uint8
         assert torch.equal(head.argmax(x), exact_argmax(head, x))
         top = screen.top or top
+
+
+@pytest.mark.skipif(int8_gemm.probe().exact_full_range, reason="this GEMM sums int8 products exactly (VNNI/AMX)")
+def test_saturating_pair_sums_would_pick_the_wrong_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where byte products are summed pairwise into saturating int16 (AVX2), weight codes ±127
+    make the screen rank a smaller logit first; the probed ±63 range picks the exact argmax."""
+    w = torch.full((256, 64), 0.001)
+    w[3] = 0.02  # the exact winner: logit 1.28; its codes 127 saturate every pair sum
+    w[200] = 0.01  # logit 0.64; its codes 64 stay under the int16 limit and outrank column 3
+    x = torch.ones(2, 64)  # activation codes 127 (uint8 255 inside the kernel)
+    assert head_with(w).argmax(x).tolist() == [3, 3] == exact_argmax(head_with(w), x).tolist()
+    gemm = int8_gemm.probe()
+    claims_exact = int8_gemm.Int8Gemm(True, gemm.cpu_dot_flags, gemm.onednn_isa_cap)  # the screen before the probe
+    monkeypatch.setattr("engine.model.lm_head.int8_gemm.probe", lambda: claims_exact)
+    assert head_with(w).argmax(x).tolist() == [200, 200]
 
 
 def test_ties_pick_the_lowest_id_like_argmax() -> None:

@@ -45,7 +45,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     fi
 
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml requirements.lock ./
 COPY deepserve ./deepserve
 COPY engine ./engine
 COPY kvstore ./kvstore
@@ -53,9 +53,13 @@ COPY router ./router
 COPY server ./server
 COPY kernels ./kernels
 COPY bench ./bench
-# A regular (non-editable) install: the runtime stage never sees /src.
+# A regular (non-editable) install: the runtime stage never sees /src. Every dependency is pinned
+# by requirements.lock, except that a CUDA torch keeps the triton it was built with.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install . \
+    set -eu; \
+    if [ "$VARIANT" = cuda ]; then grep -v '^triton==' requirements.lock > /tmp/constraints.txt; \
+    else cp requirements.lock /tmp/constraints.txt; fi; \
+    pip install -c /tmp/constraints.txt . \
  && deepserve --help >/dev/null
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # EOS and ``stop_token_ids`` cannot be sampled before this many output tokens (vLLM's rule).
+    min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before penalties (OpenAI's ``logit_bias``);
+    # normalised to a tuple of pairs, so JSON lists work too.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: OutputConstraint | None = None
@@ -70,6 +75,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -90,6 +98,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         if self.constraint is not None:
             d["constraint"]["trigger_token_ids"] = list(self.constraint.trigger_token_ids)
         return d

@@ -1,4 +1,9 @@
-"""Repetition, frequency and presence penalties, batched over the rows that ask for any.
+"""Logit rules before the draw: ``logit_bias``, ``min_tokens``, and the repetition, frequency and
+presence penalties, each batched over the rows that ask for it.
+
+``logit_bias`` (OpenAI): ``l[token] += bias`` for each (token, bias) pair of the request.
+``min_tokens`` (vLLM): while fewer output tokens than ``min_tokens`` exist, EOS and the request's
+``stop_token_ids`` get ``-inf``, so the request cannot end by a stop token before then.
 
 Semantics (the order vLLM applies them in):
 - repetition (vLLM / CTRL): for every token in prompt + output so far, a logit ``l > 0`` becomes
@@ -16,6 +21,26 @@ from collections.abc import Sequence
 import torch
 
 from engine.sampling.state import SamplingState
+
+
+def apply_logit_rules(logits: torch.Tensor, rows: Sequence[int], states: Sequence[SamplingState], eos_ids: Sequence[int]) -> None:
+    """``logit_bias`` and ``min_tokens`` on ``logits[rows]`` in place; ``states[j]`` is ``rows[j]``'s."""
+    flat_logits = logits.view(-1)  # (B * V,)
+    vocab = logits.shape[1]
+    idx: list[int] = []
+    bias: list[float] = []
+    banned: list[int] = []
+    for row, s in zip(rows, states):
+        base = row * vocab
+        for token, b in s.params.logit_bias:
+            idx.append(base + token)
+            bias.append(b)
+        if s.step < s.params.min_tokens:
+            banned += [base + t for t in (*eos_ids, *s.params.stop_token_ids)]
+    if idx:
+        flat_logits.index_add_(0, torch.tensor(idx, dtype=torch.int64), torch.tensor(bias, dtype=logits.dtype))
+    if banned:
+        flat_logits[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[int], states: Sequence[SamplingState]) -> None:

@@ -4,7 +4,7 @@ Per step, for the (B, V) float32 logits of the scheduled sequences, in this orde
 1. logprobs source, if any row asks and ``logprobs_mode == "raw"``: log_softmax of the model's
    logits as given (vLLM v1's default, and OpenAI's: independent of temperature, penalties,
    truncation and grammar);
-2. penalties (``penalties.py``) on the rows that set any;
+2. ``logit_bias`` / ``min_tokens``, then penalties (``penalties.py``), on the rows that set any;
 3. grammar masks (``structured.py``) of rows whose grammar is active: a row allowing at most
    ``grammar_sparse_max`` tokens (most grammar positions) is gathered down to those tokens and
    sampled over them alone; wider rows get the bitmask applied in one batched call;
@@ -50,7 +50,7 @@ from engine.sampling.distribution import (
 )
 from engine.sampling.errors import InvalidConstraintError
 from engine.sampling.finish import check_finish
-from engine.sampling.penalties import apply_penalties
+from engine.sampling.penalties import apply_logit_rules, apply_penalties
 from engine.sampling.state import SamplingState
 from engine.sampling.structured import (
     GrammarCompilerCache,
@@ -218,6 +218,9 @@ class Sampler:
         if lp_rows and raw_mode:
             lp_src = log_softmax(_rows(logits, lp_rows))
 
+        rule_rows = [i for i, s in enumerate(states) if s.has_logit_rules]
+        if rule_rows:
+            apply_logit_rules(logits, rule_rows, [states[i] for i in rule_rows], self.config.eos_token_ids)
         pen_rows = [i for i, s in enumerate(states) if s.has_penalties]
         if pen_rows:
             apply_penalties(logits, pen_rows, [states[i] for i in pen_rows])

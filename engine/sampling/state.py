@@ -61,7 +61,15 @@ class SamplingState:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the logit values: no logprobs, penalties or grammar."""
-        return self.greedy and not self.params.logprobs and not self.has_penalties and self.grammar is None
+        return (
+            self.greedy and not self.params.logprobs and not self.has_penalties and not self.has_logit_rules
+            and self.grammar is None
+        )
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """A ``logit_bias``, or ``min_tokens`` not yet reached (see ``penalties.apply_logit_rules``)."""
+        return bool(self.params.logit_bias) or self.step < self.params.min_tokens
 
     @property
     def has_penalties(self) -> bool:

@@ -1,0 +1,248 @@
+"""DeepSeek-V4.1 attention: shared-KV MQA over a sliding window plus a group's shared compressed KV.
+
+Every layer attends over its last ``W`` tokens: one key=value head (``kv_norm(wkv(x))``, rotated,
+FP8-rounded), per-head sinks that only enlarge the softmax denominator. A layer with
+``compress_ratio > 0`` also attends over the compressed rows of its group, which only the
+group's KV-source layer computes (``Compressor``: ``r`` tokens pooled by a softmax gate, or one
+row per token at ratio 1; rotated at the group's first position, FP4-rounded) — CSA2 "reuse".
+Which rows a query sees is chosen by the last index source (``Indexer``): the top
+``index_topk`` complete rows by ``Σ_h w_h · relu(q_h · k)`` over FP4 queries and keys, inside
+the candidate blocks of the candidate source when one ran earlier in the stack.
+
+What one forward publishes from layer to layer (rows, keys, each query's chosen rows, the
+candidate blocks) lives in a per-sequence ``Shared``; what persists across forwards lives in the
+sequence's ``V41SequenceState``. Projections run on all tokens of a batch at once, the rest per
+sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attend import attend_with_sinks, hide
+from engine.model.layers import GroupedLinear, RMSNorm
+from engine.model.rope import Rotary, apply_rope
+from engine.model.v41.config import V41Config
+from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
+from engine.model.v41.state import SourceState, V41SequenceState
+
+QUERY_TILE = 512  # queries per attention tile in long prefills (bounds the gathered rows)
+
+
+@dataclass
+class Shared:
+    """What the layers of one forward hand on for one sequence (see the module docstring)."""
+
+    rows: torch.Tensor | None = None  # (T, D) the group's compressed KV
+    keys: torch.Tensor | None = None  # (T, Di) the group's indexer keys
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # (S, k) chosen rows, (S, k) True = valid
+    candidates: torch.Tensor | None = None  # (S, T) True inside the candidate blocks
+
+
+@dataclass
+class Chunk:
+    """One sequence's new tokens inside the flattened batch: rows ``[start, end)``."""
+
+    state: V41SequenceState
+    start: int
+    end: int
+    shared: Shared
+
+
+class Compressor(nn.Module):
+    """A KV-source layer's compressor: pre-RoPE latents of the groups the new tokens complete."""
+
+    def __init__(self, cfg: V41Config, ratio: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ratio, self.width = ratio, cfg.head_dim
+        self.wkv = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False, dtype=dtype)
+        self.wgate = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False, dtype=dtype) if ratio > 1 else None
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def update(self, src: SourceState, x: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+        """``x (S, H)`` → the latents ``(G, D)`` of the groups completed now (None: none) and the
+        absolute position of the first one's first token; keeps the unfinished group in ``src``."""
+        r = self.ratio
+        first = src.rows.shape[0] * r
+        if self.wgate is None:  # ratio 1: every token is its own row
+            return self.norm(self.wkv(x)), first
+        # pooling in fp32 whatever the model dtype, as trained
+        kv = torch.cat([src.buf_kv, F.linear(x.float(), self.wkv.weight.float())])  # (n, D)
+        gate = torch.cat([src.buf_gate, F.linear(x.float(), self.wgate.weight.float())])  # (n, D)
+        usable = kv.shape[0] // r * r
+        src.buf_kv, src.buf_gate = kv[usable:].clone(), gate[usable:].clone()
+        if usable == 0:
+            return None, first
+        g = usable // r
+        weights = gate[:usable].view(g, r, -1).softmax(dim=1)  # (G, r, D) over each group's tokens
+        pooled = (kv[:usable].view(g, r, -1) * weights).sum(dim=1)  # (G, D)
+        return self.norm(pooled.to(x.dtype)), first
+
+
+class Indexer(nn.Module):
+    """An index source's sparse indexer; the group's KV source also owns the key projection."""
+
+    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ratio = cfg.compress_ratios[layer_idx]
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.softmax_scale, self.heads_scaling = cfg.index_head_dim**-0.5, cfg.index_n_heads**-0.5
+        self.is_candidate_source = layer_idx == cfg.candidate_source_layer_id
+        self.uses_candidates = 0 <= cfg.candidate_source_layer_id < layer_idx
+        self.block_topk, self.block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False, dtype=dtype)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False, dtype=dtype)
+        if layer_idx in cfg.kv_source_layer_ids:
+            self.wk = nn.Linear(cfg.head_dim, cfg.index_head_dim, bias=False, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+
+    def keys(self, latents: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Indexer keys ``(G, Di)`` of pre-RoPE latents ``(G, D)``: projected, rotated, FP4."""
+        return fp4_indexer(apply_rope(self.k_norm(self.wk(latents)), *rope))
+
+    def select(
+        self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor], shared: Shared,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Each query's chosen rows: indices ``(S, k)`` into ``keys (T, Di)`` and ``(S, k)`` True
+        where the choice is a complete row. Publishes the candidate blocks at the candidate source."""
+        s, t = x.shape[0], keys.shape[0]
+        q = fp4_indexer(apply_rope(self.wq_b(q_res).view(s, self.n_heads, self.head_dim), *rope))  # (S, Hi, Di)
+        scores = torch.matmul(q.float(), keys.float().t()).relu_() * self.softmax_scale  # (S, Hi, T)
+        weights = self.weights_proj(x).float() * self.heads_scaling  # (S, Hi)
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (S, T)
+        complete = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # (S,) rows < this are complete
+        scores = scores.masked_fill(torch.arange(t, device=keys.device)[None, :] >= complete[:, None], float("-inf"))
+        if self.is_candidate_source:
+            shared.candidates = candidate_blocks(scores, complete, self.block_topk, self.block_size)
+        elif self.uses_candidates and shared.candidates is not None:
+            scores = scores.masked_fill(~shared.candidates, float("-inf"))
+        # torch.topk over every row so far, future ones at -inf, as the reference: exact ties
+        # (relu zeros) are then broken the same way
+        top = scores.topk(min(self.topk, t), dim=-1, sorted=False)
+        return top.indices, top.values > float("-inf")
+
+
+def candidate_blocks(scores: torch.Tensor, complete: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k: ``(S, T)`` True inside each query's ``topk_blocks`` best
+    blocks of ``block_size`` rows (a block scores its best row; the block holding the query's
+    newest complete row is always kept; blocks without a reachable row never are)."""
+    t = scores.shape[-1]
+    padded = F.pad(scores, (0, -t % block_size), value=float("-inf"))
+    blocks = padded.view(scores.shape[0], -1, block_size).amax(dim=-1)  # (S, nb)
+    newest = torch.div(complete - 1, block_size, rounding_mode="floor")  # (S,) -1: no row yet
+    blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=scores.device)[None, :] == newest[:, None], float("inf"))
+    top = blocks.topk(min(topk_blocks, blocks.shape[1]), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[:, :t]
+
+
+class Attention(nn.Module):
+    """One V4.1 layer's attention (native parameter names)."""
+
+    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.ratio = cfg.compress_ratios[layer_idx]
+        self.rope_kind = "compress" if self.ratio else "main"
+        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.scaling = cfg.head_dim**-0.5
+        self.o_groups = cfg.o_groups
+        h, qr = cfg.hidden_size, cfg.q_lora_rank
+        self.wq_a = nn.Linear(h, qr, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(qr, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(qr, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wkv = nn.Linear(h, self.head_dim, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.wo_a = GroupedLinear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups, dtype)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False, dtype=dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        is_source = layer_idx in cfg.kv_source_layer_ids
+        self.compressor = Compressor(cfg, self.ratio, dtype) if is_source else None
+        self.indexer = Indexer(cfg, layer_idx, dtype) if layer_idx in cfg.index_source_layer_ids else None
+
+    def empty_source(self, dtype: torch.dtype, device: torch.device) -> SourceState | None:
+        """A fresh ``SourceState`` for a KV-source layer (None for the others)."""
+        if self.compressor is None:
+            return None
+        d = self.head_dim
+        keys = torch.empty(0, self.indexer.head_dim, dtype=dtype, device=device) if self.indexer is not None else None
+        buf = torch.empty(0, d, dtype=torch.float32, device=device)
+        return SourceState(torch.empty(0, d, dtype=dtype, device=device), keys, buf, buf.clone())
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        compress_rotary: Rotary, chunks: list[Chunk],
+    ) -> torch.Tensor:  # fmt: skip
+        """``x (N, H)`` normalised block input → ``(N, H)``; updates each chunk's state."""
+        n = x.shape[0]
+        cos, sin = ropes[self.rope_kind]
+        q_res = self.q_norm(self.wq_a(x))  # (N, qr)
+        q = apply_rope(self.wq_b(q_res).view(n, self.n_heads, self.head_dim), cos, sin)  # (N, nh, D)
+        kv = fp8_window(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # (N, D)
+        out = torch.empty_like(q)
+        for c in chunks:
+            rows = slice(c.start, c.end)
+            extra = None
+            if self.ratio:
+                comp_rope = (ropes["compress"][0][rows], ropes["compress"][1][rows])
+                extra = self._compressed(c, x[rows], q_res[rows], positions[rows], comp_rope, compress_rotary)
+            out[rows] = self._attend(c, q[rows], kv[rows], extra)
+        out = apply_rope(out, cos, -sin)  # undo the rotation the values picked up as keys
+        return self.wo_b(self.wo_a(out.view(n, self.o_groups, -1)).flatten(1))
+
+    def _compressed(
+        self, c: Chunk, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+        comp_rope: tuple[torch.Tensor, torch.Tensor], rotary: Rotary,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """The compressed rows each query attends, ``(S, k, D)``, and their bias ``(S, k)``
+        (None: no row). A KV source first extends and publishes its group's rows and keys."""
+        sh = c.shared
+        if self.compressor is not None:
+            src = c.state.sources[self.layer_idx]
+            latents, first = self.compressor.update(src, x)
+            if latents is not None:
+                pos = first + self.ratio * torch.arange(latents.shape[0], device=x.device)
+                rope = rotary.cos_sin(pos, latents.dtype)  # (G, rd/2) each
+                if src.keys is not None:  # the source is also an index source: it owns the keys
+                    src.keys = torch.cat([src.keys, self.indexer.keys(latents, rope)])  # (T, Di)
+                src.rows = torch.cat([src.rows, fp4_compressed(apply_rope(latents, *rope))])  # (T, D)
+            # a new group: what the previous group's index sources chose does not apply to it
+            c.shared = sh = Shared(rows=src.rows, keys=src.keys)
+        if self.indexer is not None:
+            sh.top = None
+            if sh.keys is not None and sh.keys.shape[0]:
+                sh.top = self.indexer.select(x, q_res, sh.keys, positions, comp_rope, sh)
+        if sh.rows is None or not sh.rows.shape[0] or sh.top is None:
+            return None
+        top, valid = sh.top
+        return sh.rows[top], hide(~valid, sh.rows.dtype)  # (S, k, D), (S, k)
+
+    def _attend(self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``q (S, nh, D)`` over the window (ring + new keys ``kv (S, D)``) and ``extra`` → ``(S, nh, D)``."""
+        win, win_bias = self._windows(c.state, kv)
+        out = torch.empty_like(q)
+        for t0 in range(0, q.shape[0], QUERY_TILE):
+            t = slice(t0, t0 + QUERY_TILE)
+            rows, bias = (None, None) if extra is None else (extra[0][t], extra[1][t])
+            out[t] = attend_with_sinks(q[t], win[t], None if win_bias is None else win_bias[t], rows, bias, self.attn_sink, self.scaling)
+        return out
+
+    def _windows(self, st: V41SequenceState, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Window keys of each new token ``(S, W, D)`` (a view) and the bias ``(S, W)`` hiding the
+        left padding (None without); keeps the last ``W-1`` keys as the layer's ring."""
+        keep = self.window - 1
+        prev = st.windows[self.layer_idx]
+        pad = keep - prev.shape[0]
+        padded = torch.cat([kv.new_zeros(pad, kv.shape[-1]), prev, kv])  # (W-1+S, D)
+        st.windows[self.layer_idx] = padded[padded.shape[0] - min(prev.shape[0] + kv.shape[0], keep) :].clone()
+        win = padded.unfold(0, self.window, 1).transpose(1, 2)  # (S, W, D)
+        if not pad:
+            return win, None
+        i = torch.arange(kv.shape[0], device=kv.device)[:, None]
+        j = torch.arange(self.window, device=kv.device)[None, :]
+        return win, hide(i + j < pad, kv.dtype)

@@ -1,0 +1,165 @@
+"""Load a DeepSeek-V4.1 checkpoint: ``config.json``, (sharded) safetensors, the engram tokenizer.
+
+Names: ``save_pretrained``'s (``model.layers.0.attn.wq_a.weight``, ``lm_head.weight``) and the
+released checkpoint's native ones (the same without ``model.``, ``head.weight``). Both map onto
+this package's modules: native names everywhere, except the mHC tensors
+(``hc_attn_fn`` → ``hc_attn.fn``) and the MoE, which is V4's module (``gate.bias`` →
+``gate.e_score_correction_bias``, per-expert ``w1/w3`` stacked into ``gate_up_proj``, ``w2``
+into ``down_proj``, the shared expert's ``w1/w2/w3`` → ``gate_proj/down_proj/up_proj``).
+
+Precision: as stored, or FP8 e4m3 / packed FP4 with block scales (``*.scale``), dequantised on
+load by V4's ``dequantize`` (the engram tables' per-32-channel scales included). Kept aside:
+the DSpark draft layers (``mtp.*``, in ``model.mtp``). Not loaded, since serving is text only:
+the vision tower, the aligner, the image delimiters and the routers' image-span ``bias_vl``.
+
+An engram checkpoint is refused without its ``tokenizer.json`` (the hashes run over that
+tokenizer's compressed vocabulary). Every tensor problem raises one ``CheckpointError`` naming
+the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import CheckpointError
+from engine.model.loader import DTYPES, _is_scale_of_some, _scale_name, _shard_files, dequantize
+from engine.model.v41.config import V41Config
+from engine.model.v41.engram import NgramHasher
+from engine.model.v41.model import DeepseekV41ForCausalLM
+
+_TOP = {"embed.weight": "model.embed.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight"}
+_LAYER = [
+    (r"^hc_(attn|ffn)_(fn|base|scale)$", r"hc_\1.\2"),
+    (r"^ffn\.gate\.bias$", "ffn.gate.e_score_correction_bias"),
+    (r"^ffn\.shared_experts\.w1\.", "ffn.shared_experts.gate_proj."),
+    (r"^ffn\.shared_experts\.w2\.", "ffn.shared_experts.down_proj."),
+    (r"^ffn\.shared_experts\.w3\.", "ffn.shared_experts.up_proj."),
+]
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_TEXT_ONLY_SKIP = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$|layers\.\d+\.ffn\.gate\.bias_vl$)")
+
+
+def to_internal_name(name: str) -> str | None:
+    """The parameter a checkpoint tensor loads into (None: not used for text serving)."""
+    bare = name.removeprefix("model.")
+    if _TEXT_ONLY_SKIP.match(bare):
+        return None
+    if bare in _TOP:
+        return _TOP[bare]
+    m = re.match(r"^layers\.(\d+)\.(.*)$", bare)
+    if not m:
+        return "model." + bare
+    rest = m.group(2)
+    for pattern, repl in _LAYER:
+        rest = re.sub(pattern, repl, rest)
+    return f"model.layers.{m.group(1)}.{rest}"
+
+
+def bind_hasher(cfg: V41Config, model_dir: Path) -> NgramHasher | None:
+    """The engram hasher from the checkpoint's own ``tokenizer.json`` (None without engram)."""
+    if not cfg.engram_layer_ids:
+        return None
+    tok = model_dir / "tokenizer.json"
+    if not tok.is_file():
+        raise CheckpointError(
+            f"{model_dir}: engram layers {list(cfg.engram_layer_ids)} hash over the checkpoint's own tokenizer, "
+            "but tokenizer.json is missing (another tokenizer would silently rehash the engram tables)"
+        )
+    return NgramHasher.build(cfg, tok)
+
+
+def load_v41_model(
+    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+) -> DeepseekV41ForCausalLM:  # fmt: skip
+    """Build the V4.1 model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    cfg = V41Config.from_dir(model_dir)
+    hasher = bind_hasher(cfg, model_dir)
+    if dtype == "auto":
+        dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "bfloat16"
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    files = _shard_files(model_dir)
+    with torch.device(device):
+        model = DeepseekV41ForCausalLM(cfg, torch_dtype, hasher)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    loaded: set[str] = set()
+    experts: dict[str, dict[int, dict[str, tuple[torch.Tensor, Path]]]] = defaultdict(lambda: defaultdict(dict))
+
+    def assign(name: str, tensor: torch.Tensor, file: Path, key: str) -> None:
+        if name not in params:
+            raise CheckpointError(f"{file}: unexpected tensor {key!r}")
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        loaded.add(name)
+
+    key_file: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            key_file.update({k: file for k in f.keys()})
+    all_keys = set(key_file)
+    scale_keys = {k for k in all_keys if _is_scale_of_some(k, all_keys)}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in sorted(set(f.keys()) - scale_keys):
+                name = to_internal_name(key)
+                if name is None:
+                    continue
+                tensor = f.get_tensor(key)
+                scale_key = _scale_name(key, all_keys)
+                if scale_key is not None and tensor.dtype.itemsize == 1:
+                    with safe_open(str(key_file[scale_key]), framework="pt") as g:  # may sit in another shard
+                        try:
+                            tensor = dequantize(tensor, g.get_tensor(scale_key))
+                        except RuntimeError as exc:
+                            raise CheckpointError(f"{file}: tensor {key!r}: scale {scale_key!r} does not fit ({exc})") from exc
+                if name.startswith("model.mtp."):
+                    model.mtp[key] = tensor
+                    continue
+                m = _EXPERT.match(name)
+                if m:
+                    experts[m.group(1)][int(m.group(2))][m.group(3)] = (tensor, file)
+                    continue
+                assign(name, tensor, file, key)
+    for prefix, per_expert in experts.items():
+        _assign_experts(prefix, per_expert, cfg, model_dir, assign)
+    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+        model.lm_head.weight = model.model.embed.weight
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return model.eval()
+
+
+def _assign_experts(prefix: str, per_expert: dict, cfg: V41Config, model_dir: Path, assign) -> None:  # noqa: ANN001
+    """Stack one layer's per-expert ``w1/w3`` into ``gate_up_proj (E, 2I, H)`` and ``w2`` into
+    ``down_proj (E, H, I)``, checking each expert's shapes against the config first."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    want = {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
+    for e in range(cfg.n_routed_experts):
+        for w, shape in want.items():
+            key = f"{prefix}.{e}.{w}.weight".removeprefix("model.")
+            if w not in per_expert.get(e, {}):
+                raise CheckpointError(f"{model_dir}: missing tensor {key!r}")
+            tensor, file = per_expert[e][w]
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
+    extra = sorted(set(per_expert) - set(range(cfg.n_routed_experts)))
+    if extra:
+        raise CheckpointError(f"{per_expert[extra[0]][next(iter(per_expert[extra[0]]))][1]}: unexpected expert {extra[0]} in {prefix!r}")
+    n = cfg.n_routed_experts
+    gate_up = torch.stack([torch.cat([per_expert[e]["w1"][0], per_expert[e]["w3"][0]]) for e in range(n)])
+    down = torch.stack([per_expert[e]["w2"][0] for e in range(n)])
+    assign(f"{prefix}.gate_up_proj", gate_up, model_dir, f"{prefix}.gate_up_proj")
+    assign(f"{prefix}.down_proj", down, model_dir, f"{prefix}.down_proj")

@@ -1,0 +1,161 @@
+"""The DeepSeek-V4.1 causal LM over a batch of variable-length sequence chunks.
+
+``forward(chunks)`` takes ``(V41SequenceState, new token ids)`` pairs — a whole prompt, a prefill
+chunk or one decode token each — with the same contract as V4's model: token-wise parts
+(projections, MoE, mHC, engram) on the flattened ``(N, ...)`` tokens, attention per sequence,
+states updated in place. A one-shot prefill is one chunk on a fresh state, so the full forward
+and the cached decode path are the same code.
+
+Single-pass mHC: each site (attention, FFN) computes ``pre / post / comb`` from one projection
+of its input streams, but collapses its input with the ``pre`` the *previous* site computed
+(the first site of the stack collapses stream 0 only; the last ``pre`` collapses the output).
+There is no V4 ``hc_head``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from engine.model.layers import RMSNorm, collapse, hc_merge, mix_gates, normed_linear
+from engine.model.lm_head import LMHead
+from engine.model.rope import Rotary
+from engine.model.v41.attention import Attention, Chunk, Shared
+from engine.model.v41.config import V41Config
+from engine.model.v41.engram import Engram, NgramHasher
+from engine.model.v41.moe import V41MoE
+from engine.model.v41.state import V41SequenceState
+
+
+class HyperSite(nn.Module):
+    """The mHC parameters of one site, as raw tensors (``hc_{site}_fn / _base / _scale``)."""
+
+    def __init__(self, cfg: V41Config) -> None:
+        super().__init__()
+        hc = cfg.hc_mult
+        self.hc, self.iters, self.hc_eps, self.norm_eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + hc) * hc, hc * cfg.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + hc) * hc, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def gates(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams (N, hc, H)`` → ``pre (N, hc)``, ``post (N, hc)``, doubly-stochastic ``comb (N, hc, hc)``."""
+        mixes = normed_linear(streams.flatten(1).float(), self.fn, self.norm_eps, fold=False)  # (N, (2+hc)·hc)
+        return mix_gates(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
+
+
+class DecoderLayer(nn.Module):
+    """Engram (on its layers), then attention and MoE, each inside a single-pass mHC site."""
+
+    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attn = Attention(cfg, layer_idx, dtype)
+        self.ffn = V41MoE(cfg, layer_idx, dtype)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.engram = Engram(cfg, layer_idx, dtype) if layer_idx in cfg.engram_layer_ids else None
+        self.hc_attn = HyperSite(cfg)
+        self.hc_ffn = HyperSite(cfg)
+
+    def forward(
+        self, streams: torch.Tensor, pre: torch.Tensor, hash_ids: torch.Tensor | None, token_ids: torch.Tensor,
+        positions: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], rotary: Rotary, chunks: list[Chunk],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``streams (N, hc, H)`` and the previous site's ``pre (N, hc)`` → the new streams and
+        this layer's FFN-site ``pre``."""
+        if self.engram is not None:
+            assert hash_ids is not None, "engram layers need the hash ids"
+            streams = self.engram(streams, hash_ids[:, self.engram.slot])
+        attn_pre, post, comb = self.hc_attn.gates(streams)
+        x = self.attn_norm(collapse(pre, streams))  # (N, H)
+        streams = hc_merge(post, comb, self.attn(x, positions, ropes, rotary, chunks), streams, fused=False)
+        ffn_pre, post, comb = self.hc_ffn.gates(streams)
+        x = self.ffn_norm(collapse(attn_pre, streams))
+        return hc_merge(post, comb, self.ffn(x, token_ids), streams, fused=False), ffn_pre
+
+
+class DeepseekV41Model(nn.Module):
+    """Embedding, decoder layers and the final norm (native names: ``embed``, ``layers``, ``norm``)."""
+
+    def __init__(self, cfg: V41Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The whole V4.1 text model. ``hasher`` (engram checkpoints) is bound by the loader from the
+    checkpoint's own tokenizer; ``mtp`` keeps the DSpark draft layers' tensors (not yet used)."""
+
+    def __init__(self, cfg: V41Config, dtype: torch.dtype = torch.float32, hasher: NgramHasher | None = None) -> None:
+        super().__init__()
+        if cfg.engram_layer_ids and hasher is None:
+            raise ValueError("an engram model needs the NgramHasher of its checkpoint's tokenizer")
+        self.config, self.dtype, self.hasher = cfg, dtype, hasher
+        self.model = DeepseekV41Model(cfg, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.rotary = {
+            "main": Rotary(cfg.rope_main, cfg.qk_rope_head_dim, cfg.max_position_embeddings),
+            "compress": Rotary(cfg.rope_compress, cfg.qk_rope_head_dim, cfg.max_position_embeddings),
+        }
+        self.mtp: dict[str, torch.Tensor] = {}
+        self.head = LMHead(self.lm_head)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_state(self) -> V41SequenceState:
+        """An empty state for a new sequence, on the model's device and dtype."""
+        d, dev = self.config.head_dim, self.device
+        windows = [torch.empty(0, d, dtype=self.dtype, device=dev) for _ in self.model.layers]
+        sources = {i: layer.attn.empty_source(self.dtype, dev) for i, layer in enumerate(self.model.layers) if layer.attn.compressor is not None}
+        return V41SequenceState(windows, sources)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def forward(
+        self, chunks: Sequence[tuple[V41SequenceState, Sequence[int]]], logits: Literal["last", "all", "hidden"] = "last",
+    ) -> torch.Tensor:  # fmt: skip
+        """Run every chunk's new tokens through the model, updating each state.
+
+        Returns float32 logits ``(B, V)`` of each chunk's last token, ``(N, V)`` of every token
+        with ``logits="all"``, or the last tokens' final hidden states ``(B, H)`` with
+        ``logits="hidden"`` (for ``self.head``).
+        """
+        cfg, device = self.config, self.device
+        spans, n = [], 0
+        for state, ids in chunks:
+            if len(ids) == 0:
+                raise ValueError("every chunk needs at least one token")
+            spans.append((n, n + len(ids)))
+            n += len(ids)
+        token_ids = torch.tensor([t for _, ids in chunks for t in ids], dtype=torch.long, device=device)  # (N,)
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= cfg.vocab_size:
+            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
+        positions = torch.cat([torch.arange(st.num_tokens, st.num_tokens + len(ids), device=device) for st, ids in chunks])  # (N,)
+        hash_ids = None
+        if self.hasher is not None:
+            hash_ids = torch.cat([self.hasher.hash_ids(st.engram, token_ids[a:b]) for (st, _), (a, b) in zip(chunks, spans)])  # (N, L, cols)
+        embeds = self.model.embed(token_ids)  # (N, H)
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (N, hc, H)
+        pre = torch.zeros(n, cfg.hc_mult, dtype=torch.float32, device=device)  # (N, hc): one-hot first mix
+        pre[:, 0] = 1.0
+        ropes = {kind: rot.cos_sin(positions, embeds.dtype) for kind, rot in self.rotary.items()}
+        parts = [Chunk(st, a, b, Shared()) for (st, _), (a, b) in zip(chunks, spans)]
+        for layer in self.model.layers:
+            streams, pre = layer(streams, pre, hash_ids, token_ids, positions, ropes, self.rotary["compress"], parts)
+
+        for state, ids in chunks:
+            state.num_tokens += len(ids)
+            state.token_ids.extend(ids)
+            if self.hasher is not None:
+                state.engram = self.hasher.history(state.token_ids)
+        if logits != "all":
+            last = torch.tensor([b - 1 for _, b in spans], device=device)
+            streams, pre = streams[last], pre[last]
+        hidden = self.model.norm(collapse(pre, streams))  # (B or N, H)
+        return hidden if logits == "hidden" else self.head.logits(hidden)

@@ -1,0 +1,54 @@
+"""Per-sequence cached state of DeepSeek-V4.1 (D = head_dim, Di = index_head_dim, r = ratio, W =
+sliding window, T = compressed rows so far).
+
+- every layer: ``window`` (≤ W-1, D), the last W-1 FP8-rounded window keys (= values);
+- every KV-source layer (``sources[layer]``):
+  ``rows`` (T, D) the shared compressed KV, rotated and FP4-rounded (T = tokens // r);
+  ``keys`` (T, Di) the shared indexer keys, rotated and FP4-rounded (None without an indexer);
+  ``buf_kv`` / ``buf_gate`` (< r, D) fp32 projections of the tokens of the unfinished group;
+- ``engram`` the last ``engram_max_ngram_size - 1`` compressed token ids (engram checkpoints).
+
+Rows and keys grow with the sequence (block data); the rest is a fixed-size boundary state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SourceState:
+    """The shared compressed KV a KV-source layer publishes to its group."""
+
+    rows: torch.Tensor  # (T, D)
+    keys: torch.Tensor | None  # (T, Di)
+    buf_kv: torch.Tensor  # (< r, D) fp32
+    buf_gate: torch.Tensor  # (< r, D) fp32
+
+    def clone(self) -> SourceState:
+        return SourceState(self.rows.clone(), None if self.keys is None else self.keys.clone(), self.buf_kv.clone(), self.buf_gate.clone())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.rows, self.keys, self.buf_kv, self.buf_gate) if t is not None)
+
+
+@dataclass
+class V41SequenceState:
+    """All layers' state of one sequence after ``num_tokens`` tokens."""
+
+    windows: list[torch.Tensor]  # per layer (≤ W-1, D)
+    sources: dict[int, SourceState]  # per KV-source layer index
+    engram: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # every token the state has consumed
+
+    def nbytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self.windows) + sum(s.nbytes() for s in self.sources.values())
+
+    def clone(self) -> V41SequenceState:
+        return V41SequenceState(
+            [w.clone() for w in self.windows], {i: s.clone() for i, s in self.sources.items()},
+            list(self.engram), self.num_tokens, list(self.token_ids),
+        )  # fmt: skip

@@ -49,6 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    from deepserve import internal_auth
     from engine.runtime.config import EngineConfig
     from engine.worker.server import WorkerConfig, run_worker
 
@@ -78,12 +79,17 @@ def _engine(args: argparse.Namespace) -> int:
             engine=engine_cfg,
             register=tuple(args.register),
             advertise_url=args.advertise_url or "",
+            auth=internal_auth.from_args(args),
+            open_metrics=args.open_metrics,
+            stall_timeout_s=args.stall_timeout,
         )
     )
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from deepserve import internal_auth
+
     p = sub.add_parser("make-tiny-model", help="write a deterministic random tiny DeepSeek-V4 checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
@@ -130,4 +136,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
     e.add_argument("--register", action="append", default=[], metavar="ROUTER_URL", help="register with this router service (repeatable); deregister on drain")
     e.add_argument("--advertise-url", default=None, help="URL routers should use for this worker (default http://HOST:PORT)")
+    e.add_argument("--stall-timeout", type=float, default=120.0, help="seconds the engine thread may go without a turn while it has work before /health turns 503")
+    internal_auth.add_flags(e, metrics=True)
     e.set_defaults(func=_engine)

@@ -4,6 +4,13 @@ HTTP handlers never touch an engine directly. They post commands (add, abort) to
 thread applies them between steps, steps each rank that has work, and delivers each
 ``TokenEvent`` to the request's asyncio queue with ``call_soon_threadsafe``. torch releases the
 GIL inside its kernels, so the event loop stays responsive while the model runs.
+
+Failure containment: a command that fails fails its own request only (whatever it raises);
+a step that raises fails the requests of that rank (a bug or a device fault: which sequence
+caused it is unknown) and the thread goes on. Should the thread itself die, every open request
+gets an error event, ``alive`` turns False and ``on_death`` is called, so the worker can report
+unhealthy and exit for its supervisor to restart it. ``beat`` is the time of the thread's last
+turn, for ``stalled``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import EngineError
@@ -37,9 +46,12 @@ class _Abort:
 class EngineLoop:
     """Owns the engine cores (one per DP rank) and the thread that steps them."""
 
-    def __init__(self, cores: list[EngineCore], worker_id: str) -> None:
+    def __init__(self, cores: list[EngineCore], worker_id: str, on_death: Callable[[], None] | None = None) -> None:
         self.cores = cores
         self.worker_id = worker_id
+        self.on_death = on_death  # called (on the engine thread) if the thread dies
+        self.death: BaseException | None = None
+        self.beat = time.monotonic()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
         self._wake = threading.Event()
@@ -73,6 +85,15 @@ class EngineLoop:
     def in_flight(self) -> int:
         return len(self._sinks)
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (or has not been started yet) and has not died."""
+        return self.death is None and (self._thread.is_alive() or self._thread.ident is None)
+
+    def stalled(self, after_s: float) -> bool:
+        """The thread has work but has not come round for ``after_s`` seconds (a hung step)."""
+        return time.monotonic() - self.beat > after_s and any(c.has_work() for c in self.cores)
+
     def rank_loads(self) -> list[RankLoad]:
         return [
             RankLoad(dp_rank=r, running=c.num_running, waiting=c.num_waiting, queued_tokens=c.queued_tokens, state_usage=c.pool.usage)
@@ -81,7 +102,19 @@ class EngineLoop:
 
     # ---- the thread -------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._steps()
+        except BaseException as exc:  # noqa: BLE001 (the thread must not vanish silently)
+            log.critical("engine thread died", exc_info=True)
+            self.death = exc
+            for rid in list(self._sinks):
+                self._deliver(TokenEvent(rid, finish_reason="error", error="the engine stopped"))
+            if self.on_death is not None:
+                self.on_death()
+
+    def _steps(self) -> None:
         while not self._stop.is_set():
+            self.beat = time.monotonic()
             self._drain_inbox()
             busy = False
             for core in self.cores:
@@ -91,8 +124,8 @@ class EngineLoop:
                 try:
                     events = core.step()
                 except Exception as exc:  # a bug or device fault: fail the rank's requests, keep serving
-                    log.exception("engine step failed")
-                    events = self._fail_all(core, f"engine step failed: {exc}")
+                    log.exception("engine step failed: %s", exc)
+                    events = self._fail_all(core, "engine step failed")
                 for ev in events:
                     self._deliver(ev)
             if not busy:
@@ -112,14 +145,22 @@ class EngineLoop:
                         raise EngineError(f"duplicate request id {rid!r}")
                     self._sinks[rid] = (cmd.sink, cmd.loop, cmd.rank)
                     self.cores[cmd.rank].add_request(cmd.request)
-                except (EngineError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 (one request's failure is that request's)
                     self._sinks.pop(rid, None)
-                    ev = TokenEvent(rid, finish_reason="error", error=str(exc), num_prompt_tokens=len(cmd.request.prompt_token_ids))
+                    if isinstance(exc, (EngineError, ValueError)):  # ours: says what is wrong
+                        message = str(exc)
+                    else:
+                        log.exception("adding request %s failed", rid)
+                        message = "the engine could not take the request"
+                    ev = TokenEvent(rid, finish_reason="error", error=message, num_prompt_tokens=len(cmd.request.prompt_token_ids))
                     cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, ev)
             else:
                 entry = self._sinks.get(cmd.request_id)
                 if entry is not None:
-                    self.cores[entry[2]].abort_request(cmd.request_id)
+                    try:
+                        self.cores[entry[2]].abort_request(cmd.request_id)
+                    except Exception:  # noqa: BLE001
+                        log.exception("aborting request %s failed", cmd.request_id)
 
     def _deliver(self, ev: TokenEvent) -> None:
         entry = self._sinks.get(ev.request_id)

@@ -4,7 +4,10 @@ One process serves one replica group: ``dp`` engine cores over one loaded model.
 ``POST /internal/generate`` (NDJSON token events), ``POST /internal/abort``, ``GET /load``,
 ``GET /health``, ``GET /kv_events``, ``GET /metrics``. SIGTERM drains: ``/health`` turns 503, new
 requests are refused with 503, running ones finish (up to ``drain_timeout``), then the process
-exits.
+exits. Every route but ``/health`` (and ``/metrics`` with ``open_metrics``) needs the internal
+token (``deepserve.internal_auth``) when one is set; without one the worker listens on loopback
+only. ``/health`` is 503 while the engine thread is dead or stalled; a dead engine thread ends
+the process with status 1, for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from engine.runtime.builder import (
 from engine.runtime.config import EngineConfig
 from engine.runtime.engine_core import EngineCore
 from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
+from engine.validate import check_generate
+from deepserve.internal_auth import InternalAuth
 from engine.worker.loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -51,9 +56,12 @@ class WorkerConfig:
     served_model_name: str = "deepseek-v4"
     worker_id: str = ""
     drain_timeout: float = 30.0
+    stall_timeout_s: float = 120.0  # /health turns 503 when the engine thread has work but no turn for this long
     engine: EngineConfig = field(default_factory=EngineConfig)
     register: tuple[str, ...] = ()  # router services to register with (deregistered on drain)
     advertise_url: str = ""  # the URL routers should use; default http://host:port
+    auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
+    open_metrics: bool = False  # serve /metrics without the token (scrapers on a trusted network)
 
 
 class Worker:
@@ -91,8 +99,9 @@ class Worker:
                     model,
                     read=engine_cfg.kv_cache in ("read", "readwrite"),
                     write=engine_cfg.kv_cache in ("write", "readwrite"),
-                    snapshot_interval_units=max(1, engine_cfg.snapshot_interval_units),
+                    snapshot_interval_units=engine_cfg.snapshot_interval_units,
                     metrics=metrics,
+                    dp_rank=rank,
                 )
             cores.append(EngineCore(model, build_sampler(model, config.model_dir), engine_cfg, kv=kv, metrics=metrics, dp_rank=rank))
         if cores[0].static is not None:  # compile the CPU step's kernels before /health answers 200
@@ -105,9 +114,13 @@ class Worker:
         if self.draining:
             return web.json_response({"error": "worker is draining"}, status=503, headers={"Retry-After": "1"})
         try:
-            req = GenerateRequest.from_dict(await request.json())
+            req = GenerateRequest.from_dict(check_generate(json.loads(await request.read())))
+        except RecursionError:
+            return web.json_response({"error": "bad request: JSON nested too deeply"}, status=400)
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"bad request: {exc}"}, status=400)
+        if not self.loop.alive:
+            return web.json_response({"error": "the engine stopped"}, status=503)
         sink: asyncio.Queue = asyncio.Queue()
         self.loop.submit(req, sink)
         first = await sink.get()
@@ -159,15 +172,21 @@ class Worker:
         return web.json_response(report)
 
     async def health(self, _: web.Request) -> web.Response:
+        if not self.loop.alive:
+            return web.json_response({"status": "engine_dead"}, status=503)
+        if self.loop.stalled(self.config.stall_timeout_s):
+            return web.json_response({"status": "engine_stalled"}, status=503)
         if self.draining or not self.ready:
             return web.json_response({"status": "draining" if self.draining else "starting"}, status=503)
         return web.json_response({"status": "ok", "worker_id": self.worker_id, "role": self.config.role})
 
     async def kv_events(self, request: web.Request) -> web.Response:
+        """The store's KV events after ``since``; with ``snapshot=1`` the units held now as
+        ``stored`` events instead (for a poller that got ``complete: false``)."""
         since = int(request.query.get("since", "0"))
         if self.store is None:
             return web.json_response({"seq": 0, "events": [], "complete": True})
-        batch = self.store.events_since(since)
+        batch = self.store.events_snapshot() if request.query.get("snapshot") == "1" else self.store.events_since(since)
         if request.query.get("format") == KV_ROWS_FORMAT:
             return web.json_response({"seq": batch.seq, "rows": [e.to_row() for e in batch.events], "complete": batch.complete})
         return web.json_response({"seq": batch.seq, "events": [e.to_dict() for e in batch.events], "complete": batch.complete})
@@ -184,7 +203,7 @@ class Worker:
         """POST ``/register`` or ``/deregister`` to every configured router (best effort, retried)."""
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5), headers=self.config.auth.headers()) as session:
             for router in self.config.register:
                 for attempt in range(5):
                     try:
@@ -196,8 +215,15 @@ class Worker:
                         log.warning("%s with %s failed (%s), attempt %d", verb, router, exc, attempt + 1)
                     await asyncio.sleep(0.2 * 2**attempt)
 
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        open_paths = ("/health", "/metrics") if self.config.open_metrics else ("/health",)
+        if request.path not in open_paths and not self.config.auth.allows(request.headers.get("Authorization")):
+            return web.json_response({"error": "missing or wrong internal token"}, status=401)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._authorize] if self.config.auth.enabled else [])
         app.router.add_post("/internal/generate", self.generate)
         app.router.add_post("/internal/abort", self.abort)
         app.router.add_get("/load", self.load)
@@ -206,29 +232,36 @@ class Worker:
         app.router.add_get("/metrics", self.metrics)
         return app
 
-    async def serve(self) -> None:
+    async def serve(self) -> int:
+        """Serve until SIGTERM/SIGINT (drain, exit status 0) or the engine thread's death
+        (status 1, at once: nothing in flight can finish)."""
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         await site.start()
+        stop = asyncio.Event()
+        aloop = asyncio.get_running_loop()
+        self.loop.on_death = lambda: aloop.call_soon_threadsafe(stop.set)
         self.loop.start()
         self.ready = True
         log.info("worker %s (%s, dp=%d) on %s:%d", self.worker_id, self.config.role, self.config.dp, self.config.host, self.config.port)
         await self._announce("register", {"url": self.url, "role": self.config.role})
-        stop = asyncio.Event()
-        aloop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aloop.add_signal_handler(sig, stop.set)
         await stop.wait()
         self.draining = True  # refuse new work, let running requests finish
-        await self._announce("deregister", {"url": self.url, "drain": True})
+        await self._announce("deregister", {"url": self.url, "drain": self.loop.alive})
         deadline = aloop.time() + self.config.drain_timeout
-        while self.loop.in_flight() and aloop.time() < deadline:
+        while self.loop.alive and self.loop.in_flight() and aloop.time() < deadline:
             await asyncio.sleep(0.05)
         await runner.cleanup()
         self.loop.stop()
         if self.store is not None:
             self.store.close()
+        if not self.loop.alive:
+            log.critical("worker %s exits: its engine thread died", self.worker_id)
+            return 1
+        return 0
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -236,10 +269,13 @@ def run_worker(config: WorkerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not Path(config.model_dir).is_dir():
         raise SystemExit(f"model directory {config.model_dir} does not exist")
+    config.auth.check_bind(config.host, "deepserve engine")
     try:  # uvloop's loop when installed: cheaper socket writes per streamed token
         import uvloop
 
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    run(Worker(config).serve())
+    status = run(Worker(config).serve())
+    if status:
+        raise SystemExit(status)

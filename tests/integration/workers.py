@@ -12,6 +12,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepserve.internal_auth import InternalAuth
+
+TOKEN = "integration-test-internal-token"  # every worker started here requires it
+AUTH = InternalAuth(TOKEN)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -53,7 +58,7 @@ class WorkerProcess:
 
 def start_workers(model_dir: Path, kv_dir: Path, roles: list[str], log_dir: Path, timeout: float = 120.0, extra: tuple[str, ...] = (), tiers: str = "memory,fs") -> list[WorkerProcess]:
     """Start one worker per role (by default sharing a filesystem KV tier); wait until all are healthy."""
-    env = dict(os.environ, DEEPSERVE_KV_TIERS=tiers, DEEPSERVE_KV_FS_DIR=str(kv_dir), DEEPSERVE_KV_FS_FSYNC="false")
+    env = dict(os.environ, DEEPSERVE_KV_TIERS=tiers, DEEPSERVE_KV_FS_DIR=str(kv_dir), DEEPSERVE_KV_FS_FSYNC="false", DEEPSERVE_INTERNAL_TOKEN=TOKEN)
     workers = []
     for i, role in enumerate(roles):
         port = free_port()

@@ -1,0 +1,122 @@
+"""The internal plane's credential: one shared secret between gateway, routers and workers.
+
+Every router and worker route except the bare liveness probe (``GET /health``) requires
+``Authorization: Bearer <token>``; ``deepserve up`` generates a token for the processes it
+starts, separate services are given one with ``--internal-token`` / ``--internal-token-file`` or
+the environment (``DEEPSERVE_INTERNAL_TOKEN``, ``DEEPSERVE_INTERNAL_TOKEN_FILE``, read here and
+nowhere else; a flag wins over the environment, a value over a file). A router or worker bound
+beyond loopback refuses to start without one (``check_bind``); on loopback, no token means the
+plane is open, which is logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV_TOKEN = "DEEPSERVE_INTERNAL_TOKEN"
+ENV_TOKEN_FILE = "DEEPSERVE_INTERNAL_TOKEN_FILE"
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def generate_token() -> str:
+    """A fresh random token (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address only accepts connections from this host."""
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class InternalAuth:
+    """The shared token ("" = the plane is open). ``allows`` compares in constant time."""
+
+    token: str = ""
+
+    def __post_init__(self) -> None:
+        if self.token != self.token.strip() or any(c in self.token for c in "\r\n"):
+            raise ValueError("the internal token must be one line without surrounding blanks")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.token)
+
+    @classmethod
+    def resolve(cls, token: str | None = None, token_file: str | None = None, env: Mapping[str, str] | None = None) -> InternalAuth:
+        """From a flag value, a flag's file, ``DEEPSERVE_INTERNAL_TOKEN``, then
+        ``DEEPSERVE_INTERNAL_TOKEN_FILE`` (the first one given)."""
+        env = os.environ if env is None else env
+        if token:
+            return cls(token.strip())
+        if token_file:
+            return cls.read(token_file)
+        if env.get(ENV_TOKEN):
+            return cls(env[ENV_TOKEN].strip())
+        if env.get(ENV_TOKEN_FILE):
+            return cls.read(env[ENV_TOKEN_FILE])
+        return cls()
+
+    @classmethod
+    def read(cls, path: str) -> InternalAuth:
+        """The token in the file ``path`` (``SystemExit`` if unreadable or empty)."""
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"cannot read the internal token file {path}: {exc}") from None
+        if not text:
+            raise SystemExit(f"the internal token file {path} is empty")
+        return cls(text)
+
+    def headers(self) -> dict[str, str]:
+        """What a client sends (empty when the plane is open)."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def allows(self, authorization: str | bytes | None) -> bool:
+        """Whether a request's ``Authorization`` header value carries the token."""
+        if not self.token:
+            return True
+        if authorization is None:
+            return False
+        if isinstance(authorization, str):
+            authorization = authorization.encode("latin-1", "replace")
+        return hmac.compare_digest(authorization.strip(), b"Bearer " + self.token.encode())
+
+    def check_bind(self, host: str, what: str) -> None:
+        """Refuse (``SystemExit``) to serve ``what`` beyond loopback without a token."""
+        if self.token:
+            return
+        if not is_loopback(host):
+            raise SystemExit(
+                f"{what}: refusing to listen on {host} without an internal token "
+                f"(--internal-token, --internal-token-file, {ENV_TOKEN} or {ENV_TOKEN_FILE})"
+            )
+        log.warning("%s: no internal token; the internal routes are open to any local process", what)
+
+
+def add_flags(parser: argparse.ArgumentParser, *, metrics: bool = False) -> None:
+    """``--internal-token`` / ``--internal-token-file`` (and ``--open-metrics``) on a sub-command."""
+    parser.add_argument("--internal-token", metavar="TOKEN", help=f"the internal plane's shared secret ({ENV_TOKEN}); prefer a file")
+    parser.add_argument("--internal-token-file", metavar="PATH", help=f"a file holding it ({ENV_TOKEN_FILE}), e.g. a mounted Secret")
+    if metrics:
+        parser.add_argument("--open-metrics", action="store_true", help="serve /metrics without the internal token")
+
+
+def from_args(args: argparse.Namespace) -> InternalAuth:
+    """The credential the parsed ``add_flags`` arguments (then the environment) give."""
+    return InternalAuth.resolve(args.internal_token, args.internal_token_file)

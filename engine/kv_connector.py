@@ -10,7 +10,7 @@ Units are ``U = cfg.unit_tokens`` (128) tokens; unit ``i`` of a prompt is keyed 
   (buffers are empty at aligned ends since every rate divides U; overlaps are ``(r, D)``).
 
 Saved at the prompt's last whole unit (the scheduler ends a chunk there), and at every unit
-boundary decode crosses (every ``snapshot_interval_units``; the last one is the output's end).
+boundary decode crosses (every ``snapshot_interval_units``, 0 = none; the last one is the output's end).
 Restored from the longest run of present blocks that ends in a snapshot strictly before the last
 prompt token (the engine must compute at least one token to sample), exactly. Without any
 snapshot, blocks alone resume exactly by replaying ``layers × (W-1)`` tokens over the cached rows
@@ -55,14 +55,20 @@ class KVConnector:
         snapshot_interval_units: int = 1,
         metrics: object | None = None,
         bounded_replay_tokens: int = 0,
+        dp_rank: int | None = None,
     ) -> None:
+        """``dp_rank``: the engine's DP rank, named in the store's KV events for what it stores
+        (None: the store's default rank)."""
+        if snapshot_interval_units < 0:
+            raise ValueError("snapshot_interval_units must be >= 0 (0 = no decode snapshots)")
         cfg = model.config
         self.store = store
         self.read, self.write = read, write
         self.unit = cfg.unit_tokens
         self.dtype_name = str(model.dtype).replace("torch.", "")
         self.fingerprint = f"{cfg.fingerprint()}-{self.dtype_name}"
-        self.interval = max(1, snapshot_interval_units)
+        self.interval = snapshot_interval_units  # 0: snapshots at the prompt's last unit only
+        self.dp_rank = dp_rank
         self.metrics = metrics
         self.bounded_replay = bounded_replay_tokens  # 0 = exact replay (layers × (W-1) tokens)
         self.rates = [cfg.layer_rate(i) for i in range(cfg.num_hidden_layers)]
@@ -126,7 +132,7 @@ class KVConnector:
             return  # recomputing is predicted to be faster: treat as a miss
         t0 = time.perf_counter()
         wanted = keys[:units] + ([snapshot_key(keys[units - 1])] if snapshot else [])
-        records = self.store.get_many(wanted)
+        records = self.store.get_many(wanted, dp_rank=self.dp_rank)
         if any(r is None for r in records):
             return  # evicted or corrupt in between: a miss, never a wrong state
         state = model.new_state()
@@ -173,7 +179,7 @@ class KVConnector:
         n = seq.num_computed
         if not self.write or n % self.unit or n == 0 or n <= seq.saved_upto:
             return False
-        return not (n // self.unit) % self.interval or n == seq.snapshot_at
+        return n == seq.snapshot_at or (self.interval > 0 and not (n // self.unit) % self.interval)
 
     def save(self, seq: Sequence, model: DeepseekV4ForCausalLM) -> None:
         """Store every whole unit up to ``seq.num_computed`` not yet saved, with a snapshot at its
@@ -193,7 +199,7 @@ class KVConnector:
             items.append((keys[i], header, tensors))
         snap_header = RecordHeader("snapshot", self.fingerprint, self.dtype_name, 0, n, parent=keys[-1], key=snapshot_key(keys[-1]))
         items.append((snapshot_key(keys[-1]), snap_header, self._snapshot_tensors(seq.state)))
-        self.store.put_many(items)
+        self.store.put_many(items, dp_rank=self.dp_rank)
         seq.saved_upto = n
 
     def _block_tensors(self, state, unit_idx: int) -> dict[str, torch.Tensor]:

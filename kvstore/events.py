@@ -1,16 +1,23 @@
-"""KV events: which unit keys entered or left which tier, for cache-aware routing.
+"""KV events: which unit keys entered or left which tier at which DP rank, for cache-aware routing.
 
 Every event gets a sequence number (1, 2, ...). Subscribers (callbacks) hear each event as it
 happens; a bounded ring keeps the last ``capacity`` events so a worker can answer
 ``GET /kv_events?since=N`` (engine/protocol.py) with the events after ``N``. A poller that falls
-further behind than the ring gets ``complete=False`` and should rebuild its view of the worker.
+further behind than the ring gets ``complete=False`` and rebuilds its view of the worker from
+``snapshot()`` (``GET /kv_events?snapshot=1``): the units held now, as ``stored`` events.
+
+One store serves every DP rank of a worker, so an event names the rank it happened for: a
+``stored`` event the rank whose write (or read, for a promotion into a faster tier) put the unit
+there, passed down as ``dp_rank``. A unit that leaves a tier leaves every rank it was announced
+for: one ``removed`` event per such rank. The log keeps, per
+tier, a bit mask of those ranks for every unit it announced (one dict entry per unit).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
@@ -31,7 +38,9 @@ class EventBatch(NamedTuple):
 
 
 class KVEventLog:
-    """Bounded, thread-safe event ring plus a subscriber list."""
+    """Bounded, thread-safe event ring, the units each rank holds per tier, a subscriber list.
+
+    ``dp_rank``: the rank of a ``stored`` event published without one (a one-rank process)."""
 
     def __init__(self, capacity: int = 4096, dp_rank: int = 0) -> None:
         if capacity <= 0:
@@ -39,6 +48,7 @@ class KVEventLog:
         self.dp_rank = dp_rank
         self._ring: deque[tuple[int, KVEvent]] = deque(maxlen=capacity)
         self._seq = 0
+        self._held: defaultdict[str, dict[str, int]] = defaultdict(dict)  # tier -> key -> rank mask
         self._subscribers: list[Subscriber] = []
         self._lock = threading.Lock()
 
@@ -58,22 +68,50 @@ class KVEventLog:
 
         return unsubscribe
 
-    def publish(self, kind: Literal["stored", "removed"], keys: Sequence[str], tier: str) -> int:
-        """Record one event (no-op for an empty key list); returns its sequence number."""
+    def publish(
+        self, kind: Literal["stored", "removed"], keys: Sequence[str], tier: str, dp_rank: int | None = None
+    ) -> int:
+        """Record ``keys`` entering ``tier`` for ``dp_rank`` (``stored``), or leaving it
+        (``removed``: one event per rank they were announced for). No-op for an empty key list;
+        returns the last sequence number."""
         if not keys:
             return self._seq
-        event = KVEvent(kind=kind, keys=list(keys), tier=tier, dp_rank=self.dp_rank)
         with self._lock:
-            self._seq += 1
-            seq = self._seq
-            self._ring.append((seq, event))
+            if kind == "stored":
+                events = [self._stored(tier, keys, self.dp_rank if dp_rank is None else dp_rank)]
+            else:
+                events = self._removed(tier, keys)
+            published = []
+            for event in events:
+                self._seq += 1
+                self._ring.append((self._seq, event))
+                published.append((self._seq, event))
+            last = self._seq
             subscribers = list(self._subscribers)
-        for cb in subscribers:
-            try:
-                cb(seq, event)
-            except Exception:
-                log.exception("kv event subscriber failed")
-        return seq
+        for seq, event in published:
+            for cb in subscribers:
+                try:
+                    cb(seq, event)
+                except Exception:
+                    log.exception("kv event subscriber failed")
+        return last
+
+    def _stored(self, tier: str, keys: Sequence[str], rank: int) -> KVEvent:
+        """The ``stored`` event, with ``rank``'s bit set on every key (under the lock)."""
+        held, bit = self._held[tier], 1 << rank
+        for k in keys:
+            held[k] = held.get(k, 0) | bit
+        return KVEvent(kind="stored", keys=list(keys), tier=tier, dp_rank=rank)
+
+    def _removed(self, tier: str, keys: Sequence[str]) -> list[KVEvent]:
+        """``removed`` events, one per rank that held some of ``keys`` (under the lock). Keys
+        never announced are removed for the default rank (a tier filled by an earlier run)."""
+        held = self._held[tier]
+        by_rank: dict[int, list[str]] = {}
+        for k in keys:
+            for r in _ranks(held.pop(k, 0)) or [self.dp_rank]:
+                by_rank.setdefault(r, []).append(k)
+        return [KVEvent(kind="removed", keys=ks, tier=tier, dp_rank=r) for r, ks in sorted(by_rank.items())]
 
     def since(self, seq: int) -> EventBatch:
         """Retained events with sequence number > ``seq``."""
@@ -81,3 +119,22 @@ class KVEventLog:
             events = [e for s, e in self._ring if s > seq]
             oldest = self._ring[0][0] if self._ring else self._seq + 1
             return EventBatch(self._seq, events, complete=seq >= oldest - 1)
+
+    def snapshot(self) -> EventBatch:
+        """The units held now, one ``stored`` event per (tier, rank), as of sequence number
+        ``seq``: a poller that applies them to an emptied view and then asks ``since(seq)``
+        has every event."""
+        with self._lock:
+            events: list[KVEvent] = []
+            for tier, held in self._held.items():
+                by_rank: dict[int, list[str]] = {}
+                for k, mask in held.items():
+                    for r in _ranks(mask):
+                        by_rank.setdefault(r, []).append(k)
+                events += [KVEvent(kind="stored", keys=ks, tier=tier, dp_rank=r) for r, ks in sorted(by_rank.items())]
+            return EventBatch(self._seq, events, complete=True)
+
+
+def _ranks(mask: int) -> list[int]:
+    """The ranks whose bits are set in ``mask``, lowest first."""
+    return [r for r in range(mask.bit_length()) if mask >> r & 1]

@@ -75,32 +75,36 @@ class TieredStore:
         (write-back) or any tier holds it (write-through)."""
         return self.put_many([(key, header, tensors)])[0]
 
-    def put_many(self, items: Sequence[tuple[str, RecordHeader, Mapping[str, torch.Tensor]]]) -> list[bool]:
-        """Store several records (e.g. all new units of one prompt) with batched tier writes."""
+    def put_many(
+        self, items: Sequence[tuple[str, RecordHeader, Mapping[str, torch.Tensor]]], *, dp_rank: int | None = None
+    ) -> list[bool]:
+        """Store several records (e.g. all new units of one prompt) with batched tier writes;
+        ``dp_rank``: the writing rank, named in the ``stored`` events."""
         blobs = [(k, encode_record(h if h.key else dataclasses.replace(h, key=k), t)) for k, h, t in items]
-        return self.put_bytes_many(blobs)
+        return self.put_bytes_many(blobs, dp_rank=dp_rank)
 
-    def put_bytes_many(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
+    def put_bytes_many(self, items: Sequence[tuple[str, bytes]], *, dp_rank: int | None = None) -> list[bool]:
         """Store already-encoded records (``encode_record`` output)."""
         if not items:
             return []
         if self._writer is not None:
-            ok = self.tiers[0].put_many(items)
-            self._queue.put(list(items))
+            ok = self.tiers[0].put_many(items, dp_rank=dp_rank)
+            self._queue.put((list(items), dp_rank))
             return ok
         ok = [False] * len(items)
         for tier in self.tiers:
-            ok = [a or b for a, b in zip(ok, tier.put_many(items))]
+            ok = [a or b for a, b in zip(ok, tier.put_many(items, dp_rank=dp_rank))]
         return ok
 
     def _write_back_loop(self) -> None:
         while True:
-            items = self._queue.get()
+            job = self._queue.get()
             try:
-                if items is _STOP:
+                if job is _STOP:
                     return
+                items, dp_rank = job  # type: ignore[misc]
                 for tier in self.tiers[1:]:
-                    tier.put_many(items)  # type: ignore[arg-type]
+                    tier.put_many(items, dp_rank=dp_rank)
             except Exception:  # never let the writer die: later puts would block forever
                 log.exception("kvstore write-back failed")
             finally:
@@ -116,8 +120,9 @@ class TieredStore:
         """The record stored under ``key`` from the fastest tier holding a valid copy, or None."""
         return self.get_many([key], copy=copy)[0]
 
-    def get_many(self, keys: Sequence[str], *, copy: bool = True) -> list[Record | None]:
-        """Records for ``keys`` (None where missing), one batched read per tier."""
+    def get_many(self, keys: Sequence[str], *, copy: bool = True, dp_rank: int | None = None) -> list[Record | None]:
+        """Records for ``keys`` (None where missing), one batched read per tier; a hit copied
+        into faster tiers is announced as stored for ``dp_rank`` (the reader)."""
         out: list[Record | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for ti, tier in enumerate(self.tiers):
@@ -137,7 +142,7 @@ class TieredStore:
             tier.record_miss(len(missed))
             if self.promote and promote:
                 for faster in self.tiers[:ti]:
-                    faster.put_many(promote, overwrite=True)
+                    faster.put_many(promote, overwrite=True, dp_rank=dp_rank)
             todo = missed
         return out
 
@@ -197,6 +202,10 @@ class TieredStore:
     def events_since(self, seq: int) -> EventBatch:
         """Events after ``seq``, for ``GET /kv_events?since=seq``."""
         return self.events.since(seq)
+
+    def events_snapshot(self) -> EventBatch:
+        """The units held now as ``stored`` events, for ``GET /kv_events?snapshot=1``."""
+        return self.events.snapshot()
 
     def used_bytes(self) -> dict[str, int]:
         return {t.name: t.used_bytes() for t in self.tiers}

@@ -80,9 +80,9 @@ class Tier:
         self.metrics.bytes_used.labels(self.name).set(self.backend.used_bytes())
         self.metrics.keys.labels(self.name).set(len(self.policy))
 
-    def _publish(self, kind: str, keys: list[str]) -> None:
+    def _publish(self, kind: str, keys: list[str], dp_rank: int | None = None) -> None:
         if self.events is not None and keys:
-            self.events.publish(kind, keys, self.name)  # type: ignore[arg-type]
+            self.events.publish(kind, keys, self.name, dp_rank)  # type: ignore[arg-type]
 
     def record_hit(self) -> None:
         self.metrics.hits.labels(self.name).inc()
@@ -156,7 +156,10 @@ class Tier:
         """Store ``value`` (evicting for room); with ``overwrite=False`` an existing key is kept."""
         return self.put_many([(key, value)], overwrite=overwrite)[0]
 
-    def put_many(self, items: Sequence[tuple[str, bytes]], *, overwrite: bool = False) -> list[bool]:
+    def put_many(
+        self, items: Sequence[tuple[str, bytes]], *, overwrite: bool = False, dp_rank: int | None = None
+    ) -> list[bool]:
+        """``put`` of several items; their ``stored`` event names ``dp_rank`` (the writer's)."""
         if not overwrite and items:
             present = self.contains_many([k for k, _ in items])
             with self._lock:
@@ -164,11 +167,11 @@ class Tier:
                     if p:
                         self.policy.on_access(k)
             todo = [it for it, p in zip(items, present) if not p]
-            done = iter(self._put_new(todo))
+            done = iter(self._put_new(todo, dp_rank))
             return [True if p else next(done) for p in present]
-        return self._put_new(list(items))
+        return self._put_new(list(items), dp_rank)
 
-    def _put_new(self, items: list[tuple[str, bytes]]) -> list[bool]:
+    def _put_new(self, items: list[tuple[str, bytes]], dp_rank: int | None) -> list[bool]:
         results: list[bool] = []
         evicted: list[str] = []
         batched = False
@@ -193,7 +196,7 @@ class Tier:
                 results.append(ok)
         self._update_gauges()
         self._publish("removed", evicted)
-        self._publish("stored", [key for (key, _), ok in zip(items, results) if ok])
+        self._publish("stored", [key for (key, _), ok in zip(items, results) if ok], dp_rank)
         return results
 
     def _put_one(self, key: str, value: bytes) -> tuple[bool, list[str]]:

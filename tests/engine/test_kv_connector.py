@@ -231,3 +231,24 @@ def test_slow_kv_load_overlaps_other_requests(tiny, tiny_model_dir) -> None:
                 assert not done["slow"], "the slow load should still be pending"
                 release.set()
     assert len(done["fast"]) == 5 and done["slow"] == expected and cached == 256
+
+
+@pytest.mark.parametrize("interval, due", [(0, [False, True, False, False]), (1, [True] * 4), (2, [False, True, False, True])])
+def test_snapshot_interval_zero_is_off(tiny, interval: int, due: list[bool]) -> None:
+    """Decode units are saved every ``interval`` units; 0 saves only the prompt's last unit."""
+    conn = KVConnector(_store(), tiny, snapshot_interval_units=interval)
+    seq = _seq(_tokens(300, 3))
+    seq.snapshot_at = 256
+    for n, want in zip((128, 256, 384, 512), due):
+        seq.num_computed = n
+        assert conn.save_due(seq) == want, n
+    with pytest.raises(ValueError):
+        KVConnector(_store(), tiny, snapshot_interval_units=-1)
+
+
+def test_saved_units_are_announced_for_the_connectors_rank(tiny) -> None:
+    store = _store()
+    conn = KVConnector(store, tiny, dp_rank=3)
+    _fill(conn, tiny, _tokens(300, 4), 256)
+    events = store.events_since(0).events
+    assert events and {e.dp_rank for e in events} == {3}

@@ -13,6 +13,7 @@ import sys
 # (module, attribute) of each component's ``add_parser``; imported lazily so ``--help`` is fast.
 SUBCOMMANDS: list[str] = [
     "engine.cli",  # make-tiny-model, generate, engine
+    "engine.model.random_checkpoint",  # make-random-checkpoint
     "server.cli",  # up, gateway
     "router.cli",  # router
     "bench.cli",  # bench, simulate

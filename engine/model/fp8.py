@@ -1,4 +1,11 @@
-"""FP8 (e4m3, 128×128 block scales) copies of the routed experts' weights for the GPU decode step.
+"""FP8 (e4m3, 128×128 block scales) weights on the device: checkpoint linears kept as FP8, and FP8
+copies of the routed experts' weights for the GPU decode step.
+
+``Fp8Linear`` is a linear layer whose weight stays as the checkpoint stores it (e4m3 plus one
+ue8m0 scale per 128×128 block) and runs through ``kernels.fp8_gemm`` (activations quantised per
+1×128 group; the PyTorch reference of the same function off CUDA). ``load_model(..., fp8=config)``
+puts one in place of every ``nn.Linear`` whose checkpoint weight is FP8 with block scales;
+without it the loader dequantises them (the bf16 parity path).
 
 ``attach_fp8_experts(model)`` quantises each MoE layer's ``gate_up_proj`` / ``down_proj`` block by
 block (amax / 448 per 128×128 block, DeepSeek's checkpoint format) and stores them on the
@@ -12,8 +19,43 @@ unchanged; the loader dequantises them today (not done: a loader option that kee
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from kernels.fp8_gemm import DEFAULT, Fp8GemmConfig, fp8_linear, scales_to_fp32
 from kernels.moe_fp8 import quantize_blocks
+
+
+class Fp8Linear(nn.Module):
+    """``y = x · dequant(weight)ᵀ`` with ``weight (N, K)`` e4m3 and ``weight_scale (⌈N/128⌉, ⌈K/128⌉)``
+    fp32 (buffers, so ``named_parameters`` stays the bf16 model's), bias-free as V4's linears."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, config: Fp8GemmConfig = DEFAULT) -> None:
+        super().__init__()
+        assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, "Fp8Linear: an e4m3 (N, K) weight"
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("weight_scale", scales_to_fp32(scale).to(weight.device))
+        self.out_features, self.in_features = weight.shape
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.config)  # (T, N)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def replace_linear(model: nn.Module, name: str, weight: torch.Tensor, scale: torch.Tensor, config: Fp8GemmConfig) -> bool:
+    """Put an ``Fp8Linear`` of ``weight``/``scale`` (moved to the model's device) in place of the
+    ``nn.Linear`` whose weight is ``name``; False (nothing changed) when ``name`` is no such weight."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        mod = model.get_submodule(path)
+    except AttributeError:
+        return False
+    if leaf != "weight" or not isinstance(mod, nn.Linear) or tuple(mod.weight.shape) != tuple(weight.shape):
+        return False
+    parent, _, child = path.rpartition(".")
+    device = mod.weight.device
+    setattr(model.get_submodule(parent), child, Fp8Linear(weight.to(device), scale.to(device), config))
+    return True
 
 
 def _quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

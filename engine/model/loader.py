@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 from engine.errors import CheckpointError
 from engine.model.config import ModelConfig
+from engine.model.fp8 import replace_linear
 from engine.model.model import DeepseekV4ForCausalLM
+from kernels.fp8_gemm import Fp8GemmConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -137,8 +139,12 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    fp8: Fp8GemmConfig | None = None,
 ) -> DeepseekV4ForCausalLM:
-    """Build the model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``."""
+    """Build the model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``.
+
+    ``fp8``: keep every FP8 block-scaled linear weight as FP8 (``engine.model.fp8.Fp8Linear``, this
+    GEMM tiling); None dequantises them to ``dtype`` (the parity path)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -181,12 +187,16 @@ def load_model(
             for key in sorted(set(f.keys()) - scale_keys):
                 tensor = f.get_tensor(key)
                 scale_key = _scale_name(key, all_keys)
+                name = to_hf_name(key)
+                if fp8 is not None and scale_key is not None and tensor.dtype == torch.float8_e4m3fn:
+                    if replace_linear(model, name, tensor, scale_of(scale_key), fp8):
+                        loaded.add(name)
+                        continue
                 if scale_key is not None and tensor.dtype.itemsize == 1:
                     tensor = dequantize(tensor, scale_of(scale_key))
                 if key.startswith(("mtp.", "model.mtp.")):
                     model.mtp[key] = tensor
                     continue
-                name = to_hf_name(key)
                 m = _EXPERT_RE.match(name)
                 if m:
                     experts[m.group(1)][int(m.group(2))][m.group(3)] = tensor

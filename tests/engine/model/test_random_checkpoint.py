@@ -1,0 +1,93 @@
+"""``make-random-checkpoint``: the released layout (names, dtypes, shapes, shards), loadable and runnable."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deepserve.cli import main
+from engine.model.fp8 import Fp8Linear
+from engine.model.loader import load_model
+from engine.model.random_checkpoint import DTYPES, config_dict, shard_specs
+from kernels.fp8_gemm import Fp8GemmConfig
+
+
+def _nbytes(spec) -> int:
+    return math.prod(spec.shape) * torch.empty(0, dtype=DTYPES[spec.kind]).element_size()
+
+
+def test_full_layout_matches_the_release() -> None:
+    """Facts of deepseek-ai/DeepSeek-V4-Flash: 46 shards, 148.7 GiB of tensors, the MTP shard's 1575
+    tensors, and the last three shards' file sizes (tensor bytes + a JSON header of ~100-110 bytes
+    per tensor: layer 42's shard 3,590,026,352, the head's 1,059,332,516, MTP's 3,593,956,092)."""
+    shards = shard_specs(config_dict("v4-flash"))
+    assert len(shards) == 46 and len(shards[-1]) == 1575
+    assert abs(sum(_nbytes(s) for sh in shards for s in sh) / 2**30 - 148.65) < 0.01
+    for index, size in ((44, 3_590_026_352), (45, 1_059_332_516), (46, 3_593_956_092)):
+        specs = shards[index - 1]
+        header = size - sum(_nbytes(s) for s in specs)
+        assert 60 * len(specs) < header < 120 * len(specs), (index, header)
+    by_name = {s.name: s for sh in shards for s in sh}
+    expect = {
+        "layers.0.attn.wq_b.weight": ((32768, 1024), torch.float8_e4m3fn),
+        "layers.0.attn.wq_b.scale": ((256, 8), torch.float8_e8m0fnu),
+        "layers.0.attn.wo_a.weight": ((8192, 4096), torch.float8_e4m3fn),
+        "layers.2.attn.compressor.ape": ((4, 1024), torch.float32),
+        "layers.3.attn.compressor.wkv.weight": ((512, 4096), torch.bfloat16),
+        "layers.2.attn.indexer.wq_b.scale": ((64, 8), torch.float8_e8m0fnu),
+        "layers.2.attn.indexer.compressor.ape": ((4, 256), torch.float32),
+        "layers.7.ffn.experts.255.w2.weight": ((4096, 1024), torch.int8),
+        "layers.7.ffn.experts.255.w2.scale": ((4096, 64), torch.float8_e8m0fnu),
+        "layers.2.ffn.gate.tid2eid": ((129280, 6), torch.int64),
+        "layers.3.ffn.gate.bias": ((256,), torch.float32),
+        "layers.0.hc_attn_fn": ((24, 16384), torch.float32),
+        "mtp.0.h_proj.scale": ((32, 32), torch.float8_e8m0fnu),
+        "hc_head_fn": ((4, 16384), torch.float32),
+    }
+    for name, (shape, dtype) in expect.items():
+        assert by_name[name].shape == shape and DTYPES[by_name[name].kind] == dtype, name
+    assert "layers.3.attn.indexer.wq_b.weight" not in by_name and "layers.1.attn.compressor.ape" not in by_name
+
+
+@pytest.fixture(scope="module")
+def narrow_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("random") / "ckpt"
+    assert main(["make-random-checkpoint", "--preset", "v4-flash-narrow", "--layers", "4", "--out", str(out), "--device", "cpu"]) == 0
+    return out
+
+
+def test_files_index_and_values(narrow_dir: Path) -> None:
+    index = json.loads((narrow_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert files == [f"model-{i:05d}-of-00007.safetensors" for i in range(1, 8)]
+    assert index["embed.weight"] == files[0] and index["layers.3.ffn_norm.weight"] == files[4] and index["head.weight"] == files[5]
+    with safe_open(str(narrow_dir / files[1]), framework="pt") as f:
+        tid2eid = f.get_tensor("layers.0.ffn.gate.tid2eid")
+        scale = f.get_tensor("layers.0.attn.wq_a.scale")
+        fp4 = f.get_tensor("layers.0.ffn.experts.3.w1.weight")
+    assert all(len(set(row)) == 2 for row in tid2eid[:1000].tolist())  # k distinct experts per token
+    counts = torch.bincount(tid2eid.flatten(), minlength=8).float()
+    assert counts.min() / counts.mean() > 0.98  # balanced
+    assert scale.dtype == torch.float8_e8m0fnu and fp4.dtype == torch.int8
+    cfg = json.loads((narrow_dir / "config.json").read_text())
+    assert cfg["compress_ratios"] == [0, 0, 4, 128, 0] and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
+
+
+def test_loads_and_runs_a_forward_step(narrow_dir: Path) -> None:
+    """The loader reads it (FP8/FP4 dequantised, or FP8 linears kept as ``Fp8Linear``); one step each,
+    the FP8 model within its activation-quantisation error of the dequantised one."""
+    ids = [0, 17, 4242, 99, 128000, 5]
+    ref_model = load_model(narrow_dir, dtype="float32", progress=False)
+    ref = ref_model([(ref_model.new_state(), ids)], logits="all")
+    assert torch.isfinite(ref).all() and ref.shape == (len(ids), 129280)
+    fp8_model = load_model(narrow_dir, dtype="float32", progress=False, fp8=Fp8GemmConfig())
+    kept = [n for n, m in fp8_model.named_modules() if isinstance(m, Fp8Linear)]
+    assert len(kept) == 4 * 7 + 1  # per layer q_a, q_b, kv, o_b + 3 shared-expert; the CSA layer's indexer q_b
+    got = fp8_model([(fp8_model.new_state(), ids)], logits="all")
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < err < 0.1, err

@@ -10,7 +10,9 @@ rank, which policies read. The registry keeps three kinds of state per worker:
 - **load**: each poll of ``/load`` rewrites the reported fields of its ``RankView``s; the
   router's own accounting (``Lease``) adds in-flight requests and tokens between polls.
 - **cache**: ``/kv_events`` is polled with a cursor and applied to the ``KVIndex``; a worker that
-  restarts (cursor went back, or it came back from dead) has its units forgotten.
+  restarts (cursor went back, or it came back from dead) has its units forgotten, and so does one
+  whose answer is ``complete: false`` (the poller fell behind its event ring); both are rebuilt
+  from the worker's snapshot (``/kv_events?snapshot=1``).
 
 Workers come from static config (``add(url, role, static=True)``: kept even while unreachable
 and polled until they come up) or register themselves (``add(url)``: must answer ``/load``).
@@ -351,12 +353,17 @@ class WorkerRegistry:
                 await asyncio.wait_for(w.wake.wait(), cfg.load_interval_s)
 
     async def _poll_kv(self, w: Worker) -> None:
-        seq, rows, events = await w.client.kv_events_raw(w.kv_seq)
-        if seq < w.kv_seq:  # the worker restarted: its cursor and cache are new
+        """Apply the worker's KV events since the cursor. When they no longer line up with what
+        the index holds (the worker restarted: its cursor went back; or the poller fell further
+        behind than the worker's event ring: ``complete`` is false), the worker's units are
+        dropped and rebuilt from its snapshot of what it holds now."""
+        answer = await w.client.kv_events_raw(w.kv_seq)
+        if answer.seq < w.kv_seq or not answer.complete:
+            log.info("worker %s: KV events out of step (cursor %d, worker at %d, complete %s): resyncing", w.url, w.kv_seq, answer.seq, answer.complete)
             self.index.remove_worker(w.worker_id)
-            seq, rows, events = await w.client.kv_events_raw(0)
-        w.kv_seq = seq
-        if rows:
-            self.index.apply_rows(w.worker_id, rows)
-        if events:
-            self.index.apply_raw(w.worker_id, events)
+            answer = await w.client.kv_events_raw(snapshot=True)
+        w.kv_seq = answer.seq
+        if answer.rows:
+            self.index.apply_rows(w.worker_id, answer.rows)
+        if answer.events:
+            self.index.apply_raw(w.worker_id, answer.events)

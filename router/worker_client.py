@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
-from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, KVEvent, LoadReport, TokenEvent
+from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, TokenEvent
 from router.errors import WorkerRejected, WorkerUnavailable
 from router.http1 import ConnectError, Http1Pool, HttpError, StatusError
 
@@ -48,6 +48,16 @@ except ImportError:  # pragma: no cover - depends on the environment
 dumps = _dumps
 loads = _loads
 _JSON = {"Content-Type": "application/json"}
+
+
+class KVEventsAnswer(NamedTuple):
+    """A worker's ``/kv_events`` answer: the cursor for the next call, the events (as rows or as
+    objects), and False in ``complete`` when the worker no longer had every asked-for event."""
+
+    seq: int
+    rows: list[list[Any]]
+    events: list[dict[str, Any]]
+    complete: bool
 
 
 def event_from_dict(d: dict[str, Any]) -> TokenEvent:
@@ -179,16 +189,12 @@ class WorkerClient:
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
             return False
 
-    async def kv_events(self, since: int = 0) -> tuple[int, list[KVEvent]]:
-        """``(seq, events after since)``; seq is the cursor for the next call."""
-        seq, rows, events = await self.kv_events_raw(since)
-        return seq, [KVEvent.from_row(r) for r in rows] + [KVEvent.from_dict(e) for e in events]
-
-    async def kv_events_raw(self, since: int = 0) -> tuple[int, list[list[Any]], list[dict[str, Any]]]:
-        """``kv_events`` as the worker sent them: ``(seq, rows, events)``, the events after
-        ``since`` either as ``KVEvent.to_row`` rows (a worker that knows ``format=rows``) or as
-        ``KVEvent.to_dict`` objects (one that does not), the other list empty.
-        ``KVIndex.apply_rows`` / ``apply_raw`` take them as they are: no ``KVEvent`` per event
-        on the router's loop."""
-        d = await self._get_json(f"/kv_events?since={since}&format={KV_ROWS_FORMAT}")
-        return int(d.get("seq", 0)), d.get("rows") or [], d.get("events") or []
+    async def kv_events_raw(self, since: int = 0, *, snapshot: bool = False) -> KVEventsAnswer:
+        """The worker's KV events after ``since`` (``snapshot``: the units it holds now, as
+        stored events) as it sent them: either ``KVEvent.to_row`` rows (a worker that knows
+        ``format=rows``) or ``KVEvent.to_dict`` objects (one that does not), the other list
+        empty. ``KVIndex.apply_rows`` / ``apply_raw`` take them as they are: no ``KVEvent`` per
+        event on the router's loop. A worker that omits ``complete`` sent every event."""
+        query = "snapshot=1" if snapshot else f"since={since}"
+        d = await self._get_json(f"/kv_events?{query}&format={KV_ROWS_FORMAT}")
+        return KVEventsAnswer(int(d.get("seq", 0)), d.get("rows") or [], d.get("events") or [], bool(d.get("complete", True)))

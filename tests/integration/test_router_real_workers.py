@@ -234,3 +234,8 @@ def test_kv_events_rows_equal_events(cluster) -> None:
     old, new = get(""), get("&format=rows")
     assert old["seq"] == new["seq"] and old["events"] and "events" not in new
     assert [KVEvent.from_row(r) for r in new["rows"]] == [KVEvent.from_dict(e) for e in old["events"]]
+    snap = get("&snapshot=1&format=rows")  # what a poller that fell behind rebuilds from
+    assert snap["complete"] and snap["seq"] >= new["seq"] and snap["rows"]
+    held = {(r[1], r[2], k) for r in snap["rows"] for k in r[3]}
+    stored = {(e.dp_rank, e.tier, k) for e in map(KVEvent.from_row, new["rows"]) if e.kind == "stored" for k in e.keys}
+    assert held <= stored

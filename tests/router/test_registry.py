@@ -101,3 +101,49 @@ def test_router_rehashes_when_a_worker_reports_a_new_fingerprint():
     for fp in ("fp-1", "fp-1", "fp-2", ""):
         reg._apply_load(w, {**load, "fingerprint": fp})
         assert list(r.route_request(req).block_keys) == chain_keys(prompt, 128, fp)
+
+
+class _LogClient:
+    """A worker's ``/kv_events`` over a real ``KVEventLog``, as the worker server answers it."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+        self.asked: list[str] = []
+
+    async def kv_events_raw(self, since: int = 0, *, snapshot: bool = False):
+        from router.worker_client import KVEventsAnswer
+
+        self.asked.append("snapshot" if snapshot else f"since={since}")
+        batch = self.log.snapshot() if snapshot else self.log.since(since)
+        return KVEventsAnswer(batch.seq, [e.to_row() for e in batch.events], [], batch.complete)
+
+
+def test_poller_that_fell_behind_the_ring_rebuilds_from_the_snapshot():
+    """``complete: false`` drops the worker's units (a removal it missed included) and applies
+    the snapshot; the cursor then continues from the snapshot's sequence number."""
+    from kvstore.events import KVEventLog
+    from router.circuit_breaker import CircuitBreaker
+    from router.registry import Worker
+
+    reg = WorkerRegistry(cfg())
+    log = KVEventLog(capacity=2)
+    client = _LogClient(log)
+    w = Worker(url="u", worker_id="w", role="mixed", client=client, breaker=CircuitBreaker(2, 1.0), alive=True)
+    index = reg.index
+
+    async def main():
+        log.publish("stored", ["a", "b"], "memory", dp_rank=0)
+        await reg._poll_kv(w)
+        assert index.match(["a", "b"]).local == {("w", 0): 2}
+        log.publish("removed", ["a", "b"], "memory")  # missed: pushed out of the ring below
+        log.publish("stored", ["c"], "memory", dp_rank=1)
+        log.publish("stored", ["d"], "memory", dp_rank=0)
+        await reg._poll_kv(w)
+        assert client.asked == ["since=0", "since=1", "snapshot"]
+        assert index.match(["a"]).local == {} and index.match(["c"]).local == {("w", 1): 1}
+        assert index.match(["d"]).local == {("w", 0): 1} and w.kv_seq == log.seq
+        log.publish("removed", ["d"], "memory")
+        await reg._poll_kv(w)
+        assert client.asked[-1] == f"since={log.seq - 1}" and index.match(["d"]).local == {}
+
+    asyncio.run(main())

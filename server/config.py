@@ -25,6 +25,7 @@ ENV_VARS: dict[str, str] = {
     "api_keys_file": "DEEPSERVE_API_KEYS_FILE",
     "max_model_len": "DEEPSERVE_MAX_MODEL_LEN",
     "default_thinking": "DEEPSERVE_DEFAULT_THINKING",
+    "official_thinking_sampling": "DEEPSERVE_OFFICIAL_THINKING_SAMPLING",
     "max_body_bytes": "DEEPSERVE_MAX_BODY_BYTES",
     "rate_limit_rpm": "DEEPSERVE_RATE_LIMIT_RPM",
     "rate_limit_tpm": "DEEPSERVE_RATE_LIMIT_TPM",
@@ -62,6 +63,9 @@ class GatewayConfig:
     api_keys_file: str | None = None  # one key per line: ``KEY [rpm=N] [tpm=N]``; ``#`` starts a comment
     max_model_len: int | None = None  # None: config.json's max_position_embeddings, else 65536
     default_thinking: bool = True  # thinking mode when a request does not say (deepseek-recipe's default)
+    # True: thinking mode samples at temperature 1.0 / top_p 1.0 whatever the client sent, as
+    # DeepSeek's official API does (deepseek-recipe's rule); False: the client's values are used.
+    official_thinking_sampling: bool = False
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413, checked while reading
     rate_limit_rpm: int = 0  # requests per minute per API key; 0 = unlimited
     rate_limit_tpm: int = 0  # prompt + completion tokens per minute per API key; 0 = unlimited
@@ -188,6 +192,10 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--default-thinking", type=lambda s: _coerce("bool", s), metavar="BOOL",
         help="thinking mode for requests that do not choose (default true)",
+    )
+    p.add_argument(
+        "--official-thinking-sampling", action="store_const", const=True, default=None,
+        help="in thinking mode sample at temperature 1.0 / top_p 1.0 whatever the client sent (DeepSeek's API)",
     )
     p.add_argument("--max-body-bytes", type=int, help="largest request body (413 beyond)")
     p.add_argument("--rate-limit-rpm", type=int, help="requests per minute per API key (0 = off)")

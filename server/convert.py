@@ -4,10 +4,13 @@ Pure functions, no I/O: the prompt is already encoded. Mapping:
 - ``max_tokens``: ``ConversationRequest.resolve_max_tokens(prompt, context)`` (its defaults; 400 when
   the prompt does not fit).
 - temperature / top_p / seed / logprobs / top_logprobs: ``InferenceOptions`` as resolved by the recipe.
-- penalties and ``top_k`` / ``min_p`` / ``repetition_penalty`` (vLLM-style extensions): read from the
-  body here, since the recipe does not extract them; validated with OpenAI's ranges.
-- ``stop_token_ids``: EOS. Stop *strings* stay in the gateway (the recipe's ParsingOptions), which
-  aborts the engine request when one matches.
+- temperature / top_p in thinking mode: the recipe forces 1.0 (DeepSeek's official API); by default
+  the client's values are used instead (``temperature: 0`` is greedy in thinking mode too), unless
+  the server runs with ``official_thinking_sampling``.
+- sampling extensions (penalties, ``top_k``, ``min_p``, ``logit_bias``, ``min_tokens``,
+  ``stop_token_ids``, ``ignore_eos``): ``server.extensions``, validated with OpenAI's / vLLM's ranges.
+- ``stop_token_ids``: EOS (unless ``ignore_eos``) plus the client's. Stop *strings* stay in the
+  gateway (the recipe's ParsingOptions), which aborts the engine request when one matches.
 - the output constraint: recipe ``(kind, schema)`` -> ``OutputConstraint(kind, spec, trigger)``, the
   trigger being the thinking-end token when the answer starts in reasoning, so the grammar applies
   only after ``</think>``.
@@ -20,32 +23,7 @@ from typing import Any
 
 from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from server.errors import ContextLengthExceeded, InvalidRequest, from_conversion_error
-
-# body key -> (SamplingParams field, low, high); inclusive bounds.
-_EXTRA_FLOATS: dict[str, tuple[str, float, float]] = {
-    "presence_penalty": ("presence_penalty", -2.0, 2.0),
-    "frequency_penalty": ("frequency_penalty", -2.0, 2.0),
-    "repetition_penalty": ("repetition_penalty", 1e-6, 10.0),
-    "min_p": ("min_p", 0.0, 1.0),
-}
-
-
-def extra_sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """Sampling settings the recipe leaves in the body, validated (400 on a bad value)."""
-    out: dict[str, Any] = {}
-    for key, (name, low, high) in _EXTRA_FLOATS.items():
-        value = body.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high or math.isnan(value):
-            raise InvalidRequest(f"Invalid {key} value, the valid range of {key} is [{low:g}, {high:g}]", param=key)
-        out[name] = float(value)
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise InvalidRequest("Invalid top_k value, top_k must be an integer >= 0", param="top_k")
-        out["top_k"] = top_k
-    return out
+from server.extensions import Extras
 
 
 def session_key(body: dict[str, Any]) -> str | None:
@@ -85,6 +63,20 @@ def resolve_max_tokens(conv_req: Any, prompt_len: int, context_len: int) -> int:
         raise from_conversion_error(exc) from None
 
 
+def client_sampling(body: dict[str, Any]) -> tuple[float, float]:
+    """(temperature, top_p) as the client sent them (defaults 1.0), validated."""
+    out = []
+    for key, high in (("temperature", 2.0), ("top_p", 1.0)):
+        value = body.get(key)
+        if value is None:
+            out.append(1.0)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 <= value <= high:
+            raise InvalidRequest(f"Invalid {key} value, the valid range of {key} is [0, {high:g}]", param=key)
+        out.append(float(value))
+    return out[0], out[1]
+
+
 def build_generate_request(
     request_id: str,
     prompt_ids: list[int],
@@ -94,27 +86,38 @@ def build_generate_request(
     context_len: int,
     eos_token_id: int,
     thinking_end_id: int,
+    extras: Extras | None = None,
+    official_thinking_sampling: bool = False,
 ) -> GenerateRequest:
     """The engine request for a converted Chat Completions / Responses / Messages request."""
+    extras = extras or Extras()
     opts = conv_req.inference_options
     max_tokens = resolve_max_tokens(conv_req, len(prompt_ids), context_len)
-    temperature = opts.temperature
-    top_p = opts.top_p
+    if conv_req.conversation.thinking_mode and not official_thinking_sampling:
+        temperature, top_p = client_sampling(body)
+    else:
+        # The recipe holds these as float32: round back to the decimal the client sent.
+        temperature = 1.0 if opts.temperature is None else round(float(opts.temperature), 6)
+        top_p = 1.0 if opts.top_p is None else round(float(opts.top_p), 6)
+    extra = dict(extras.sampling)
+    if extra.get("min_tokens", 0) > max_tokens:
+        raise InvalidRequest(f"min_tokens ({extra['min_tokens']}) must be at most max_tokens ({max_tokens}).", param="min_tokens")
+    stop_ids = () if extra.get("ignore_eos") else (eos_token_id,)
+    extra["stop_token_ids"] = stop_ids + tuple(extra.get("stop_token_ids", ()))
     sampling = SamplingParams(
         max_tokens=max_tokens,
-        # The recipe holds these as float32: round back to the decimal the client sent.
-        temperature=1.0 if temperature is None else round(float(temperature), 6),
-        top_p=1.0 if top_p is None else min(1.0, max(1e-6, round(float(top_p), 6))),  # 0: most likely only
+        temperature=temperature,
+        top_p=min(1.0, max(1e-6, top_p)),  # 0: most likely only
         seed=opts.seed,
-        stop_token_ids=(eos_token_id,),
         logprobs=bool(opts.logprobs),
         top_logprobs=int(opts.top_logprobs or 0) if opts.logprobs else 0,
         constraint=output_constraint(opts.output_constraint, conv_req.parsing_options, thinking_end_id),
-        **extra_sampling(body),
+        **extra,
     )
     return GenerateRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         sampling=sampling,
+        priority=extras.priority,
         session_key=session_key(body),
     )

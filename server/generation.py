@@ -11,7 +11,8 @@ cannot await).
 Event -> processor mapping:
 - first event: ``ready(PromptUsage(prompt_tokens, prompt_cache_hit_tokens=num_cached_tokens))``;
 - tokens: ``tokens(ids, [(logprob, top)])``; a trailing EOS of a ``stop`` finish is dropped (the
-  processor would render it as text);
+  processor would render it as text), and so are the ``skip_ids`` (the special tokens, unless the
+  client sent ``skip_special_tokens: false``; they still count as completion tokens);
 - ``finish_reason`` stop/length: ``finish(Stop|Length)`` then ``finish()``; abort/error: an error;
 - the processor finishing on its own (a stop sequence matched): the engine request is aborted.
 
@@ -53,6 +54,7 @@ class Run:
         processor: Any,
         *,
         started: float,
+        skip_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.gw, self.route, self.key, self.req, self.processor = gw, route, key, req, processor
         self.started = started
@@ -60,6 +62,7 @@ class Run:
         self.prompt_tokens = len(req.prompt_token_ids)
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.logprob_sum = 0.0  # of the sampled tokens, when the request computes logprobs (best_of)
         self.first_token_at: float | None = None
         self.engine_started = False  # generate() was called: an abort may be needed
         self.engine_done = False  # the engine reported the end (or we aborted it)
@@ -67,7 +70,8 @@ class Run:
         self._closed = False
         self._want_logprobs = req.sampling.logprobs
         self._top_n = req.sampling.top_logprobs
-        self._stop_ids = frozenset(req.sampling.stop_token_ids)
+        self._eos = gw.catalog.eos_token_id
+        self._skip = skip_ids
 
     # ---- the stream ---------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[list[Any]]:
@@ -95,14 +99,20 @@ class Run:
                 ids = ev.token_ids
                 if ids:
                     lps = ev.logprobs if self._want_logprobs else None
-                    if ev.finish_reason == "stop" and ids[-1] in self._stop_ids:
+                    if ev.finish_reason == "stop" and ids[-1] == self._eos:
                         ids = ids[:-1]
                         lps = lps[:-1] if lps else lps
                     if ids:
                         if self.first_token_at is None:
                             self.first_token_at = time.perf_counter()
                         self.completion_tokens += len(ids)
+                        if self._skip and not self._skip.isdisjoint(ids):
+                            keep = [i for i, t in enumerate(ids) if t not in self._skip]
+                            ids = [ids[i] for i in keep]
+                            lps = [lps[i] for i in keep] if lps else lps
+                    if ids:
                         if lps:
+                            self.logprob_sum += sum(lp.logprob for lp in lps)
                             n = self._top_n
                             out += push(dr.InferenceChunk.tokens(ids, [(lp.logprob, lp.top[:n]) for lp in lps]))
                         else:

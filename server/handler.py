@@ -12,20 +12,24 @@ an error event in the stream. The three protocols differ only in the ``RecipePro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Literal
 
 import deepseek_recipe as dr
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from server.chat_shape import ChatStreamShaper, echo_text, merge_answers
 from server.convert import build_generate_request
 from server.errors import GatewayError, InvalidRequest, ModelNotFound, from_conversion_error
+from server.extensions import parse_extras
+from server.fields import check_fields
 from server.generation import ClientDisconnected, Run, race_disconnect
-from server.sse import MEDIA_TYPE, SSE_HEADERS, event_frame, json_frame
+from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
 
 Flavor = Literal["openai", "anthropic"]
@@ -43,8 +47,11 @@ class RecipeProtocol:
     flavor: Flavor
     # Reads what the generator needs from the request before ``convert`` consumes it.
     prepare: Callable[[Any, Any], MakeGenerator]
+    # The body the recipe converts (``server.inputs``): refusals and spellings rewritten.
+    prepare_body: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: body
     done: str | None = None  # final SSE frame (``data: [DONE]``) or None
     named_events: bool = False
+    chat: bool = False  # Chat Completions: n choices, echo and the spec's streamed usage
 
     def new_id(self) -> str:
         return self.id_prefix + uuid.uuid4().hex
@@ -82,6 +89,22 @@ def body_error(exc: ValueError) -> InvalidRequest:
 
 
 # ---- the handler ----------------------------------------------------------------------------------
+@dataclass
+class Answer:
+    """The runs of one request (one per choice) and how their chunks reach the client."""
+
+    rid: str  # the response id
+    runs: list[Run]
+    proto: RecipeProtocol
+    model: str
+    shaper: ChatStreamShaper | None  # Chat Completions only
+    echo: str = ""
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+
+
 async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
     gw: Gateway = request.app.state.gateway
     started = time.perf_counter()
@@ -89,12 +112,60 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
     key = gw.authenticate(request)
     raw = await gw.read_body(request)
     body = parse_object(raw)
+    check_fields(body, proto.route)
     model = check_model(gw, body)
     if gw.limiter.enabled:
         gw.limiter.admit(key)
     catalog = gw.catalog
+    recipe_body = proto.prepare_body(body)
+    extras = parse_extras(body, catalog.vocab_size, chat=proto.chat)
+    conv, make_generator, prompt = convert_and_encode(gw, proto, raw if recipe_body is body else recipe_body)
+    rid = request_id(request, proto)
+    greqs = []
+    for i in range(extras.n):
+        greq = build_generate_request(
+            rid if extras.n == 1 else f"{rid}-{i}", prompt, conv, body,
+            context_len=catalog.context_len, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
+            extras=extras, official_thinking_sampling=gw.config.official_thinking_sampling,
+        )
+        if i and greq.sampling.seed is not None:  # choice i: its own seeded stream
+            greq.sampling = replace(greq.sampling, seed=(greq.sampling.seed + i) % (1 << 63))
+        greqs.append(greq)
+    skip = catalog.special_ids if extras.skip_special_tokens else frozenset()
+    runs: list[Run] = []
+    answer = Answer(rid, runs, proto, model, None, echo_text(body) if extras.echo else "")
+    if proto.chat:
+        answer.shaper = ChatStreamShaper(extras, answer.echo, lambda i: (runs[i].prompt_tokens, runs[i].completion_tokens))
+    response: Response | None = None
     try:
-        req_obj = proto.request_cls(raw)
+        for greq in greqs:
+            await gw.admission.acquire()
+            try:
+                processor = dr.StreamProcessor(make_generator(conv, rid, model), conv.parsing_options, catalog.tokenizer)
+            except BaseException:
+                gw.admission.release()
+                raise
+            gw.limiter.charge(key, len(prompt))
+            route.prompt.inc(len(prompt))
+            runs.append(Run(gw, route, key, greq, processor, started=started, skip_ids=skip))
+        if conv.stream:
+            response = await _stream(request, answer)
+        else:
+            response = await _complete(request, answer)
+        return response
+    except ClientDisconnected:
+        gw.metrics.reject("client_disconnect")
+        return Response(status_code=499)
+    finally:
+        if not isinstance(response, SSEResponse):  # a stream closes its runs when it ends
+            answer.close()
+
+
+def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: bytes | dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
+    """(converted request, chunk-generator factory, prompt token ids) of a protocol body."""
+    catalog = gw.catalog
+    try:
+        req_obj = proto.request_cls(body)
         make_generator = proto.prepare(req_obj, catalog.conversion)
         conv = req_obj.convert(catalog.conversion)
     except dr.ConversionError as exc:
@@ -108,82 +179,111 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
         prompt = catalog.encoding_for(conv.model_version).encode(conv.conversation)
     except (RuntimeError, ValueError) as exc:
         raise InvalidRequest(f"The prompt could not be encoded: {exc}") from None
-    rid = proto.new_id()
-    greq = build_generate_request(
-        rid, prompt, conv, body,
-        context_len=catalog.context_len, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
-    )
-    await gw.admission.acquire()
-    gw.limiter.charge(key, len(prompt))
-    route.prompt.inc(len(prompt))
+    return conv, make_generator, prompt
+
+
+def request_id(request: Request, proto: RecipeProtocol) -> str:
+    """The engine request id: the protocol's prefix and a fresh id (the client's ``X-Request-Id``
+    is kept apart, in the ``request.state``, by the request-id middleware)."""
+    return proto.new_id()
+
+
+async def _choice_batches(runs: list[Run]) -> AsyncIterator[tuple[int, list[Any]]]:
+    """(choice index, chunks) as the runs produce them; one run is read directly."""
+    if len(runs) == 1:
+        async for batch in runs[0].chunks():
+            yield 0, batch
+        return
+    queue: asyncio.Queue[tuple[int, list[Any] | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, run: Run) -> None:
+        try:
+            async for batch in run.chunks():
+                await queue.put((i, batch, None))
+        except BaseException as exc:  # handed to the reader, which raises it
+            await queue.put((i, None, exc))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
     try:
-        processor = dr.StreamProcessor(make_generator(conv, rid, model), conv.parsing_options, catalog.tokenizer)
-    except BaseException:
-        gw.admission.release()
-        raise
-    run = Run(gw, route, key, greq, processor, started=started)
-    response: Response | None = None
-    try:
-        if conv.stream:
-            response = await _stream(request, run, proto)
-        else:
-            response = await _complete(request, run, proto, model)
-        return response
-    except ClientDisconnected:
-        gw.metrics.reject("client_disconnect")
-        return Response(status_code=499)
+        pending = len(tasks)
+        while pending:
+            i, batch, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if batch is None:
+                pending -= 1
+            else:
+                yield i, batch
     finally:
-        if not isinstance(response, SSEResponse):  # a stream closes its run when it ends
-            run.close()
+        for t in tasks:
+            t.cancel()
 
 
-async def _complete(request: Request, run: Run, proto: RecipeProtocol, model: str) -> Response:
+async def _complete(request: Request, answer: Answer) -> Response:
+    proto, runs = answer.proto, answer.runs
+
     async def collect() -> str:
-        resp = None
-        async for chunks in run.chunks():
-            if resp is None:
-                resp = proto.response_cls(run.req.request_id, model, int(time.time()), run.prompt_tokens, run.cached_tokens)
+        resps: list[Any] = [None] * len(runs)
+        async for i, chunks in _choice_batches(runs):
+            if resps[i] is None:
+                run = runs[i]
+                resps[i] = proto.response_cls(answer.rid, answer.model, int(time.time()), run.prompt_tokens, run.cached_tokens)
             for chunk in chunks:
-                resp.accumulate(chunk)
-        assert resp is not None, "a finished run produced no chunks"
-        return resp.to_json()
+                resps[i].accumulate(chunk)
+        assert all(r is not None for r in resps), "a finished run produced no chunks"
+        texts = [r.to_json() for r in resps]
+        if answer.shaper is None:
+            return texts[0]
+        return merge_answers(texts, answer.shaper.extras, answer.echo)
 
-    text = await race_disconnect(collect(), request.receive, run.deadline)
+    text = await race_disconnect(collect(), request.receive, min(r.deadline for r in runs))
     return Response(text, media_type="application/json")
 
 
-async def _stream(request: Request, run: Run, proto: RecipeProtocol) -> Response:
-    chunks = run.chunks()
+async def _stream(request: Request, answer: Answer) -> Response:
+    batches = _choice_batches(answer.runs)
 
-    async def first() -> list[Any]:
-        return await chunks.__anext__()
+    async def first() -> tuple[int, list[Any]]:
+        return await batches.__anext__()
 
-    head = await race_disconnect(first(), request.receive, run.deadline)
-    return SSEResponse(_frames(head, chunks, run, proto), run.close)
+    try:
+        head = await race_disconnect(first(), request.receive, min(r.deadline for r in answer.runs))
+    except BaseException:
+        await batches.aclose()
+        raise
+    return SSEResponse(_frames(head, batches, answer), answer.close)
 
 
-async def _frames(head: list[Any], chunks: AsyncIterator[list[Any]], run: Run, proto: RecipeProtocol) -> AsyncIterator[bytes]:
+async def _frames(head: tuple[int, list[Any]], batches: AsyncIterator[tuple[int, list[Any]]], answer: Answer) -> AsyncIterator[bytes]:
+    proto, shaper = answer.proto, answer.shaper
     name = proto.response_cls.sse_event_name if proto.named_events else None
-    route = run.route
+    route = answer.runs[0].route
     route.active.inc()
     try:
-        if head:
-            yield _frame_all(head, name).encode()
-        async for batch in chunks:
+        i, batch = head
+        if batch:
+            yield _frame_all(batch, name, i, shaper).encode()
+        async for i, batch in batches:
             if batch:
-                yield _frame_all(batch, name).encode()
-        if proto.done:
-            yield proto.done.encode()
+                yield _frame_all(batch, name, i, shaper).encode()
+        final = shaper.final() if shaper is not None else None
+        tail = (data_frame(final) if final else "") + (proto.done or "")
+        if tail:
+            yield tail.encode()
     except GatewayError as exc:
-        run.gw.metrics.reject(exc.reject_reason)
+        answer.runs[0].gw.metrics.reject(exc.reject_reason)
         yield stream_error(exc, proto.flavor, proto.named_events).encode()
     finally:
         route.active.dec()
-        route.streamed.inc(run.completion_tokens)
-        run.close()
+        route.streamed.inc(sum(r.completion_tokens for r in answer.runs))
+        answer.close()
 
 
-def _frame_all(batch: list[Any], name: Any) -> str:
+def _frame_all(batch: list[Any], name: Any, i: int = 0, shaper: ChatStreamShaper | None = None) -> str:
+    if shaper is not None:
+        return "".join([f"data: {shaper.shape(i, c.to_json())}\n\n" for c in batch])
     if name is None:
         return "".join([f"data: {c.to_json()}\n\n" for c in batch])
     return "".join([event_frame(name(c), c.to_json()) for c in batch])

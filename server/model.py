@@ -36,6 +36,13 @@ def single_token_id(tokenizer: dr.Tokenizer, spelling: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
+def special_token_ids(path: Path) -> frozenset[int]:
+    """Ids of the added tokens ``tokenizer.json`` marks ``special`` (BOS, EOS, pad, placeholders;
+    not the structural ones such as ``</think>``, which DeepSeek's file marks non-special)."""
+    added = json.loads(path.read_text()).get("added_tokens") or []
+    return frozenset(int(t["id"]) for t in added if t.get("special"))
+
+
 @dataclass(frozen=True)
 class ModelCatalog:
     """Names clients may send, and everything needed to turn requests into tokens and back."""
@@ -50,6 +57,8 @@ class ModelCatalog:
     thinking_end_id: int
     vocab_size: int  # token ids a client may send (Completions prompts) are below this
     created: int  # reported by /v1/models
+    special_ids: frozenset[int] = frozenset()  # tokenizer.json's special added tokens (skip_special_tokens)
+    root: str = ""  # the checkpoint directory (or tokenizer package) the names serve, for model cards
 
     def encoding_for(self, version: Any) -> Any:
         return self.encodings[version]
@@ -110,4 +119,6 @@ class ModelCatalog:
             thinking_end_id=think_end,
             vocab_size=vocab_size,
             created=int(time.time()),
+            special_ids=special_token_ids(tok_path),
+            root=str(Path(config.model_dir).resolve()) if config.model_dir else CANONICAL_NAMES[family],
         )

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server.handler import RecipeProtocol, serve_recipe
+from server.inputs import prepare_chat
 from server.schemas import CHAT_COMPLETIONS, ERROR_RESPONSES, json_body
 from server.sse import DONE
 
@@ -19,7 +20,9 @@ CHAT = RecipeProtocol(
     id_prefix="chatcmpl-",
     flavor="openai",
     prepare=lambda req, options: dr.ChatCompletionRequest.chunk_generator,
+    prepare_body=prepare_chat,
     done=DONE,
+    chat=True,
 )
 
 

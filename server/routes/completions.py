@@ -3,7 +3,10 @@
 ``prompt``: a text, a list of texts, a list of token ids, or a list of token-id lists; several
 prompts run concurrently and answer one choice each (``index`` = prompt position). Text prompts
 are encoded with the full vocabulary and BOS prepended, as the DeepSeek tokenizer config asks.
-``n`` and ``best_of`` must be 1; ``suffix`` and ``logit_bias`` are refused (400).
+``n`` choices per prompt (choice ``index`` = prompt * n + j, seed + j when seeded); ``best_of``
+candidates per prompt, of which the ``n`` with the highest summed logprob are returned (not with
+``stream``); usage counts each prompt once and every candidate's completion. ``suffix`` is refused
+(400); the sampling extensions are ``server.extensions``'s.
 ``logprobs: k`` returns the legacy format (``tokens``, ``token_logprobs``, ``top_logprobs``,
 ``text_offset``); with ``echo`` the prompt tokens appear with ``null`` log probabilities (the
 engine computes none for prompts). ``max_tokens: 0`` with ``echo`` answers the prompt only.
@@ -27,7 +30,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from engine.protocol import GenerateRequest, SamplingParams
-from server.convert import extra_sampling, session_key
+from server.convert import session_key
+from server.extensions import Extras, parse_extras
+from server.fields import check_fields
 from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest
 from server.generation import ClientDisconnected, Run, race_disconnect
 from server.handler import SSEResponse, check_model, parse_object, stream_error
@@ -40,6 +45,7 @@ router = APIRouter()
 ROUTE = "/v1/completions"
 MAX_PROMPTS = 64
 MAX_STOPS = 16
+MAX_CHOICES = 128  # engine requests (prompts x best_of) per request
 
 
 @dataclass
@@ -53,8 +59,9 @@ class CompletionParams:
     echo: bool
     stop: list[str]
     stream: bool
-    include_usage: bool
-    extra: dict[str, Any] = field(default_factory=dict)
+    n: int = 1
+    best_of: int = 1
+    extras: Extras = field(default_factory=Extras)
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -94,23 +101,25 @@ def _token_list(value: list[Any], vocab: int) -> list[int]:
     return list(value)
 
 
-def _prompts(value: Any, catalog: ModelCatalog) -> list[tuple[list[int], str | None]]:
+def _prompts(value: Any, catalog: ModelCatalog, add_bos: bool = True) -> list[tuple[list[int], str | None]]:
     def text(s: str) -> tuple[list[int], str]:
         ids = catalog.tokenizer.encode(s)
-        if catalog.bos_token_id is not None and (not ids or ids[0] != catalog.bos_token_id):
+        if add_bos and catalog.bos_token_id is not None and (not ids or ids[0] != catalog.bos_token_id):
             ids = [catalog.bos_token_id, *ids]
+        if not ids:
+            raise InvalidRequest("The prompt must not be empty.", param="prompt")
         return ids, s
 
     if isinstance(value, str):
         return [text(value)]
     if not isinstance(value, list) or not value:
         raise InvalidRequest("'prompt' must be a string, a list of strings, or a (list of) token id list.", param="prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in value):  # one prompt of token ids
+        return [(_token_list(value, catalog.vocab_size), None)]
     if len(value) > MAX_PROMPTS:
         raise InvalidRequest(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
     if all(isinstance(p, str) for p in value):
         return [text(p) for p in value]
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
-        return [(_token_list(value, catalog.vocab_size), None)]
     if all(isinstance(p, list) for p in value):
         return [(_token_list(p, catalog.vocab_size), None) for p in value]
     raise InvalidRequest("'prompt' must be a string, a list of strings, or a (list of) token id list.", param="prompt")
@@ -120,13 +129,13 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
     """Validate a Completions body (400 with ``param`` on the first bad field)."""
     if "prompt" not in body:
         raise InvalidRequest("You must provide a prompt parameter.", param="prompt", code="missing_required_parameter")
-    for key in ("n", "best_of"):
-        if _integer(body, key, 1, 1 << 30, 1) != 1:
-            raise InvalidRequest(f"Invalid {key} value (currently only {key} = 1 is supported)", param=key)
-    if body.get("suffix") not in (None, ""):
-        raise InvalidRequest("suffix is not supported.", param="suffix")
-    if body.get("logit_bias"):
-        raise InvalidRequest("logit_bias is not supported.", param="logit_bias")
+    extras = parse_extras(body, catalog.vocab_size, chat=False)
+    stream = _boolean(body, "stream")
+    best_of = int(_integer(body, "best_of", 1, MAX_CHOICES, extras.n) or 1)
+    if best_of < extras.n:
+        raise InvalidRequest(f"best_of ({best_of}) must be at least n ({extras.n}).", param="best_of")
+    if best_of > extras.n and stream:
+        raise InvalidRequest("best_of > n is not supported with stream.", param="best_of")
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -136,15 +145,14 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
         stops = [s for s in stop if s]
     else:
         raise InvalidRequest(f"'stop' must be a string or a list of at most {MAX_STOPS} strings.", param="stop")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise InvalidRequest("Invalid type for 'stream_options': expected an object.", param="stream_options")
-    stream = _boolean(body, "stream")
-    include_usage = bool(options and options.get("include_usage") is True)
-    if options and not stream:
-        raise InvalidRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options")
+    add_bos = body.get("add_special_tokens")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise InvalidRequest("Invalid type for 'add_special_tokens': expected a boolean.", param="add_special_tokens")
+    prompts = _prompts(body["prompt"], catalog, add_bos is not False)
+    if len(prompts) * best_of > MAX_CHOICES:
+        raise InvalidRequest(f"At most {MAX_CHOICES} choices (prompts x best_of) per request.", param="best_of" if best_of > 1 else "n")
     return CompletionParams(
-        prompts=_prompts(body["prompt"], catalog),
+        prompts=prompts,
         max_tokens=int(_integer(body, "max_tokens", 0, 1 << 30, 16) or 0),
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
@@ -153,8 +161,9 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
         echo=_boolean(body, "echo"),
         stop=stops,
         stream=stream,
-        include_usage=include_usage,
-        extra=extra_sampling(body),
+        n=extras.n,
+        best_of=best_of,
+        extras=extras,
     )
 
 
@@ -256,11 +265,12 @@ class Choice:
 
 @dataclass
 class Sub:
-    """One prompt of the request: its choice, and its engine run (None when max_tokens is 0)."""
+    """One candidate of one prompt: its choice, and its engine run (None when max_tokens is 0)."""
 
     choice: Choice
     run: Run | None
     prompt_tokens: int
+    prompt_index: int = 0
 
     @property
     def cached_tokens(self) -> int:
@@ -272,8 +282,10 @@ class Sub:
 
 
 def usage(subs: list[Sub]) -> dict[str, Any]:
-    prompt = sum(s.run.prompt_tokens if s.run else s.prompt_tokens for s in subs)
-    cached = sum(s.cached_tokens for s in subs)
+    """Each prompt counted once (its first candidate's figures), every candidate's completion."""
+    firsts = {s.prompt_index: s for s in reversed(subs)}.values()
+    prompt = sum(s.run.prompt_tokens if s.run else s.prompt_tokens for s in firsts)
+    cached = sum(s.cached_tokens for s in firsts)
     completion = sum(s.completion_tokens for s in subs)
     return {
         "prompt_tokens": prompt,
@@ -283,6 +295,20 @@ def usage(subs: list[Sub]) -> dict[str, Any]:
         "prompt_cache_hit_tokens": cached,
         "prompt_cache_miss_tokens": prompt - cached,
     }
+
+
+def best_of(subs: list[Sub], n: int) -> list[Sub]:
+    """Per prompt, the ``n`` candidates with the highest summed logprob, indexed prompt * n + rank."""
+    by_prompt: dict[int, list[Sub]] = {}
+    for s in subs:
+        by_prompt.setdefault(s.prompt_index, []).append(s)
+    out = []
+    for k, group in sorted(by_prompt.items()):
+        ranked = sorted(group, key=lambda s: s.run.logprob_sum if s.run else 0.0, reverse=True)[:n]
+        for rank, s in enumerate(ranked):
+            s.choice.index = k * n + rank
+            out.append(s)
+    return out
 
 
 # ---- the endpoint ---------------------------------------------------------------------------------
@@ -295,14 +321,15 @@ async def create_completion(request: Request) -> Response:
     key = gw.authenticate(request)
     raw = await gw.read_body(request)
     body = parse_object(raw)
+    check_fields(body, ROUTE)
     model = check_model(gw, body)
     if gw.limiter.enabled:
         gw.limiter.admit(key)
     catalog = gw.catalog
     p = parse_completion(body, catalog)
     rid = "cmpl-" + uuid.uuid4().hex
-    requests: list[GenerateRequest | None] = []
-    for ids, _ in p.prompts:
+    requests: list[tuple[int, GenerateRequest | None]] = []  # (prompt index, engine request)
+    for k, (ids, _) in enumerate(p.prompts):
         if len(ids) + max(p.max_tokens, 1) > catalog.context_len:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {catalog.context_len} tokens, however you requested "
@@ -310,12 +337,15 @@ async def create_completion(request: Request) -> Response:
                 "Please reduce your prompt; or completion length.",
                 param="prompt",
             )
-        requests.append(None if p.max_tokens == 0 else _generate_request(f"{rid}-{len(requests)}", ids, p, catalog, body))
+        for j in range(p.best_of):
+            greq = None if p.max_tokens == 0 else _generate_request(f"{rid}-{len(requests)}", ids, p, j, catalog, body)
+            requests.append((k, greq))
 
     subs: list[Sub] = []
     response: Response | None = None
+    skip = catalog.special_ids if p.extras.skip_special_tokens else frozenset()
     try:
-        for i, greq in enumerate(requests):
+        for k, greq in requests:
             run = None
             if greq is not None:
                 await gw.admission.acquire()
@@ -323,13 +353,13 @@ async def create_completion(request: Request) -> Response:
                 route.prompt.inc(len(greq.prompt_token_ids))
                 proc = text_processor(catalog, p.stop, greq.request_id)
                 proc.push(dr.InferenceChunk.ready())
-                run = Run(gw, route, key, greq, proc, started=started)
-            subs.append(Sub(Choice(i, p.logprobs is not None), run, len(p.prompts[i][0])))
+                run = Run(gw, route, key, greq, proc, started=started, skip_ids=skip)
+            subs.append(Sub(Choice(len(subs), p.logprobs is not None), run, len(p.prompts[k][0]), k))
         heads = [_echo(s, p, catalog) for s in subs]
         if p.stream:
             response = await _stream(request, gw, subs, heads, p, rid, model)
         else:
-            response = await _complete(request, subs, rid, model)
+            response = await _complete(request, subs, p, rid, model)
         return response
     except ClientDisconnected:
         gw.metrics.reject("client_disconnect")
@@ -341,18 +371,27 @@ async def create_completion(request: Request) -> Response:
                     s.run.close()
 
 
-def _generate_request(request_id: str, ids: list[int], p: CompletionParams, catalog: ModelCatalog, body: dict[str, Any]) -> GenerateRequest:
+def _generate_request(
+    request_id: str, ids: list[int], p: CompletionParams, j: int, catalog: ModelCatalog, body: dict[str, Any]
+) -> GenerateRequest:
+    """Candidate ``j`` of a prompt: seed + j when seeded; logprobs computed when best_of ranks."""
+    extra = dict(p.extras.sampling)
+    if extra.get("min_tokens", 0) > p.max_tokens:
+        raise InvalidRequest(f"min_tokens ({extra['min_tokens']}) must be at most max_tokens ({p.max_tokens}).", param="min_tokens")
+    eos = () if extra.get("ignore_eos") else (catalog.eos_token_id,)
+    extra["stop_token_ids"] = eos + tuple(extra.get("stop_token_ids", ()))
     sampling = SamplingParams(
         max_tokens=p.max_tokens,
         temperature=p.temperature,
         top_p=max(1e-6, p.top_p),
-        seed=p.seed,
-        stop_token_ids=(catalog.eos_token_id,),
-        logprobs=p.logprobs is not None,
+        seed=None if p.seed is None else (p.seed + j) % (1 << 63),
+        logprobs=p.logprobs is not None or p.best_of > p.n,
         top_logprobs=p.logprobs or 0,
-        **p.extra,
+        **extra,
     )
-    return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, session_key=session_key(body))
+    return GenerateRequest(
+        request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=p.extras.priority, session_key=session_key(body)
+    )
 
 
 def _echo(sub: Sub, p: CompletionParams, catalog: ModelCatalog) -> dict[str, Any] | None:
@@ -361,7 +400,7 @@ def _echo(sub: Sub, p: CompletionParams, catalog: ModelCatalog) -> dict[str, Any
         if sub.run is None:
             sub.choice.finish_reason = "length"
         return None
-    ids, text = p.prompts[sub.choice.index]
+    ids, text = p.prompts[sub.prompt_index]
     decoded, tokens = decode_tokens(catalog, ids) if (text is None or p.logprobs is not None) else ("", [])
     if text is not None and catalog.bos_token_id is not None and ids and ids[0] == catalog.bos_token_id:
         tokens = tokens[1:]  # the BOS we prepended is not part of the client's text
@@ -370,14 +409,17 @@ def _echo(sub: Sub, p: CompletionParams, catalog: ModelCatalog) -> dict[str, Any
     return sub.choice.add_echo(decoded if text is None else text, tokens)
 
 
-def _chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
+def _chunk(
+    rid: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None, *, usage_key: bool = False
+) -> str:
+    """One streamed chunk; ``usage_key``: write ``usage`` even when it is null (``include_usage``)."""
     obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-    if usage_ is not None:
+    if usage_ is not None or usage_key:
         obj["usage"] = usage_
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-async def _complete(request: Request, subs: list[Sub], rid: str, model: str) -> Response:
+async def _complete(request: Request, subs: list[Sub], p: CompletionParams, rid: str, model: str) -> Response:
     async def one(sub: Sub) -> None:
         if sub.run is not None:
             async for chunks in sub.run.chunks():
@@ -390,7 +432,7 @@ async def _complete(request: Request, subs: list[Sub], rid: str, model: str) -> 
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [s.choice.full() for s in subs],
+        "choices": [s.choice.full() for s in (best_of(subs, p.n) if p.best_of > p.n else subs)],
         "usage": usage(subs),
     }
     return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
@@ -440,15 +482,20 @@ async def _stream(
                 t.cancel()
             raise first[2]
 
+    include, continuous = p.extras.include_usage, p.extras.include_usage and p.extras.continuous_usage
+
+    def chunk(choice: dict[str, Any]) -> str:
+        return _chunk(rid, created, model, [choice], usage(subs) if continuous else None, usage_key=include)
+
     async def frames() -> AsyncIterator[bytes]:
         nonlocal pending
         route = gw.metrics.by_route[ROUTE]
         route.active.inc()
         try:
-            out = [_chunk(rid, created, model, [h]) for h in heads if h is not None]
+            out = [chunk(h) for h in heads if h is not None]
             for s in subs:
                 if s.run is None and not p.echo:
-                    out.append(_chunk(rid, created, model, [s.choice.full()]))
+                    out.append(chunk(s.choice.full()))
             item = first
             while pending:
                 if item is None:
@@ -460,11 +507,11 @@ async def _stream(
                 if delta is None:
                     pending -= 1
                 elif delta["text"] or delta["finish_reason"] or delta["logprobs"]:
-                    out.append(_chunk(rid, created, model, [delta]))
+                    out.append(chunk(delta))
                 if out:
                     yield "".join(out).encode()
                     out = []
-            if p.include_usage:
+            if include:
                 out.append(_chunk(rid, created, model, [], usage(subs)))
             out.append(DONE)
             yield "".join(out).encode()

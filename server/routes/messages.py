@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server.handler import RecipeProtocol, serve_recipe
+from server.inputs import prepare_messages
 from server.schemas import ERROR_RESPONSES, MESSAGES, json_body
 
 router = APIRouter()
@@ -18,6 +19,7 @@ MESSAGES_PROTOCOL = RecipeProtocol(
     id_prefix="msg_",
     flavor="anthropic",
     prepare=lambda req, options: dr.MessagesRequest.chunk_generator,
+    prepare_body=prepare_messages,
     named_events=True,
 )
 

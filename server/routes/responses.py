@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server.handler import MakeGenerator, RecipeProtocol, serve_recipe
+from server.inputs import prepare_responses
 from server.schemas import ERROR_RESPONSES, RESPONSES, json_body
 
 router = APIRouter()
@@ -33,6 +34,7 @@ RESPONSES_PROTOCOL = RecipeProtocol(
     id_prefix="resp_",
     flavor="openai",
     prepare=_prepare,
+    prepare_body=prepare_responses,
     named_events=True,
 )
 

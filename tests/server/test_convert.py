@@ -7,19 +7,21 @@ import json
 import deepseek_recipe as dr
 import pytest
 
-from server.convert import build_generate_request, extra_sampling, session_key
+from server.convert import build_generate_request, session_key
 from server.errors import ContextLengthExceeded, InvalidRequest
+from server.extensions import parse_extras, sampling_extensions
 from tests.server.conftest import MODEL
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
 
 
-def build(catalog, body: dict, prompt_len: int = 10, context: int = 4096):
+def build(catalog, body: dict, prompt_len: int = 10, context: int = 4096, official: bool = False):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
     conv = dr.ChatCompletionRequest(body).convert(catalog.conversion)
     return build_generate_request(
         "req-1", list(range(prompt_len)), conv, body,
         context_len=context, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
+        extras=parse_extras(body, catalog.vocab_size), official_thinking_sampling=official,
     )
 
 
@@ -38,10 +40,27 @@ def test_sampling_mapping(catalog):
     assert GenerateRequestRoundTrip.sampling == s
 
 
-def test_thinking_forces_temperature_and_defaults_max_tokens(catalog):
-    req = build(catalog, {"temperature": 0.2}, prompt_len=100, context=1000)
-    assert req.sampling.temperature == 1.0  # the recipe's rule in thinking mode
+def test_thinking_keeps_client_temperature_unless_official_and_defaults_max_tokens(catalog):
+    req = build(catalog, {"temperature": 0, "top_p": 0.5}, prompt_len=100, context=1000)
+    assert (req.sampling.temperature, req.sampling.top_p) == (0.0, 0.5) and req.sampling.greedy
     assert req.sampling.max_tokens == 900  # default lowered to the context left
+    official = build(catalog, {"temperature": 0.2}, official=True).sampling
+    assert official.temperature == 1.0  # the recipe's rule (DeepSeek's API) in thinking mode
+
+
+def test_extensions_reach_the_engine_request(catalog):
+    req = build(catalog, {
+        "thinking": {"type": "disabled"}, "max_tokens": 20, "min_tokens": 4, "logit_bias": {"42": 100, "7": -5.5},
+        "stop_token_ids": [9, 10], "priority": -3, "seed": 5,
+    })
+    s = req.sampling
+    assert s.min_tokens == 4 and s.logit_bias == ((42, 100.0), (7, -5.5)) and req.priority == -3
+    assert s.stop_token_ids == (catalog.eos_token_id, 9, 10) and not s.ignore_eos
+    s = build(catalog, {"ignore_eos": True, "stop_token_ids": [9]}).sampling
+    assert s.ignore_eos and s.stop_token_ids == (9,)  # EOS must not stop an ignore_eos request
+    with pytest.raises(InvalidRequest) as err:
+        build(catalog, {"max_tokens": 3, "min_tokens": 4})
+    assert err.value.param == "min_tokens"
 
 
 def test_constraints_and_trigger(catalog):
@@ -66,9 +85,21 @@ def test_context_errors(catalog):
         build(catalog, {}, prompt_len=4096, context=4096)
 
 
-def test_extra_sampling_validation():
-    assert extra_sampling({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}) == {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}
-    for bad in ({"presence_penalty": 3}, {"frequency_penalty": "x"}, {"top_k": -1}, {"top_k": True}, {"min_p": 2}):
-        with pytest.raises(InvalidRequest):
-            extra_sampling(bad)
+def test_sampling_extensions_validation():
+    V = 129280
+    assert sampling_extensions({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}, V) == {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}
+    assert sampling_extensions({"top_k": -1}, V) == {}  # vLLM's "off"
+    bad_values = [
+        ("presence_penalty", 3), ("frequency_penalty", "x"), ("top_k", -2), ("top_k", True), ("min_p", 2),
+        ("logit_bias", {"129280": 1}), ("logit_bias", {"5": 101}), ("logit_bias", [1]), ("logit_bias", {"x": 1}),
+        ("stop_token_ids", [-1]), ("stop_token_ids", "1"), ("min_tokens", -1), ("ignore_eos", "yes"),
+    ]
+    for key, value in bad_values:
+        with pytest.raises(InvalidRequest) as err:
+            sampling_extensions({key: value}, V)
+        assert err.value.param == key
+    for key, value in (("n", 0), ("n", 129), ("priority", "high"), ("skip_special_tokens", 1), ("parallel_tool_calls", "no")):
+        with pytest.raises(InvalidRequest) as err:
+            parse_extras({key: value}, V)
+        assert err.value.param == key
     assert session_key({"metadata": {"user_id": "abc"}}) == "abc" and session_key({}) is None

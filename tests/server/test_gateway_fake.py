@@ -264,13 +264,13 @@ def test_validation_errors(gateway):
     _error(httpx.post(url, json={"messages": []}), 400)
     assert _error(httpx.post(url, json={"model": "gpt-9", "messages": []}), 404)["code"] == "model_not_found"
     _error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 9}), 400)
-    _error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}), 400)
+    _error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}), 400)
     _error(httpx.post(url, json={"model": MODEL, "messages": "nope"}), 400)
     _error(httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 5}), 400)
     comp = gateway.url + "/v1/completions"
     _error(httpx.post(comp, json={"model": MODEL, "prompt": [1, "a"]}), 400)
     _error(httpx.post(comp, json={"model": MODEL, "prompt": [10**9]}), 400)
-    _error(httpx.post(comp, json={"model": MODEL, "prompt": "x", "n": 2}), 400)
+    _error(httpx.post(comp, json={"model": MODEL, "prompt": "x", "n": 500}), 400)
     r = httpx.post(gateway.url + "/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": []})
     assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
 

@@ -1,0 +1,150 @@
+"""Chat Completions answers as the spec has them, from deepseek-recipe's per-choice chunks.
+
+The recipe answers one choice and puts ``usage`` on its finish chunk whether or not the client
+asked. This module reshapes its JSON:
+- ``n`` choices: choice ``i``'s chunks get ``index: i``; a whole answer merges the choices, its
+  usage counting the prompt once and the completions of every choice (as OpenAI and vLLM do);
+- streamed usage: without ``stream_options.include_usage`` no chunk carries usage; with it every
+  chunk has ``usage: null`` and a last chunk has ``choices: []`` and the summed usage; with vLLM's
+  ``continuous_usage_stats`` too, every chunk carries the usage so far;
+- ``parallel_tool_calls: false``: only the first tool call of a choice is kept;
+- vLLM's chat ``echo``: the last message's text, when it is the assistant's, starts the answer.
+Chunks that need none of this are passed on as the recipe wrote them (no JSON round trip).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from server.extensions import Extras
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One usage for several choices of one prompt: prompt counted once, completions summed."""
+    total = copy.deepcopy(usages[0])
+    for u in usages[1:]:
+        total["completion_tokens"] = total.get("completion_tokens", 0) + u.get("completion_tokens", 0)
+        details = u.get("completion_tokens_details") or {}
+        mine = total.get("completion_tokens_details")
+        if isinstance(mine, dict):
+            for key, value in details.items():
+                if isinstance(value, int) and isinstance(mine.get(key), int):
+                    mine[key] += value
+    total["total_tokens"] = total.get("prompt_tokens", 0) + total.get("completion_tokens", 0)
+    return total
+
+
+def echo_text(body: dict[str, Any]) -> str:
+    """vLLM's chat ``echo``: the last message's text when its role is ``assistant``, else ""."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return ""
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _first_tool_only(holder: dict[str, Any]) -> None:
+    calls = holder.get("tool_calls")
+    if isinstance(calls, list) and len(calls) > 1:
+        holder["tool_calls"] = calls[:1]
+
+
+def merge_answers(texts: list[str], extras: Extras, echo: str) -> str:
+    """The whole answer from each choice's recipe response JSON (one per choice)."""
+    if len(texts) == 1 and not echo and extras.parallel_tool_calls:
+        return texts[0]
+    answers = [json.loads(t) for t in texts]
+    out = answers[0]
+    choices = []
+    for i, answer in enumerate(answers):
+        for choice in answer.get("choices") or ():
+            choice["index"] = i
+            message = choice.get("message") or {}
+            if echo:
+                message["content"] = echo + (message.get("content") or "")
+            if not extras.parallel_tool_calls:
+                _first_tool_only(message)
+            choices.append(choice)
+    out["choices"] = choices
+    usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
+    if usages:
+        out["usage"] = merge_usage(usages)
+    return dumps(out)
+
+
+@dataclass
+class ChatStreamShaper:
+    """Reshapes streamed chunk JSON choice by choice; ``final()`` is the usage chunk, if asked.
+
+    ``usage_now(i)``: (prompt tokens, completion tokens so far) of choice ``i``, for
+    ``continuous_usage_stats``.
+    """
+
+    extras: Extras
+    echo: str = ""
+    usage_now: Callable[[int], tuple[int, int]] | None = None
+    _usages: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _started: set[int] = field(default_factory=set)
+    _last: dict[str, Any] | None = None  # id / created / model of the last finish chunk
+
+    def shape(self, i: int, text: str) -> str:
+        ex = self.extras
+        first = i not in self._started
+        if first:
+            self._started.add(i)
+        needs = (
+            ex.n > 1 or (ex.include_usage and ex.continuous_usage) or (first and bool(self.echo))
+            or '"usage":{' in text or (not ex.parallel_tool_calls and '"tool_calls"' in text)
+        )
+        if not needs:
+            return text
+        chunk = json.loads(text)
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self._usages[i] = usage
+            self._last = {k: chunk.get(k) for k in ("id", "object", "created", "model", "system_fingerprint")}
+        if ex.include_usage:
+            chunk["usage"] = self._continuous(i) if ex.continuous_usage else None
+        else:
+            chunk.pop("usage", None)
+        for choice in chunk.get("choices") or ():
+            choice["index"] = i
+            delta = choice.get("delta") or {}
+            if first and self.echo:
+                delta["content"] = self.echo + (delta.get("content") or "")
+            if not ex.parallel_tool_calls:
+                calls = delta.get("tool_calls")
+                if isinstance(calls, list):
+                    kept = [c for c in calls if c.get("index", 0) == 0]
+                    if kept:
+                        delta["tool_calls"] = kept
+                    else:
+                        delta.pop("tool_calls")
+        return dumps(chunk)
+
+    def _continuous(self, i: int) -> dict[str, Any] | None:
+        if self.usage_now is None:
+            return None
+        prompt, completion = self.usage_now(i)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def final(self) -> str | None:
+        """The spec's last chunk (``choices: []`` and the usage) when ``include_usage`` asks."""
+        if not self.extras.include_usage or not self._usages or self._last is None:
+            return None
+        usage = merge_usage([self._usages[i] for i in sorted(self._usages)])
+        return dumps({**self._last, "choices": [], "usage": usage})

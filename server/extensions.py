@@ -1,0 +1,146 @@
+"""Request fields deepseek-recipe does not read, validated into what the gateway and engine use.
+
+Sampling extensions (vLLM / SGLang / OpenAI) become ``SamplingParams`` keywords: ``top_k``,
+``min_p``, the three penalties, ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``.
+Gateway-side settings: ``n`` choices, ``priority``, ``skip_special_tokens``, ``parallel_tool_calls``,
+chat ``echo`` and the ``stream_options`` usage switches. Every bad value is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.errors import InvalidRequest
+
+MAX_CHOICES = 128  # n (or best_of) per prompt
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_STOP_TOKEN_IDS = 64
+
+# body key -> (low, high); inclusive bounds.
+_FLOATS: dict[str, tuple[float, float]] = {
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (1e-6, 10.0),
+    "min_p": (0.0, 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a request asks beyond the recipe's fields (defaults: the field was not sent)."""
+
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
+    n: int = 1
+    priority: int = 0
+    skip_special_tokens: bool = True
+    parallel_tool_calls: bool = True
+    echo: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+def _int(body: dict[str, Any], key: str, low: int, high: int, default: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequest(f"Invalid {key} value, {key} must be an integer in [{low}, {high}]", param=key)
+    return value
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"Invalid type for '{key}': expected a boolean.", param=key)
+    return value
+
+
+def _token_id(value: Any, vocab: int, param: str) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise InvalidRequest(f"Invalid token id {value!r} in '{param}' (valid: 0..{vocab - 1}).", param=param)
+    return value
+
+
+def logit_bias(body: dict[str, Any], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI ``logit_bias``: ``{token id (string or int): bias in [-100, 100]}``."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids to biases.", param="logit_bias"
+        )
+    out = []
+    for key, bias in value.items():
+        token = _token_id(key, vocab, "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"Invalid logit_bias value for token {key}: must be a number in [-100, 100].", param="logit_bias")
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def sampling_extensions(body: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """``SamplingParams`` keywords from the extension fields present in ``body``."""
+    out: dict[str, Any] = {}
+    for key, (low, high) in _FLOATS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not low <= value <= high:
+            raise InvalidRequest(f"Invalid {key} value, the valid range of {key} is [{low:g}, {high:g}]", param=key)
+        out[key] = float(value)
+    top_k = _int(body, "top_k", -1, 1 << 30, 0)
+    if top_k > 0:
+        out["top_k"] = top_k  # 0 and -1 (vLLM's spelling) are "off"
+    bias = logit_bias(body, vocab)
+    if bias:
+        out["logit_bias"] = bias
+    min_tokens = _int(body, "min_tokens", 0, 1 << 30, 0)
+    if min_tokens:
+        out["min_tokens"] = min_tokens
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids.", param="stop_token_ids")
+        out["stop_token_ids"] = tuple(_token_id(t, vocab, "stop_token_ids") for t in stop_ids)
+    if _bool(body, "ignore_eos", False):
+        out["ignore_eos"] = True
+    return out
+
+
+def stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of ``stream_options``."""
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if not isinstance(options, dict):
+        raise InvalidRequest("Invalid type for 'stream_options': expected an object.", param="stream_options")
+    if body.get("stream") is not True:
+        raise InvalidRequest("The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise InvalidRequest(f"Unrecognized stream option: {key}", param=f"stream_options.{key}")
+    include = _bool(options, "include_usage", False)
+    continuous = _bool(options, "continuous_usage_stats", False)
+    return include, continuous
+
+
+def parse_extras(body: dict[str, Any], vocab: int, *, chat: bool = True) -> Extras:
+    """All extension settings of ``body``; ``chat``: the Chat Completions-only ones too."""
+    include, continuous = stream_usage(body)
+    return Extras(
+        sampling=sampling_extensions(body, vocab),
+        n=_int(body, "n", 1, MAX_CHOICES, 1),
+        priority=_int(body, "priority", -(1 << 31), (1 << 31) - 1, 0),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        echo=_bool(body, "echo", False) if chat else False,
+        include_usage=include,
+        continuous_usage=continuous,
+    )

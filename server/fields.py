@@ -1,0 +1,216 @@
+"""Which top-level request fields each endpoint accepts: no field is ever silently dropped.
+
+Every endpoint has a table of the fields it honours (each with the one-line behaviour that
+``docs/API.md`` shows) and a table of fields it accepts only at their "off" value (``store:
+false``, ``modalities: ["text"]`` ...), which it refuses otherwise. Any other field is refused
+with 400 ``Unrecognized request argument supplied: NAME`` and ``param: NAME``, as OpenAI does.
+A ``null`` value counts as absent (many clients send every optional field as ``null``).
+
+Structured-output fields are listed here so they pass the check; their meaning lives with the
+structured-output code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from server.errors import InvalidRequest
+
+Table = Mapping[str, str]  # field -> behaviour (one line, shown in docs/API.md)
+OffValues = Mapping[str, tuple[Any, ...]]  # field -> the values that mean "not used"
+
+# ---- shared pieces ------------------------------------------------------------------------------
+METADATA: Table = {
+    "user": "session-affinity key for the router; not stored",
+    "safety_identifier": "session-affinity key for the router; not stored",
+    "prompt_cache_key": "session-affinity key for the router (same prefix, same worker)",
+    "metadata": "accepted and ignored (client bookkeeping; nothing is stored)",
+}
+SAMPLING: Table = {
+    "temperature": "sampling temperature; 0 is greedy (in thinking mode too, unless the server aligns with the official API)",
+    "top_p": "nucleus sampling",
+    "top_k": "vLLM: keep the k most likely tokens (0 or -1: off)",
+    "min_p": "vLLM: drop tokens below min_p x the top probability",
+    "presence_penalty": "OpenAI presence penalty over output tokens",
+    "frequency_penalty": "OpenAI frequency penalty over output tokens",
+    "repetition_penalty": "vLLM repetition penalty over prompt + output",
+    "seed": "seeded sampling stream; choice i of n uses seed + i",
+    "logit_bias": "token id -> bias in [-100, 100], added to the logits",
+    "min_tokens": "vLLM: EOS and stop_token_ids are impossible before this many tokens",
+    "stop_token_ids": "vLLM: more token ids that end the answer (the id stays in the output unless special)",
+    "ignore_eos": "vLLM: keep generating past EOS (until max_tokens or a stop)",
+    "skip_special_tokens": "vLLM: drop special tokens (BOS, EOS, pad, placeholders) from the text; default true",
+    "include_stop_str_in_output": "vLLM: keep the matched stop string at the end of the text",
+    "priority": "vLLM: scheduling priority, lower first (router and engine queues)",
+    "stream": "server-sent events",
+    "stream_options": "include_usage (final chunk with choices: [] and usage), continuous_usage_stats (usage on every chunk)",
+    "stop": "up to 16 stop strings, matched across token boundaries",
+    "n": "n choices, each its own engine request (seed + i when seeded); usage summed",
+}
+STRUCTURED: Table = {
+    "response_format": "structured output (text, json_object, json_schema)",
+    "guided_json": "vLLM structured output: JSON schema",
+    "guided_regex": "vLLM structured output: regular expression",
+    "guided_choice": "vLLM structured output: one of the strings",
+    "guided_grammar": "vLLM structured output: EBNF grammar",
+    "guided_decoding_backend": "vLLM structured output: accepted (xgrammar is the backend)",
+    "guided_whitespace_pattern": "vLLM structured output: whitespace pattern",
+    "structured_outputs": "vLLM structured output (json, regex, choice, grammar)",
+    "regex": "SGLang structured output: regular expression",
+    "ebnf": "SGLang structured output: EBNF grammar",
+}
+# vLLM / SGLang fields accepted only at the value that changes nothing.
+VLLM_OFF: OffValues = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "prompt_logprobs": (0,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ((), []),
+    "logits_processors": ((), []),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "lora_path": (),
+    "return_hidden_states": (False,),
+    "no_stop_trim": (False,),
+    "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
+}
+OPENAI_OFF: OffValues = {
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+}
+
+# ---- per endpoint ---------------------------------------------------------------------------------
+CHAT: Table = {
+    "model": "a served model name (GET /v1/models)",
+    "messages": "system, developer (= system), user, assistant, tool; text content only (images: 400)",
+    "max_tokens": "output token limit; default: the recipe's (8192, thinking 65536), clamped to the context left",
+    "max_completion_tokens": "same as max_tokens (wins when both are sent)",
+    "logprobs": "log probability of each output token",
+    "top_logprobs": "0-20 alternatives per token (needs logprobs)",
+    "tools": "function tools (DSML tool-call grammar)",
+    "tool_choice": "auto, none, required, or a named function",
+    "parallel_tool_calls": "false: at most one tool call is returned",
+    "thinking": "DeepSeek: {type: enabled|disabled}",
+    "reasoning_effort": "DeepSeek thinking effort: low, high, xhigh, max",
+    "chat_template_kwargs": "vLLM/SGLang: thinking / enable_thinking (bool) select the thinking mode",
+    "echo": "vLLM: the last message, when it is the assistant's, is prepended to the answer",
+    "add_generation_prompt": "vLLM: true only (the encoding always opens the assistant turn)",
+    **SAMPLING,
+    **STRUCTURED,
+    **METADATA,
+}
+CHAT_OFF: OffValues = {
+    **VLLM_OFF,
+    **OPENAI_OFF,
+    "modalities": (("text",), ["text"]),
+    "continue_final_message": (False,),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "functions": (),
+    "function_call": (),
+    "verbosity": (),
+    "documents": (),
+    "chat_template": (),
+    "mm_processor_kwargs": (),
+    "request_id": (),
+}
+COMPLETIONS: Table = {
+    "model": "a served model name",
+    "prompt": "a text, a list of texts, a token-id list, or a list of token-id lists (one choice each)",
+    "max_tokens": "output token limit (default 16); 0 with echo returns the prompt only",
+    "logprobs": "0-20: legacy logprobs (tokens, token_logprobs, top_logprobs, text_offset)",
+    "echo": "the prompt is prepended to each choice",
+    "best_of": "best_of candidates per prompt, the n with the highest summed logprob returned (not with stream)",
+    "add_special_tokens": "vLLM: false sends text prompts without the BOS token",
+    **SAMPLING,
+    **STRUCTURED,
+    **METADATA,
+}
+COMPLETIONS_OFF: OffValues = {**VLLM_OFF, **OPENAI_OFF, "suffix": ("",), "prompt_embeds": (), "request_id": ()}
+RESPONSES: Table = {
+    "model": "a served model name",
+    "input": "a text or input items (messages, function calls and outputs); text only (images: 400)",
+    "instructions": "system prompt",
+    "max_output_tokens": "output token limit",
+    "temperature": SAMPLING["temperature"],
+    "top_p": SAMPLING["top_p"],
+    "top_logprobs": "0-20 alternatives per token",
+    "stream": "named server-sent events (response.*)",
+    "reasoning": "DeepSeek thinking effort",
+    "tools": "function tools (and namespaces)",
+    "tool_choice": "auto, none, required, or a named function",
+    "text": "text.format: text, json_object, json_schema (structured output)",
+    "parallel_tool_calls": "false: at most one tool call is returned",
+    **METADATA,
+}
+RESPONSES_OFF: OffValues = {
+    **OPENAI_OFF,
+    "previous_response_id": (),
+    "background": (False,),
+    "include": ((), []),
+    "truncation": ("disabled",),
+    "max_tool_calls": (),
+    "conversation": (),
+    "prompt": (),
+    "stream_options": (),
+}
+MESSAGES: Table = {
+    "model": "a served model name",
+    "messages": "user and assistant turns; text, tool_use, tool_result, thinking blocks (images, documents: 400)",
+    "max_tokens": "required (400 without it): output token limit",
+    "system": "system prompt (text or text blocks)",
+    "stop_sequences": "stop strings",
+    "stream": "named events (message_start ...)",
+    "temperature": "sampling temperature (0-1)",
+    "top_p": "nucleus sampling",
+    "top_k": "keep the k most likely tokens",
+    "thinking": "{type: enabled|disabled, budget_tokens}",
+    "tools": "client tools",
+    "tool_choice": "auto, any, tool, none",
+    "metadata": "metadata.user_id: session-affinity key for the router",
+}
+MESSAGES_OFF: OffValues = {
+    "service_tier": ("auto", "standard_only"),
+    "container": (),
+    "mcp_servers": ((), []),
+    "context_management": (),
+}
+COUNT_TOKENS: Table = {k: v for k, v in MESSAGES.items() if k in ("model", "messages", "system", "tools", "tool_choice", "thinking")}
+
+ENDPOINTS: dict[str, tuple[Table, OffValues]] = {
+    "/v1/chat/completions": (CHAT, CHAT_OFF),
+    "/v1/completions": (COMPLETIONS, COMPLETIONS_OFF),
+    "/v1/responses": (RESPONSES, RESPONSES_OFF),
+    "/v1/messages": (MESSAGES, MESSAGES_OFF),
+    "/v1/messages/count_tokens": (COUNT_TOKENS, {}),
+}
+
+
+def check_fields(body: dict[str, Any], route: str) -> None:
+    """400 naming the first field ``route`` neither honours nor accepts at the value sent."""
+    accepted, off = ENDPOINTS[route]
+    for name, value in body.items():
+        if name in accepted or value is None:
+            continue
+        if name not in off:
+            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
+        if not any(_same(value, v) for v in off[name]):
+            allowed = " or ".join(repr(v) for v in off[name]) or "null"
+            raise InvalidRequest(
+                f"'{name}' is not supported by this server (accepted: {allowed}).", param=name, code="unsupported_parameter"
+            )
+
+
+def _same(value: Any, off: Any) -> bool:
+    """Equal, without ``True == 1`` passing for a boolean setting (or ``1`` for ``True``)."""
+    return type(value) is type(off) and value == off or (
+        isinstance(value, (int, float)) and isinstance(off, (int, float))
+        and not isinstance(value, bool) and not isinstance(off, bool) and value == off
+    )

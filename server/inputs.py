@@ -1,0 +1,139 @@
+"""Request bodies checked and rewritten before deepseek-recipe converts them.
+
+The recipe turns inputs it cannot render into placeholder text (an image becomes the words
+``[Unsupported Image]``) and ignores fields it does not know. This module refuses those inputs
+with a 400 naming where they are, and rewrites the spellings other servers accept into the ones
+the recipe reads:
+- Chat: ``developer`` role -> ``system``; ``max_completion_tokens`` -> ``max_tokens`` (it wins when
+  both are sent, as in vLLM); ``chat_template_kwargs.thinking|enable_thinking`` -> ``thinking``;
+  ``n`` is removed (the gateway runs one engine request per choice).
+- Responses: ``developer`` role -> ``system``.
+- Messages: ``max_tokens`` is required (Anthropic's rule); a ``system`` role inside ``messages`` is
+  refused (Anthropic takes the system prompt only as the top-level ``system``).
+Each ``prepare_*`` returns the body to convert: the same object when nothing changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.errors import InvalidRequest
+
+# Content-part types that carry something other than text, per protocol.
+_CHAT_MEDIA = {"image_url": "Image", "input_audio": "Audio", "file": "File", "video_url": "Video", "audio_url": "Audio"}
+_RESPONSES_MEDIA = {"input_image": "Image", "input_file": "File", "input_audio": "Audio"}
+_ANTHROPIC_MEDIA = {"image": "Image", "document": "Document", "search_result": "Search result", "container_upload": "File"}
+
+
+def _refuse_media(kind: str, where: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{kind} inputs are not supported by this model (text only); found one at '{where}'.",
+        param=where, code="unsupported_content",
+    )
+
+
+def _check_parts(content: Any, media: dict[str, str], where: str) -> None:
+    if not isinstance(content, list):
+        return
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            continue
+        kind = media.get(part.get("type"))  # type: ignore[arg-type]
+        if kind is not None:
+            raise _refuse_media(kind, f"{where}.content[{j}]")
+        if part.get("type") == "tool_result":  # Anthropic: a tool result holds blocks of its own
+            _check_parts(part.get("content"), media, f"{where}.content[{j}]")
+
+
+def _items(body: dict[str, Any], key: str) -> list[Any] | None:
+    value = body.get(key)
+    return value if isinstance(value, list) else None
+
+
+def _developer_as_system(items: list[Any]) -> list[Any] | None:
+    """A copy with ``developer`` roles spelled ``system``, or None when there is none."""
+    if not any(isinstance(m, dict) and m.get("role") == "developer" for m in items):
+        return None
+    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in items]
+
+
+def _thinking_from_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` -> the recipe's ``thinking`` object (None: the kwargs say nothing)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("Invalid type for 'chat_template_kwargs': expected an object.", param="chat_template_kwargs")
+    wanted: bool | None = None
+    for key, value in kwargs.items():
+        if key not in ("thinking", "enable_thinking"):
+            raise InvalidRequest(
+                f"chat_template_kwargs.{key} is not supported (accepted: thinking, enable_thinking).",
+                param=f"chat_template_kwargs.{key}",
+            )
+        if not isinstance(value, bool):
+            raise InvalidRequest(f"chat_template_kwargs.{key} must be a boolean.", param=f"chat_template_kwargs.{key}")
+        if wanted is not None and wanted != value:
+            raise InvalidRequest("chat_template_kwargs.thinking and enable_thinking disagree.", param="chat_template_kwargs")
+        wanted = value
+    if wanted is None:
+        return None
+    explicit = body.get("thinking")
+    thinking = {"type": "enabled" if wanted else "disabled"}
+    if isinstance(explicit, dict) and explicit.get("type") not in (None, thinking["type"]):
+        raise InvalidRequest("'thinking' and chat_template_kwargs disagree on the thinking mode.", param="chat_template_kwargs")
+    return thinking
+
+
+def prepare_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """Chat Completions body for the recipe (see the module docstring)."""
+    out = body
+    messages = _items(body, "messages")
+    if messages is not None:
+        for i, m in enumerate(messages):
+            if isinstance(m, dict):
+                _check_parts(m.get("content"), _CHAT_MEDIA, f"messages[{i}]")
+        renamed = _developer_as_system(messages)
+        if renamed is not None:
+            out = {**out, "messages": renamed}
+    if body.get("max_completion_tokens") is not None:
+        out = {**out, "max_tokens": body["max_completion_tokens"]}
+    thinking = _thinking_from_kwargs(body)
+    if thinking is not None:
+        out = {**out, "thinking": {**(body.get("thinking") or {}), **thinking}}
+    for key in ("max_completion_tokens", "chat_template_kwargs", "n"):
+        if key in out:
+            out = {k: v for k, v in out.items() if k != key}
+    return out
+
+
+def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
+    """Responses body for the recipe: media parts refused, ``developer`` -> ``system``."""
+    items = _items(body, "input")
+    if items is None:
+        return body
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            _check_parts(item.get("content"), _RESPONSES_MEDIA, f"input[{i}]")
+    renamed = _developer_as_system(items)
+    return body if renamed is None else {**body, "input": renamed}
+
+
+def prepare_messages(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]:
+    """Anthropic Messages body: ``max_tokens`` required (not for counting), no ``system`` role in
+    ``messages``, no media blocks."""
+    if not count_only and body.get("max_tokens") is None:
+        raise InvalidRequest("max_tokens: Field required", param="max_tokens", code="missing_required_parameter")
+    for i, m in enumerate(_items(body, "messages") or ()):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "system":
+            raise InvalidRequest(
+                f"messages[{i}].role: 'system' is not a message role; use the top-level 'system' parameter.",
+                param=f"messages[{i}].role",
+            )
+        _check_parts(m.get("content"), _ANTHROPIC_MEDIA, f"messages[{i}]")
+    system = body.get("system")
+    if isinstance(system, list):
+        _check_parts(system, _ANTHROPIC_MEDIA, "system")
+    return body

@@ -91,3 +91,22 @@ def test_loads_and_runs_a_forward_step(narrow_dir: Path) -> None:
     got = fp8_model([(fp8_model.new_state(), ids)], logits="all")
     err = ((got - ref).norm() / ref.norm()).item()
     assert 0 < err < 0.1, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_drawn_checkpoint_runs_with_fp8_linears(tmp_path: Path) -> None:
+    """Drawn on the GPU, loaded on it in bf16 with FP8 linears kept (the Triton GEMM) and without."""
+    from engine.model.random_checkpoint import make_random_checkpoint
+
+    out = make_random_checkpoint(tmp_path / "ckpt", "v4-flash-narrow", layers=4, device="cuda")
+    ids = [0, 17, 4242, 99, 128000, 5] * 30
+    ref_model = load_model(out, dtype="bfloat16", device="cuda", progress=False)
+    ref = ref_model([(ref_model.new_state(), ids)], logits="all")
+    fp8_model = load_model(out, dtype="bfloat16", device="cuda", progress=False, fp8=Fp8GemmConfig())
+    kept = [m for m in fp8_model.modules() if isinstance(m, Fp8Linear)]
+    assert kept and all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in kept)
+    got = fp8_model([(fp8_model.new_state(), ids)], logits="all")
+    assert torch.isfinite(got).all()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < 0.15, err

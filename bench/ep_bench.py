@@ -30,7 +30,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from kernels.testing import replay_ms
+from bench.kernel_helpers import replay_ms
 
 
 def build_model(device: str, small: bool, seed: int = 0):

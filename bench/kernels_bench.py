@@ -49,7 +49,7 @@ from kernels.moe import (
     route,
     route_reference,
 )
-from kernels.testing import attn_inputs, pool_inputs, rel_err
+from bench.kernel_helpers import attn_inputs, pool_inputs, rel_err
 
 COPY_BW = 4.24e12  # bytes/s, H200 device-to-device copy, read + write (GPU.md)
 MM_RATE = 787e12  # FLOP/s, H200 bf16 8192³ matmul (GPU.md)

@@ -61,7 +61,7 @@ def main() -> None:
         if tier == "fs":
             kw["fs_dir"] = tempfile.mkdtemp(dir=tmp)
         if tier == "redis":
-            from kvstore.localredis import LocalRedisServer
+            from bench.localredis import LocalRedisServer
 
             redis_server = redis_server or LocalRedisServer().start()
             kw["redis_url"] = redis_server.url

@@ -46,7 +46,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstore import KVStoreConfig, RecordHeader, build_store, encode_record
 from kvstore.backends.base import Backend
-from kvstore.localredis import LocalRedisServer, find_benchmark_binary
+from bench.localredis import LocalRedisServer, find_benchmark_binary
 from kvstore.store import TieredStore
 
 N_LAYERS = 43

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-# (module, attribute) of each component's ``add_parser``; imported lazily so ``--help`` is fast.
+# The modules whose ``add_parser`` registers a sub-command (every one ships with the distribution).
 SUBCOMMANDS: list[str] = [
     "engine.cli",  # make-tiny-model, generate, engine
     "engine.model.random_checkpoint",  # make-random-checkpoint
@@ -24,13 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for module_name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:  # a component still being built
-            if exc.name != module_name:
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(module_name).add_parser(sub)
     return parser
 
 

@@ -133,7 +133,7 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
     calls), µs per call and TB/s of weight read."""
     import json
 
-    from kernels.testing import graph_time_ms
+    from bench.kernel_helpers import graph_time_ms
 
     dev, dt = "cuda", torch.bfloat16
     shapes = [  # (name, N, K, groups)

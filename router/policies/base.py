@@ -18,11 +18,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
+from engine.protocol import Role
 from router.config import PolicyConfig
 
-Role = Literal["prefill", "decode", "mixed"]
 RankKey = tuple[str, int]  # (worker_id, dp_rank)
 
 # Context length assumed for a sequence the worker reports running but this router did not send

@@ -16,7 +16,7 @@ from kernels.compressor import gated_pool, gated_pool_reference
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.indexer import indexer_scores, indexer_scores_reference, indexer_topk
 from kernels.moe import moe_experts, moe_experts_reference, route, route_reference
-from kernels.testing import (
+from bench.kernel_helpers import (
     TOL,
     attn_inputs,
     kernel_test_device,

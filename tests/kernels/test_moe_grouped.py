@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from kernels.testing import TOL, kernel_test_device, rel_err
+from bench.kernel_helpers import TOL, kernel_test_device, rel_err
 
 pytestmark = pytest.mark.gpu
 DEV = kernel_test_device()

@@ -21,7 +21,7 @@ from kernels.prefill import (
     prefill_topk,
     prefill_topk_reference,
 )
-from kernels.testing import TOL, kernel_test_device, poison, rel_err
+from bench.kernel_helpers import TOL, kernel_test_device, poison, rel_err
 
 pytestmark = pytest.mark.gpu
 DEV = kernel_test_device()

@@ -25,7 +25,7 @@ from kernels.indexer import (
     indexer_topk_reference,
 )
 from kernels.moe import moe_experts, moe_experts_reference, route, route_reference
-from kernels.testing import attn_inputs, pool_inputs
+from bench.kernel_helpers import attn_inputs, pool_inputs
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.backends import Backend, FSBackend, HostBackend, MemoryBackend, RedisBackend, SSDBackend
 from kvstore.errors import BackendFull, InvalidKey
-from kvstore.localredis import LocalRedisServer
+from bench.localredis import LocalRedisServer
 
 KINDS = ["memory", "host", "ssd", "fs", pytest.param("redis", marks=pytest.mark.redis)]
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from kvstore import KVStoreConfig, RecordHeader, build_store
 from kvstore.backends import RedisBackend
-from kvstore.localredis import LocalRedisServer
+from bench.localredis import LocalRedisServer
 from kvstore.metrics import KVStoreMetrics
 from kvstore.tier import Tier
 from tests.kvstore.conftest import make_tensors, sample

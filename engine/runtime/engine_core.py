@@ -2,6 +2,11 @@
 
 ``step()`` is three calls: schedule → run the model on the batch → make output (sample the
 sequences whose chunk reached their last token, finish them, emit token events).
+
+A request with an output constraint whose grammar is not compiled yet waits in the scheduler's
+queue, unschedulable, while the sampler's grammar pool compiles it; each step admits those whose
+grammar is ready and fails (``finish_reason="error"``, before any token) those whose grammar
+failed to compile or missed ``EngineConfig.grammar_timeout_s``. Other sequences keep stepping.
 """
 
 from __future__ import annotations
@@ -100,15 +105,66 @@ class EngineCore:
             from engine.errors import CapacityError
 
             raise CapacityError("engine queue is full")
-        sampling = self.sampler.new_state(req.sampling, req.prompt_token_ids, req.output_token_ids)
-        seq = Sequence(req, sampling, list(req.prompt_token_ids) + list(req.output_token_ids), len(req.prompt_token_ids))
-        if sampling.finished or len(req.output_token_ids) >= req.sampling.max_tokens:
-            self._finish(seq, "length", emit=True)
-            return
+        tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
+        compiling = self._grammar_future(req)
+        if compiling is not None:  # admitted by _poll_grammars once compiled
+            seq = Sequence(req, None, tokens, len(req.prompt_token_ids), grammar=compiling)
+            seq.grammar_deadline = seq.arrival + self.config.grammar_timeout_s
+        else:
+            seq = Sequence(req, self.sampler.new_state(req.sampling, req.prompt_token_ids, req.output_token_ids), tokens, len(req.prompt_token_ids))
+            if self._done_at_start(seq):
+                return
         self.seqs[req.request_id] = seq
         self.scheduler.add(seq)
         if self.metrics:
             self.metrics.on_arrival(len(req.prompt_token_ids))
+
+    def _grammar_future(self, req: GenerateRequest) -> Future | None:
+        """The compile of the request's grammar if it is still running, else None."""
+        constraint = req.sampling.constraint
+        if constraint is None or self.sampler.grammars is None:
+            return None
+        fut = self.sampler.grammars.submit(constraint)
+        return None if fut.done() else fut
+
+    def _done_at_start(self, seq: Sequence) -> bool:
+        """Finish a request that has nothing left to generate (emits its event)."""
+        assert seq.sampling is not None
+        if seq.sampling.finished or len(seq.request.output_token_ids) >= seq.request.sampling.max_tokens:
+            self._finish(seq, "length", emit=True)
+            return True
+        return False
+
+    def _poll_grammars(self) -> list[Future]:
+        """Admit the waiting sequences whose grammar compiled, fail those whose compile failed or
+        timed out; the compiles still running."""
+        running: list[Future] = []
+        now = time.monotonic()
+        for seq in list(self.scheduler.waiting):
+            fut = seq.grammar
+            if fut is None:
+                continue
+            req = seq.request
+            if fut.done():
+                seq.grammar = None
+                try:
+                    seq.sampling = self.sampler.new_state(req.sampling, req.prompt_token_ids, req.output_token_ids)
+                except (InvalidRequestError, ValueError) as exc:
+                    self._fail(seq, str(exc))
+                    continue
+                if self._done_at_start(seq):
+                    continue
+            elif now > seq.grammar_deadline:
+                seq.grammar = None
+                self._fail(seq, f"the output constraint did not compile within {self.config.grammar_timeout_s:g}s")
+            else:
+                running.append(fut)
+        return running
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End a request that never started with an error event (an invalid request)."""
+        self._finish(seq, "error", emit=False)
+        self._pending.append(TokenEvent(seq.request_id, finish_reason="error", error=message, num_prompt_tokens=seq.num_prompt))
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; frees its state. False if unknown."""
@@ -130,13 +186,14 @@ class EngineCore:
         events, self._pending = self._pending, []
         if self.kv is not None:
             self._poll_kv_loads()
+        compiling = self._poll_grammars()
         out = self.scheduler.schedule()
         if self.static is not None:
             for seq in out.preempted:  # recompute preemption: the slot's state goes too
                 self.static.release(seq, keep_state=False)
         if not out.scheduled:
-            if self.kv is not None and self._kv_loading:
-                wait(self._kv_loading, timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
+            if (self.kv is not None and self._kv_loading) or compiling:
+                wait(self._kv_loading | set(compiling), timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
             return events
         t0 = time.perf_counter()
         result = self._run(out)

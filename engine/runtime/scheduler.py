@@ -12,7 +12,7 @@ sequence limit (``max_num_seqs``):
    recomputed from its tokens later); if there is none, the sequence itself waits this step.
 3. Waiting sequences are admitted in (priority, arrival) order while budget, the sequence limit
    and state memory allow, skipping those whose KV-store load is still running (loads overlap
-   the steps). Admission never preempts.
+   the steps) or whose grammar is still compiling (on the grammar pool). Admission never preempts.
 4. A chunk never runs past ``snapshot_at`` (the prompt's last whole KV unit), so the state at
    that boundary exists once and can be stored exactly.
 
@@ -93,8 +93,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if seq.kv_load is not None:
-                continue  # its prefix is still loading from the KV store
+            if seq.kv_load is not None or seq.grammar is not None:
+                continue  # its prefix is still loading from the KV store, or its grammar compiling
             n = self._chunk(seq, budget)
             if not self._grow(seq, n):
                 break

@@ -27,7 +27,7 @@ class Sequence:
     """
 
     request: GenerateRequest
-    sampling: SamplingState
+    sampling: SamplingState | None  # None while its grammar compiles (``grammar``)
     tokens: list[int]
     num_prompt: int
     state: SequenceState | None = None
@@ -43,6 +43,8 @@ class Sequence:
     num_preemptions: int = 0
     kv_checked: bool = False  # the KV store was searched for this sequence's prefix
     kv_load: Future | None = None  # the running KV-store lookup/load (not schedulable meanwhile)
+    grammar: Future | None = None  # the output constraint compiling off the engine thread (not schedulable meanwhile)
+    grammar_deadline: float = 0.0  # monotonic time by which the grammar must be ready
     snapshot_at: int | None = None  # a prefill chunk must end here (the prompt's last whole unit)
     saved_upto: int = 0  # tokens whose units are already in the KV store
 

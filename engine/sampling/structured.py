@@ -1,11 +1,21 @@
 """Structured output: xgrammar token masks for the constraint kinds deepseek-recipe emits.
 
 One ``GrammarCompilerCache`` per tokenizer (per engine worker) turns an ``OutputConstraint`` into a
-compiled grammar, cached by ``(kind, spec)``; one ``GrammarState`` per request walks it.
+compiled grammar, cached by ``(kind, spec, compact)``; one ``GrammarState`` per request walks it.
+
+Compilation runs on the cache's own thread pool, never on the engine thread: ``submit`` returns a
+future at once (xgrammar releases the GIL while it compiles, so sequences keep stepping), and the
+engine admits the request once its future is done (``engine.runtime.engine_core``). A spec longer
+than ``max_spec_bytes`` is refused before any work. Failed compiles are cached like successes (the
+same spec fails the same way); a compile still running when its request gave up keeps going and is
+cached, so a retry finds it ready.
 
 Kinds (``engine.protocol.OutputConstraint``):
 - ``json``: ``spec`` is a JSON schema (compact JSON), or ``""`` for free JSON: xgrammar's builtin
-  grammar, an object or an array (what a ``json_object`` response format asks for).
+  grammar, an object or an array (what a ``json_object`` response format asks for). Schemas pass
+  ``engine.json_schema``'s audit first (keywords xgrammar would not enforce are refused), so every
+  output validates against the schema. ``compact``: no whitespace outside strings, ``,``/``:``
+  separators.
 - ``regex``: ``spec`` is the pattern (the whole output matches it).
 - ``ebnf``: ``spec`` is an xgrammar EBNF grammar with a ``root`` rule.
 - ``tool_call`` / ``tool_call_required``: ``spec`` is the Chat Completions tool list; the output is
@@ -29,19 +39,22 @@ EOS; ``is_terminated()`` turns true when that EOS is accepted.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import xgrammar as xgr
 
+from engine.json_schema import SchemaError, enforceable_schema
 from engine.protocol import OutputConstraint
-from engine.sampling.dsml import DsmlVersion, tool_call_structural_tag
+from engine.sampling.dsml import DsmlVersion, parse_tools, tool_call_structural_tag
 from engine.sampling.errors import InvalidConstraintError
 
-GrammarKey = tuple[str, str]
+GrammarKey = tuple[str, str, bool]  # (kind, spec, compact)
 
 DSML_TOKEN = "｜DSML｜"
 
@@ -127,13 +140,17 @@ class GrammarState:
 
 
 class GrammarCompilerCache:
-    """Compiles ``OutputConstraint``s for one tokenizer and caches them by ``(kind, spec)``.
+    """Compiles ``OutputConstraint``s for one tokenizer on a thread pool and caches them by
+    ``(kind, spec, compact)``.
 
-    Thread-safe: ``compile`` may be called from a helper thread (e.g. when a request arrives)
-    while the engine loop samples; a grammar is compiled at most once at a time per key.
+    Thread-safe: ``submit`` / ``compile`` may be called from any thread; a grammar is compiled at
+    most once per key (a second request for it shares the first one's future).
     ``json_max_whitespace`` caps runs of whitespace between JSON tokens (models under a grammar
     sometimes emit whitespace forever; 16 characters still allow indented output); None means
     unbounded. An empty ``json`` spec (any JSON object or array) uses the same cap.
+    ``compile_threads``: the pool's threads, run at ``compile_nice`` (Linux thread niceness,
+    inherited by xgrammar's own worker threads) so a long compile yields the CPU to the engine
+    thread; ``max_spec_bytes``: the longest spec compiled.
     """
 
     def __init__(
@@ -144,13 +161,20 @@ class GrammarCompilerCache:
         max_threads: int = 2,
         max_entries: int = 256,
         json_max_whitespace: int | None = 16,
+        compile_threads: int = 2,
+        compile_nice: int = 10,
+        max_spec_bytes: int = 1 << 20,
     ) -> None:
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
         self.dsml_version = dsml_version
         self.json_max_whitespace = json_max_whitespace
+        self.max_spec_bytes = max_spec_bytes
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads)
-        self._cache: OrderedDict[GrammarKey, xgr.CompiledGrammar] = OrderedDict()
+        self._pool = ThreadPoolExecutor(
+            max_workers=compile_threads, thread_name_prefix="grammar-compile", initializer=_nice_thread, initargs=(compile_nice,)
+        )
+        self._cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
         self._dsml_allowed: torch.Tensor | None = None
@@ -163,19 +187,28 @@ class GrammarCompilerCache:
         keep = kw.pop("keep_added_tokens", (DSML_TOKEN,))
         return cls(load_tokenizer_info(tokenizer_json, vocab_size, eos_token_ids, keep_added_tokens=keep), **kw)
 
-    def compile(self, constraint: OutputConstraint) -> xgr.CompiledGrammar:
-        """The compiled grammar of a constraint (raises ``InvalidConstraintError``)."""
-        key = (constraint.kind, constraint.spec)
+    def submit(self, constraint: OutputConstraint) -> Future[xgr.CompiledGrammar]:
+        """The future of a constraint's compiled grammar: cached, in flight, or started now on the
+        pool. It fails with ``InvalidConstraintError`` for a constraint that cannot compile."""
+        key = (constraint.kind, constraint.spec, constraint.compact)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            compiled = self._compile(*key)
-            self._cache[key] = compiled
+            if len(constraint.spec.encode()) > self.max_spec_bytes:
+                fut: Future[xgr.CompiledGrammar] = Future()
+                fut.set_exception(InvalidConstraintError(f"the {constraint.kind} constraint is longer than {self.max_spec_bytes} bytes"))
+                return fut
+            fut = self._pool.submit(self._compile, *key)
+            self._cache[key] = fut
             if len(self._cache) > self._max_entries:
-                self._cache.popitem(last=False)
-            return compiled
+                self._cache.popitem(last=False)  # a running compile goes on for its holders
+            return fut
+
+    def compile(self, constraint: OutputConstraint) -> xgr.CompiledGrammar:
+        """The compiled grammar of a constraint, waiting for it (raises ``InvalidConstraintError``)."""
+        return self.submit(constraint).result()
 
     def new_state(self, constraint: OutputConstraint) -> GrammarState:
         allowed = self.dsml_only_bar() if constraint.kind in ("tool_call", "tool_call_required") else None
@@ -203,13 +236,13 @@ class GrammarCompilerCache:
                 self._dsml_allowed = mask
             return self._dsml_allowed
 
-    def _compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+    def _compile(self, kind: str, spec: str, compact: bool) -> xgr.CompiledGrammar:
         c = self._compiler
         try:
             if kind == "json":
-                if not spec:
-                    spec = '{"type": ["object", "array"]}'
-                json.loads(spec)  # a clear error for malformed JSON before xgrammar sees it
+                spec = enforceable_schema(json.loads(spec), strict=False) if spec else '{"type": ["object", "array"]}'
+                if compact:
+                    return c.compile_json_schema(spec, any_whitespace=False, separators=(",", ":"))
                 return c.compile_json_schema(spec, max_whitespace_cnt=self.json_max_whitespace)
             if kind == "regex":
                 return c.compile_regex(spec)
@@ -217,14 +250,34 @@ class GrammarCompilerCache:
                 return c.compile_grammar(spec)
             if kind in ("tool_call", "tool_call_required"):
                 tag = tool_call_structural_tag(
-                    spec, required=kind == "tool_call_required", version=self.dsml_version, max_whitespace=self.json_max_whitespace
+                    _audited_tools(spec), required=kind == "tool_call_required", version=self.dsml_version,
+                    max_whitespace=self.json_max_whitespace,
                 )
                 return c.compile_structural_tag(tag)
         except InvalidConstraintError:
             raise
+        except SchemaError as e:
+            raise InvalidConstraintError(f"invalid {kind} constraint: {e} (at {e.location or 'the top level'})") from e
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse/compile errors
             raise InvalidConstraintError(f"invalid {kind} constraint: {e}") from e
         raise InvalidConstraintError(f"unknown constraint kind {kind!r}")
+
+
+def _nice_thread(nice: int) -> None:
+    """Lower the calling thread's CPU priority (Linux: niceness is per thread); a no-op elsewhere."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
+def _audited_tools(spec: str) -> str:
+    """The tool list with each tool's parameters through the schema audit (``SchemaError``)."""
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": json.loads(enforceable_schema(params, strict=False))}}
+        for name, params in parse_tools(spec)
+    ]
+    return json.dumps(tools)
 
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,305 @@
+"""JSON schemas as xgrammar can enforce them: OpenAI strict-mode translation and a keyword audit.
+
+Pure Python (no torch, no xgrammar), so the gateway refuses a schema with a 400 naming the keyword
+before any engine sees it, and the engine's compiler runs the same audit on what reaches it.
+
+The rule: every output the grammar allows validates against the client's schema. So the grammar is
+built from the client's own schema (never from a normalised copy that dropped keywords), and a
+keyword xgrammar ignores or only approximates is refused, not dropped. What xgrammar enforces
+exactly (checked keyword by keyword, and by the property test over random schemas): ``type``,
+``enum``, ``const``, ``anyOf``, ``$ref`` / ``$defs`` / ``definitions`` (local references),
+``allOf`` with one branch, ``oneOf`` whose branches accept disjoint JSON types, ``properties``,
+``required`` (declared properties only), ``additionalProperties``, ``minProperties`` /
+``maxProperties``, ``items``, ``prefixItems``, ``minItems`` / ``maxItems``, ``minLength`` /
+``maxLength`` (without ``pattern``), ``pattern``, the ``format`` values below, ``minimum`` /
+``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``, ``multipleOf`` on integers.
+Refused (xgrammar accepts values the schema rejects): ``uniqueItems``, ``contains``, ``not``,
+``if`` / ``then`` / ``else``, ``dependentRequired`` / ``dependentSchemas``, overlapping ``oneOf``,
+multi-branch ``allOf``, ``multipleOf`` on numbers, ``minLength`` / ``maxLength`` beside ``pattern``,
+unknown formats, and every keyword not listed here. Annotations (``title``, ``description``,
+``default``, ...) are ignored, as JSON Schema defines them.
+
+xgrammar narrows where it cannot widen: with no ``additionalProperties`` it allows none, and a
+``pattern`` must match the whole string; both only ever drop outputs the schema would accept.
+
+``enum`` / ``const`` values that the node's ``type`` rejects are dropped from the grammar (the
+schema accepts none of them); other validation keywords beside an ``enum`` or ``const`` are refused
+(xgrammar would emit an enum value without checking them).
+
+Strict mode (``strict: true``) means what OpenAI's structured outputs mean: every object's
+properties are all required and no additional properties are allowed; ``strict_schema`` adds
+both where the client left them out and refuses a schema that says otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+Path = tuple[str | int, ...]
+
+ANNOTATIONS = frozenset(
+    {
+        "title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
+        "readOnly", "writeOnly", "nullable", "discriminator", "contentEncoding", "contentMediaType",
+    }
+)
+TYPE_KEYWORDS: dict[str, frozenset[str]] = {
+    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
+    "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
+    "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties"}),
+}
+GENERAL_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"})
+SUPPORTED = GENERAL_KEYWORDS.union(*TYPE_KEYWORDS.values())
+FORMATS = frozenset(
+    {
+        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+        "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+    }
+)
+JSON_TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
+
+
+class SchemaError(InvalidRequestError):
+    """A schema the grammar cannot enforce exactly. ``path`` locates the offending keyword inside
+    the schema (``("properties", "count", "uniqueItems")``)."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+    @property
+    def location(self) -> str:
+        """The path as dotted text, list indexes in brackets: ``properties.a.anyOf[1].minLength``."""
+        out = ""
+        for p in self.path:
+            out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        return out
+
+
+def enforceable_schema(schema: Any, *, strict: bool) -> str:
+    """The compact JSON to compile for a client's schema: OpenAI's strict translation when
+    ``strict``, enum values the type rejects dropped, every keyword audited (``SchemaError``)."""
+    if not isinstance(schema, (dict, bool)):
+        raise SchemaError("The schema must be a JSON object.", ())
+    out = strict_schema(schema) if strict else copy.deepcopy(schema)
+    _Audit(out).node(out, ())
+    return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+
+def strict_schema(schema: Any, path: Path = ()) -> Any:
+    """A copy with OpenAI strict mode spelled out: each object requires all its properties and
+    allows no others. Refuses a ``required`` that leaves one out, or additional properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict_children(k, v, path + (k,)) for k, v in schema.items()}
+    if _is_object(out):
+        props = out.get("properties", {})
+        names = list(props) if isinstance(props, dict) else []
+        req = out.get("required")
+        if req is not None and (not isinstance(req, list) or set(req) != set(names)):
+            raise SchemaError("In strict mode 'required' must list every key in 'properties'.", path + ("required",))
+        out["required"] = names
+        extra = out.get("additionalProperties", False)
+        if extra is not False:
+            raise SchemaError("In strict mode 'additionalProperties' must be false.", path + ("additionalProperties",))
+        out["additionalProperties"] = False
+    return out
+
+
+def _strict_children(key: str, value: Any, path: Path) -> Any:
+    if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+        return {name: strict_schema(sub, path + (name,)) for name, sub in value.items()}
+    if key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+        return [strict_schema(sub, path + (i,)) for i, sub in enumerate(value)]
+    if key in ("items", "additionalProperties") and isinstance(value, dict):
+        return strict_schema(value, path)  # path already ends with the key
+    return value
+
+
+def _is_object(node: dict[str, Any]) -> bool:
+    t = node.get("type")
+    return t == "object" or (isinstance(t, list) and "object" in t) or (t is None and "properties" in node)
+
+
+def _types(node: Any) -> frozenset[str] | None:
+    """The JSON types a schema node can accept, when evident from ``type``/``const``/``enum``."""
+    if not isinstance(node, dict):
+        return None
+    t = node.get("type")
+    if isinstance(t, str):
+        return frozenset({"integer", "number"} if t == "number" else {t})
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return frozenset().union(*({"integer", "number"} if x == "number" else {x} for x in t))
+    values = [node["const"]] if "const" in node else node.get("enum")
+    if isinstance(values, list):
+        return frozenset(_type_of(v) for v in values)
+    return None
+
+
+def _type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _type_accepts(types: Any, value: Any) -> bool:
+    names = [types] if isinstance(types, str) else types
+    actual = _type_of(value)
+    return any(n == actual or (n == "number" and actual == "integer") for n in names)
+
+
+class _Audit:
+    """Walks a schema in place, refusing what xgrammar cannot enforce and filtering enums."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+
+    def node(self, node: Any, path: Path, *, may_be_false: bool = False) -> None:
+        if node is True or (node is False and may_be_false):
+            return
+        if not isinstance(node, dict):
+            raise SchemaError("A schema must be a JSON object (or true).", path)
+        for key in node:
+            if key not in SUPPORTED and key not in ANNOTATIONS and not key.startswith("x-"):
+                raise SchemaError(f"The schema keyword '{key}' is not supported for constrained output.", path + (key,))
+        self._type(node, path)
+        self._values(node, path)
+        self._combinators(node, path)
+        self._string(node, path)
+        self._numbers(node, path)
+        self._children(node, path)
+
+    def _type(self, node: dict[str, Any], path: Path) -> None:
+        t = node.get("type")
+        if t is None:
+            for kind, words in TYPE_KEYWORDS.items():
+                word = next((w for w in words if w in node), None)
+                if word is not None and not (kind == "object" and word == "properties"):
+                    raise SchemaError(f"'{word}' needs a 'type' beside it.", path + (word,))
+            return
+        names = [t] if isinstance(t, str) else t
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n in JSON_TYPES for n in names):
+            raise SchemaError("'type' must be a JSON type name or a list of them.", path + ("type",))
+
+    def _values(self, node: dict[str, Any], path: Path) -> None:
+        if "enum" not in node and "const" not in node:
+            return
+        word = "const" if "const" in node else "enum"
+        others = [k for k in node if k in SUPPORTED and k not in ("type", "enum", "const", "$defs", "definitions")]
+        if others:
+            raise SchemaError(f"'{others[0]}' beside '{word}' is not supported for constrained output.", path + (others[0],))
+        if "enum" in node and "const" in node:
+            raise SchemaError("Use either 'enum' or 'const', not both.", path + ("const",))
+        t = node.get("type")
+        if word == "const":
+            if t is not None and not _type_accepts(t, node["const"]):
+                raise SchemaError("'const' does not match the schema's 'type'.", path + ("const",))
+            return
+        values = node["enum"]
+        if not isinstance(values, list) or not values:
+            raise SchemaError("'enum' must be a non-empty array.", path + ("enum",))
+        if t is not None:
+            node["enum"] = [v for v in values if _type_accepts(t, v)]
+            if not node["enum"]:
+                raise SchemaError("No 'enum' value matches the schema's 'type'.", path + ("enum",))
+
+    def _combinators(self, node: dict[str, Any], path: Path) -> None:
+        for word in ("anyOf", "oneOf", "allOf"):
+            branches = node.get(word)
+            if word in node and (not isinstance(branches, list) or not branches):
+                raise SchemaError(f"'{word}' must be a non-empty array of schemas.", path + (word,))
+        if len(node.get("allOf", ())) > 1:
+            raise SchemaError("'allOf' with more than one schema is not supported for constrained output.", path + ("allOf",))
+        branches = node.get("oneOf")
+        if branches:
+            kinds = [_types(b) for b in branches]
+            seen: set[str] = set()
+            for k in kinds:
+                if k is None or seen & k:
+                    raise SchemaError(
+                        "'oneOf' is supported only when its schemas accept different JSON types; use 'anyOf'.",
+                        path + ("oneOf",),
+                    )
+                seen |= k
+        ref = node.get("$ref")
+        if ref is not None:
+            self._resolve(ref, path + ("$ref",))
+
+    def _resolve(self, ref: Any, path: Path) -> None:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError("Only local '$ref's ('#/...') are supported.", path)
+        target = self.root
+        for part in ref[1:].split("/")[1:] if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise SchemaError(f"'$ref' {ref!r} does not resolve inside the schema.", path)
+            target = target[part]
+
+    def _string(self, node: dict[str, Any], path: Path) -> None:
+        if "pattern" in node:
+            if not isinstance(node["pattern"], str):
+                raise SchemaError("'pattern' must be a string.", path + ("pattern",))
+            for word in ("minLength", "maxLength"):
+                if word in node:
+                    raise SchemaError(f"'{word}' beside 'pattern' is not supported; put the length in the pattern.", path + (word,))
+        fmt = node.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise SchemaError(f"The string format {fmt!r} is not supported for constrained output.", path + ("format",))
+        for word in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"):
+            if word in node and not _count(node[word]):
+                raise SchemaError(f"'{word}' must be a non-negative integer.", path + (word,))
+
+    def _numbers(self, node: dict[str, Any], path: Path) -> None:
+        for word in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+            v = node.get(word)
+            if word in node and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise SchemaError(f"'{word}' must be a number.", path + (word,))
+        if "multipleOf" in node:
+            v = node["multipleOf"]
+            if node.get("type") != "integer" or not isinstance(v, int) or v <= 0:
+                raise SchemaError("'multipleOf' is supported only as a positive integer on integers.", path + ("multipleOf",))
+
+    def _children(self, node: dict[str, Any], path: Path) -> None:
+        props = node.get("properties", {})
+        if not isinstance(props, dict):
+            raise SchemaError("'properties' must be an object.", path + ("properties",))
+        for name, sub in props.items():
+            self.node(sub, path + ("properties", name))
+        req = node.get("required", [])
+        if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+            raise SchemaError("'required' must be an array of property names.", path + ("required",))
+        missing = [r for r in req if r not in props]
+        if missing:
+            raise SchemaError(f"Required property {missing[0]!r} is not declared in 'properties'.", path + ("required",))
+        for word in ("$defs", "definitions"):
+            defs = node.get(word, {})
+            if not isinstance(defs, dict):
+                raise SchemaError(f"'{word}' must be an object.", path + (word,))
+            for name, sub in defs.items():
+                self.node(sub, path + (word, name))
+        if "prefixItems" in node and not isinstance(node["prefixItems"], list):
+            raise SchemaError("'prefixItems' must be an array of schemas.", path + ("prefixItems",))
+        for word in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            for i, sub in enumerate(node.get(word, ())):
+                self.node(sub, path + (word, i))
+        for word in ("items", "additionalProperties"):
+            if word in node:
+                self.node(node[word], path + (word,), may_be_false=True)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

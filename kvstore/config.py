@@ -14,7 +14,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from kvstore.errors import KVStoreConfigError
@@ -113,9 +113,6 @@ class KVStoreConfig:
                 kw[f.name] = _parse(f.name, raw, hints[f.name])
         kw.update(overrides)
         return cls(**kw)
-
-    def with_(self, **changes: Any) -> KVStoreConfig:
-        return replace(self, **changes)
 
 
 def _parse(name: str, raw: str, hint: Any) -> Any:

@@ -236,9 +236,6 @@ class KVIndex:
         self._memo = (keys, self._version, result)
         return result
 
-    def matched_blocks(self, rank: RankKey, keys: Sequence[str]) -> int:
-        return self.match(keys).local.get(rank, 0)
-
 
 def _store(holders: dict[str, dict[RankKey, float]], rank: RankKey, keys: Iterable[str]) -> None:
     """``rank`` holds ``keys`` for good (a stored event): each unit moves to the newest end."""

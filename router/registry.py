@@ -238,9 +238,6 @@ class WorkerRegistry:
         self._cand_cache[roles] = (self.version, out)
         return out
 
-    def has_role(self, role: Role) -> bool:
-        return any(w.role == role and not w.removing for w in self._workers.values())
-
     def worker_of(self, view: RankView) -> Worker:
         return self._workers[view.worker_id]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from deepserve import internal_auth
 from router.config import RouterConfig
 from router.policies.registry import policy_names
 
@@ -27,13 +28,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-migrations", type=int, help="re-dispatches after tokens were streamed (default 3)")
     p.add_argument("--max-inflight-per-rank", type=int, help="requests per rank before queueing; 0 = unbounded")
     p.add_argument("--max-queue", type=int, help="admission queue bound (default 1024)")
+    p.add_argument("--open-metrics", action="store_true", default=None, help="serve /metrics without the internal token")
+    p.add_argument("--first-byte-timeout", dest="first_byte_timeout_s", type=float, help="seconds a worker may take to start answering (default 300)")
+    p.add_argument("--event-timeout", dest="event_timeout_s", type=float, help="seconds a stream may go without an event before its worker counts as hung (default 60)")
     p.add_argument("--log-level", default="INFO")
+    internal_auth.add_flags(p)
     p.set_defaults(func=run)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    flags = {k: v for k, v in vars(args).items() if k not in ("func", "command", "log_level") and v is not None}
+    flags = {k: v for k, v in vars(args).items() if k not in ("func", "command", "log_level", "internal_token", "internal_token_file") and v is not None}
     return RouterConfig.from_env(**flags)
 
 
@@ -45,5 +50,5 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("router").info(
         "router on %s:%d policy=%s prefill=%s decode=%s mixed=%s", config.host, config.port, config.policy, config.prefill, config.decode, config.worker
     )
-    serve(config)
+    serve(config, internal_auth.from_args(args))
     return 0

@@ -87,6 +87,14 @@ class RouterConfig:
     backoff_base_s: float = 0.02
     backoff_max_s: float = 1.0
     connect_timeout_s: float = 2.0
+    # Upstream read deadlines (router.http1): a worker that sends no answer head within
+    # `first_byte_timeout_s` (it answers once the first token is out: queueing and prefill
+    # included), or nothing more for `event_timeout_s` mid-stream, is failed like a dead one
+    # (retry or migration); `suspect_timeout_s` replaces the latter once the worker's load
+    # polls fail too (a hung process: SIGSTOP, a wedged GIL).
+    first_byte_timeout_s: float = 300.0
+    event_timeout_s: float = 60.0
+    suspect_timeout_s: float = 3.0
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 5.0
     # Active checks.
@@ -103,6 +111,10 @@ class RouterConfig:
     # Service.
     host: str = "127.0.0.1"
     port: int = 8100
+    open_metrics: bool = False  # /metrics without the internal token
+    register_check_address: bool = True  # POST /register only for the caller's own address
+    read_timeout_s: float = 30.0  # a request's head and body must arrive within this
+    max_connections: int = 4096
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -113,6 +125,8 @@ class RouterConfig:
             raise ValueError("max_inflight_per_rank and max_queue must be >= 0")
         if self.breaker_failure_threshold < 1:
             raise ValueError("breaker_failure_threshold must be >= 1")
+        if min(self.first_byte_timeout_s, self.event_timeout_s, self.suspect_timeout_s, self.read_timeout_s) <= 0:
+            raise ValueError("timeouts must be > 0")
 
     @property
     def prefill_policy_name(self) -> str:

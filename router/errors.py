@@ -51,6 +51,14 @@ class UnknownWorker(RouterError):
     code = "unknown_worker"
 
 
+class RegistrationRefused(RouterError):
+    """A ``/register`` call for an address that is not the caller's, or a worker id already
+    held by a live worker at another address (one worker cannot displace another)."""
+
+    status = 403
+    code = "registration_refused"
+
+
 class WorkerError(RouterError):
     """A worker failed a request; ``retryable`` says whether another worker may succeed."""
 

@@ -228,7 +228,7 @@ class _Conn(asyncio.Protocol):
 class Http1Pool:
     """Keep-alive connections to one ``http://host:port``: ``request`` (or ``post_lines``) is the only call."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256) -> None:
+    def __init__(self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256, headers: dict[str, str] | None = None) -> None:
         u = urlsplit(url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"http1 pool needs an http://host:port URL, got {url!r}")
@@ -237,6 +237,7 @@ class Http1Pool:
         self.max_idle = max_idle
         self._idle: list[_Conn] = []
         self._host_header = f"{self.host}:{self.port}".encode()
+        self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode("latin-1")  # e.g. the internal token
         self._heads: dict[str, bytes] = {}  # request head up to the Content-Length value, per path
 
     async def _connect(self) -> _Conn:
@@ -286,7 +287,7 @@ class Http1Pool:
         """
         head = self._heads.get(path)
         if head is None:
-            head = self._heads[path] = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: " % (path.encode(), self._host_header)
+            head = self._heads[path] = b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: " % (path.encode(), self._host_header, self._extra)
         req = b"%s%d\r\n\r\n%s" % (head, len(body), body)
         idle = self._idle
         conn = idle.pop() if idle else None  # _acquire's usual case, without its coroutine

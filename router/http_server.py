@@ -21,6 +21,11 @@ whose shape never varies. This module does only what the service needs:
   the transport's buffer is over its high-water mark (``pause_writing``/``resume_writing``).
 - **Disconnects**: a client that goes away cancels its running handler at once (as aiohttp's
   ``handler_cancellation=True``), so a streaming handler's ``finally`` aborts upstream work.
+- **Limits**: a request whose head and body are not all in within ``read_timeout_s`` of its
+  first byte is answered 408 and its connection closed (the same sweep); beyond
+  ``max_connections`` open connections a new one is answered 503 and closed.
+- **Credential**: with ``auth`` set, every path but ``open_paths`` needs its token in
+  ``Authorization`` (401 otherwise; the header is picked out while parsing, as Content-Length).
 
 One task per connection runs the handlers, and waits for the connection's next request between
 them (a task per request cost ~1 µs more: the task object, its coroutine and the loop's
@@ -38,6 +43,8 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 import httptools
+
+from deepserve.internal_auth import InternalAuth
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +113,12 @@ class Request:
     """One parsed request. ``headers``: lower-case names (decoded when first read; the hot
     route reads none); ``body``: the whole (de-chunked) body."""
 
-    __slots__ = ("method", "path", "query", "_raw_headers", "_headers", "body", "keep_alive", "_conn", "streaming")
+    __slots__ = ("method", "path", "query", "_raw_headers", "_headers", "body", "keep_alive", "_conn", "streaming", "authorization")
 
-    def __init__(self, conn: _Connection, method: bytes, path: str, query: str, headers: dict[str, str] | list[tuple[bytes, bytes]], body: bytes, keep_alive: bool) -> None:
+    def __init__(
+        self, conn: _Connection, method: bytes, path: str, query: str, headers: dict[str, str] | list[tuple[bytes, bytes]], body: bytes, keep_alive: bool,
+        authorization: bytes | None = None,
+    ) -> None:
         self._conn = conn
         self.method = method
         self.path = path
@@ -117,6 +127,14 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.streaming = False
+        self.authorization = authorization
+
+    @property
+    def peer(self) -> str:
+        """The client's IP address ("" if unknown)."""
+        transport = self._conn.transport
+        info = transport.get_extra_info("peername") if transport is not None else None
+        return str(info[0]) if info else ""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -160,14 +178,21 @@ class _Connection(asyncio.Protocol):
         # the request being parsed (_begin resets them)
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []  # as received (Request.headers decodes)
-        self._length = b""  # its Content-Length and Expect values
+        self._length = b""  # its Content-Length, Expect and Authorization values
         self._expect = b""
+        self._auth: bytes | None = None
+        self.reading_since = 0.0  # loop time of the first byte of a request not yet complete; 0 = none
         self._body: list[bytes] = []
         self._size = 0
 
     # ---- transport callbacks -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.server.max_connections:
+            self.dead = True
+            self._send(self.server.error_response(503, "too many connections"), False)
+            transport.close()
+            return
         self.server.connections.add(self)
         self.last_active = self.server.loop.time()
 
@@ -199,6 +224,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.dead:
             return
+        if not self.reading_since:
+            self.reading_since = self.server.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -213,6 +240,8 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._length = self._expect = b""
+        self._auth = None
+        self.reading_since = 0.0
         self._body = []
         self._size = 0
 
@@ -227,6 +256,8 @@ class _Connection(asyncio.Protocol):
             self._length = value
         elif len(name) == 6 and name.lower() == b"expect":
             self._expect = value
+        elif len(name) == 13 and name.lower() == b"authorization":
+            self._auth = value
 
     def on_headers_complete(self) -> None:
         if self.dead:
@@ -253,7 +284,7 @@ class _Connection(asyncio.Protocol):
         path, query = (url[:q], url[q + 1 :]) if q >= 0 else (url, b"")
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
-        req = Request(self, p.get_method(), path.decode("latin-1"), query.decode("latin-1"), self._headers, body, p.should_keep_alive())
+        req = Request(self, p.get_method(), path.decode("latin-1"), query.decode("latin-1"), self._headers, body, p.should_keep_alive(), self._auth)
         self._begin()
         if self.next is not None and not self.next.done():  # the connection's task waits for it
             self.next.set_result(req)
@@ -295,7 +326,9 @@ class _Connection(asyncio.Protocol):
             keep = req.keep_alive
             try:
                 handler = server.routes.get((req.method, req.path))
-                if handler is None:
+                if server.auth is not None and req.path not in server.open_paths and not server.auth.allows(req.authorization):
+                    resp = server.error_response(401, "missing or wrong internal token")
+                elif handler is None:
                     resp = server.error_response(405 if req.path in server.paths else 404, f"no route {req.method.decode()} {req.path}")
                 else:
                     resp = await handler(req)
@@ -347,7 +380,8 @@ class HttpServer:
     """Serves ``routes`` (``{(b"POST", "/path"): handler}``) on one listening socket.
 
     ``error_response(status, message)`` builds the body of errors the server itself answers
-    (404/405/400/413/500); the service passes its JSON error shape.
+    (404/405/400/401/408/413/500/503); the service passes its JSON error shape. ``auth`` (an
+    ``InternalAuth`` with a token) guards every path but ``open_paths``.
     """
 
     def __init__(
@@ -357,12 +391,20 @@ class HttpServer:
         error_response: Callable[[int, str], Response] | None = None,
         max_body: int = 64 * 1024 * 1024,
         keepalive_s: float = 75.0,
+        read_timeout_s: float = 30.0,
+        max_connections: int = 4096,
+        auth: InternalAuth | None = None,
+        open_paths: frozenset[str] = frozenset(),
     ) -> None:
         self.routes = routes
         self.paths = {p for _, p in routes}
         self.error_response = error_response or (lambda status, msg: Response(msg.encode(), status, b"text/plain; charset=utf-8"))
         self.max_body = max_body
         self.keepalive_s = keepalive_s
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
+        self.auth = auth if auth is not None and auth.enabled else None
+        self.open_paths = open_paths
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -371,7 +413,11 @@ class HttpServer:
     async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> None:
         self.loop = asyncio.get_running_loop()
         self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None)
-        self._sweeper = self.loop.call_later(self.keepalive_s / 2, self._sweep)
+        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
+
+    @property
+    def _sweep_every(self) -> float:
+        return min(self.keepalive_s, self.read_timeout_s) / 2
 
     @property
     def port(self) -> int:
@@ -379,12 +425,16 @@ class HttpServer:
         return self._server.sockets[0].getsockname()[1]
 
     def _sweep(self) -> None:
-        """Close keep-alive connections idle for more than ``keepalive_s``."""
-        cutoff = self.loop.time() - self.keepalive_s
+        """Close keep-alive connections idle for more than ``keepalive_s``, and those whose
+        request has been arriving for more than ``read_timeout_s`` (408)."""
+        now = self.loop.time()
+        cutoff, slow = now - self.keepalive_s, now - self.read_timeout_s
         for c in list(self.connections):
-            if not c.busy and not c.pending and c.last_active < cutoff:
+            if c.reading_since and c.reading_since < slow and not c.dead:
+                c._refuse(408, f"request not received within {self.read_timeout_s:g}s")
+            elif not c.busy and not c.pending and c.last_active < cutoff and not c.reading_since:
                 c.transport.close()
-        self._sweeper = self.loop.call_later(self.keepalive_s / 2, self._sweep)
+        self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop listening, close idle connections, give running handlers ``grace_s``, then cancel."""

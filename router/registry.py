@@ -32,10 +32,11 @@ from typing import Any
 
 import aiohttp
 
+from deepserve.internal_auth import InternalAuth
 from engine.protocol import LoadReport, Role
 from router.circuit_breaker import CircuitBreaker
 from router.config import RouterConfig
-from router.errors import UnknownWorker, WorkerError
+from router.errors import RegistrationRefused, RouterError, UnknownWorker, WorkerError
 from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.policies.base import RankView
@@ -102,8 +103,12 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, config: RouterConfig, index: KVIndex | None = None, metrics: RouterMetrics | None = None, *, poll_kv_events: bool = True) -> None:
+    def __init__(
+        self, config: RouterConfig, index: KVIndex | None = None, metrics: RouterMetrics | None = None, *, poll_kv_events: bool = True,
+        auth: InternalAuth | None = None,
+    ) -> None:
         self.config = config
+        self.auth = auth or InternalAuth()  # sent to every worker
         self.index = index if index is not None else KVIndex(max_keys=config.max_index_keys, predicted_ttl_s=config.predicted_kv_ttl_s)
         self.metrics = metrics
         self.poll_kv_events = poll_kv_events
@@ -119,7 +124,7 @@ class WorkerRegistry:
         if self._session is None:
             from router.worker_client import make_session
 
-            self._session = make_session(self.config.connect_timeout_s)
+            self._session = make_session(self.config.connect_timeout_s, self.auth)
         return self._session
 
     async def start(self) -> None:
@@ -165,20 +170,24 @@ class WorkerRegistry:
                 w.admin_draining = w.removing = False
                 w.sync_views()
                 return w
-        client = WorkerClient(url, session=self.session, connect_timeout_s=self.config.connect_timeout_s)
+        client = WorkerClient(url, session=self.session, connect_timeout_s=self.config.connect_timeout_s, auth=self.auth)
         breaker = CircuitBreaker(self.config.breaker_failure_threshold, self.config.breaker_cooldown_s)
         worker = Worker(url=url, worker_id=url, role=role or "mixed", client=client, breaker=breaker, static=static)
         worker.ranks = [RankView(worker_id=url, role=worker.role, cache=self.index)]
         try:
-            d = await client.load_dict()
-        except WorkerError:
-            if not static:
-                raise
-            log.warning("worker %s not reachable yet; polling it", url)
-        else:
-            self._apply_load(worker, d, fixed_role=role)
-            worker.accepting = await client.health()
-        self._claim(worker)
+            try:
+                d = await client.load_dict()
+            except WorkerError:
+                if not static:
+                    raise
+                log.warning("worker %s not reachable yet; polling it", url)
+            else:
+                self._apply_load(worker, d, fixed_role=role)
+                worker.accepting = await client.health()
+            self._claim(worker)
+        except RouterError:
+            client.pool.close()
+            raise
         worker.sync_views()
         worker.task = asyncio.get_running_loop().create_task(self._poll(worker), name=f"poll {url}")
         self._notify()
@@ -293,6 +302,7 @@ class WorkerRegistry:
                 v.running, v.waiting, v.queued_tokens, v.state_usage = r.running, r.waiting, r.queued_tokens, r.state_usage
 
     def _rekey(self, w: Worker, worker_id: str, dp: int) -> None:
+        self._check_id(w, worker_id)
         old = w.worker_id
         registered = self._workers.get(old) is w
         if registered:
@@ -305,12 +315,20 @@ class WorkerRegistry:
             self._claim(w)
 
     def _claim(self, w: Worker) -> None:
-        """Enter ``w`` under its id; an older entry with that id (the worker moved) is dropped."""
+        """Enter ``w`` under its id. An older entry with that id that is down is dropped (the
+        worker moved); one that is alive stays, and ``w`` is refused (``RegistrationRefused``):
+        a worker cannot take over another's id and with it the other's requests."""
+        self._check_id(w, w.worker_id)
         other = self._workers.get(w.worker_id)
         if other is not None and other is not w:
             log.warning("worker %s moved from %s to %s", w.worker_id, other.url, w.url)
             self._forget(other)
         self._workers[w.worker_id] = w
+
+    def _check_id(self, w: Worker, worker_id: str) -> None:
+        other = self._workers.get(worker_id)
+        if other is not None and other is not w and other.alive and not other.removing:
+            raise RegistrationRefused(f"worker id {worker_id!r} is held by the live worker at {other.url}")
 
     async def _poll(self, w: Worker) -> None:
         cfg = self.config
@@ -326,9 +344,9 @@ class WorkerRegistry:
                 if self.poll_kv_events and now >= next_kv:
                     await self._poll_kv(w)
                     next_kv = now + cfg.kv_events_interval_s
-            except WorkerError as exc:
+            except (WorkerError, RegistrationRefused) as exc:
                 if w.alive:
-                    log.warning("worker %s unreachable: %s", w.url, exc)
+                    log.warning("worker %s unreachable or refused: %s", w.url, exc)
                 w.alive = False
             except asyncio.CancelledError:
                 raise

@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from deepserve.internal_auth import InternalAuth
 from engine.protocol import GenerateRequest, LoadReport, RankLoad, TokenEvent
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
@@ -101,11 +102,14 @@ class Router:
 
     ``config``: the whole router config. ``metrics``: pass one built on the caller's Prometheus
     registry to export ``deepserve_router_*`` there. ``registry``: a prepared worker registry
-    (tests); by default one is built from ``config``. Use ``async with Router(cfg) as r`` or
-    ``await start()`` / ``await stop()``.
+    (tests); by default one is built from ``config`` and ``auth`` (the internal token sent to
+    the workers). Use ``async with Router(cfg) as r`` or ``await start()`` / ``await stop()``.
     """
 
-    def __init__(self, config: RouterConfig | None = None, *, metrics: RouterMetrics | None = None, registry: WorkerRegistry | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig | None = None, *, metrics: RouterMetrics | None = None, registry: WorkerRegistry | None = None,
+        auth: InternalAuth | None = None,
+    ) -> None:
         self.config = cfg = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
         pc = cfg.policy_config
@@ -115,7 +119,7 @@ class Router:
             pd_min_prompt_tokens=cfg.pd_min_prompt_tokens,
             max_inflight_per_rank=cfg.max_inflight_per_rank,
         )
-        self.registry = registry or WorkerRegistry(cfg, metrics=self.metrics, poll_kv_events=self.placer.needs_block_keys)
+        self.registry = registry or WorkerRegistry(cfg, metrics=self.metrics, poll_kv_events=self.placer.needs_block_keys, auth=auth)
         self.registry.add_listener(self._wake_queue)
         self._hash_prompts = self.placer.needs_block_keys  # read per request: the placer's policies are fixed
         self._fingerprint = cfg.fingerprint  # the workers' model fingerprint, in their unit keys

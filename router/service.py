@@ -18,22 +18,32 @@ A client that disconnects cancels its handler, which closes the router's stream 
 request on its worker.
 Errors raised before the first event become JSON errors: ``{"error": {"message", "type",
 "code"}}`` with the ``RouterError``'s status and, for overload, a ``Retry-After`` header.
+
+With an internal token (``deepserve.internal_auth``) every route but ``/health`` (and
+``/metrics`` with ``open_metrics``) needs it, and ``/register`` is taken only for the caller's
+own address (``register_check_address``) and never for a worker id a live worker holds; without
+one the router listens on loopback only. Sampling settings are type-checked
+(``engine.validate``) before they are memoised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import signal
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
+from deepserve.internal_auth import InternalAuth
 from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from engine.validate import check_fields
 from kvstore.keys import TokenIdsText
 from router.config import RouterConfig
-from router.errors import Overloaded, RouterError
+from router.errors import Overloaded, RegistrationRefused, RouterError
 from router.http_server import HttpServer, Request, Response
 from router.router import Router
 from router.worker_client import dumps, loads
@@ -52,7 +62,7 @@ def _error(status: int, message: str, code: str, headers: dict[str, str] | None 
 
 
 def _server_error(status: int, message: str) -> Response:
-    codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+    codes = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large", 503: "overloaded"}
     return _error(status, message, codes.get(status, "router_error"))
 
 
@@ -200,6 +210,7 @@ def _sampling(d: dict[str, Any]) -> SamplingParams:
     sp = _SAMPLING_MEMO.get(key)
     if sp is not None:
         return sp
+    check_fields(SamplingParams, d, "sampling")
     kw = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
@@ -262,11 +273,13 @@ def forward_head(d: dict[str, Any], raw: bytes, req: GenerateRequest) -> tuple[A
 class RouterService:
     """The router behind its HTTP surface (module docstring). ``start()`` starts the router and
     listens; ``stop()`` stops both. ``router``: a prepared router (tests); by default one is
-    built from ``config``."""
+    built from ``config``; ``auth``: the internal token, required from callers and sent to
+    the workers."""
 
-    def __init__(self, config: RouterConfig, *, router: Router | None = None) -> None:
+    def __init__(self, config: RouterConfig, *, router: Router | None = None, auth: InternalAuth | None = None) -> None:
         self.config = config
-        self.router = router or Router(config)
+        self.auth = auth or InternalAuth()
+        self.router = router or Router(config, auth=self.auth)
         routes = {
             (b"POST", "/internal/generate"): self.generate,
             (b"POST", "/internal/abort"): self.abort,
@@ -279,7 +292,10 @@ class RouterService:
             (b"POST", "/drain"): self.drain,
             (b"GET", "/workers"): self.workers,
         }
-        self.server = HttpServer(routes, error_response=_server_error, max_body=64 * 1024 * 1024)
+        self.server = HttpServer(
+            routes, error_response=_server_error, max_body=64 * 1024 * 1024, read_timeout_s=config.read_timeout_s,
+            max_connections=config.max_connections, auth=self.auth, open_paths=frozenset({"/health", "/metrics"} if config.open_metrics else {"/health"}),
+        )
 
     async def start(self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False) -> None:
         await self.router.start()
@@ -356,6 +372,8 @@ class RouterService:
         if body.get("role") not in (None, "prefill", "decode", "mixed"):
             return _error(400, f"role must be prefill, decode or mixed, not {body['role']!r}", "invalid_request")
         try:
+            if self.config.register_check_address:
+                await _check_own_address(str(body["url"]), request.peer)
             worker_id = await self.router.add_worker(str(body["url"]), body.get("role"))
         except RouterError as exc:
             return _router_error(exc)
@@ -385,6 +403,36 @@ class RouterService:
         return _json_ok({"workers": [w.describe() for w in self.router.registry.workers()]})
 
 
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped or ip
+
+
+async def _check_own_address(url: str, peer: str) -> None:
+    """``RegistrationRefused`` unless the host of ``url`` resolves to the caller's address ``peer``
+    (a worker registers itself, not some other address)."""
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        host = ""
+    if not host:
+        raise RegistrationRefused(f"cannot read a host in {url!r}")
+    caller = _ip(peer)
+    addrs = {_ip(host)} if _ip(host) is not None else set()
+    if not addrs:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+        except OSError as exc:
+            raise RegistrationRefused(f"cannot resolve {host!r}: {exc}") from None
+        addrs = {_ip(info[4][0]) for info in infos}
+    if caller is None or caller not in addrs:
+        raise RegistrationRefused(f"a worker registers its own address: {host} is not the caller ({peer or 'unknown'})")
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's loop when installed (faster sockets and callbacks), else asyncio's."""
     try:
@@ -395,8 +443,8 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-async def _serve(config: RouterConfig) -> None:
-    service = RouterService(config)
+async def _serve(config: RouterConfig, auth: InternalAuth) -> None:
+    service = RouterService(config, auth=auth)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -414,11 +462,13 @@ async def _serve(config: RouterConfig) -> None:
         await service.stop()
 
 
-def serve(config: RouterConfig) -> None:
-    """Run the service until SIGINT or SIGTERM."""
+def serve(config: RouterConfig, auth: InternalAuth | None = None) -> None:
+    """Run the service until SIGINT or SIGTERM (refused beyond loopback without ``auth``)."""
+    auth = auth or InternalAuth()
+    auth.check_bind(config.host, "deepserve router")
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve(config))
+        loop.run_until_complete(_serve(config, auth))
     finally:
         loop.close()

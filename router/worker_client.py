@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
+from deepserve.internal_auth import InternalAuth
 from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, TokenEvent
 from router.errors import WorkerRejected, WorkerUnavailable
 from router.http1 import ConnectError, Http1Pool, HttpError, StatusError
@@ -76,33 +77,40 @@ def event_from_dict(d: dict[str, Any]) -> TokenEvent:
     )
 
 
-def make_session(connect_timeout_s: float = 2.0) -> aiohttp.ClientSession:
-    """A session whose pool keeps connections to every worker open (no per-host limit)."""
+def make_session(connect_timeout_s: float = 2.0, auth: InternalAuth | None = None) -> aiohttp.ClientSession:
+    """A session whose pool keeps connections to every worker open (no per-host limit);
+    ``auth``: the internal token, sent on every call."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
     # No cookie jar, no decompression: neither is used, both cost per request.
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+    headers = auth.headers() if auth is not None else None
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), headers=headers)
 
 
 class WorkerClient:
     """Client for the worker at ``url`` (``http://host:port``).
 
     ``generate`` goes over ``router.http1`` (a pool of raw keep-alive connections: the hot path);
-    the control calls over the aiohttp session.
+    the control calls over the aiohttp session (a shared ``session`` must carry ``auth``'s
+    header itself: ``make_session(auth=...)``).
     """
 
-    def __init__(self, url: str, *, session: aiohttp.ClientSession | None = None, connect_timeout_s: float = 2.0, control_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, url: str, *, session: aiohttp.ClientSession | None = None, connect_timeout_s: float = 2.0, control_timeout_s: float = 2.0,
+        auth: InternalAuth | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self._session = session
         self._owns_session = session is None
         self._connect_timeout_s = connect_timeout_s
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
-        self.pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s)
+        self.auth = auth or InternalAuth()
+        self.pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s, headers=self.auth.headers())
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = make_session(self._connect_timeout_s)
+            self._session = make_session(self._connect_timeout_s, self.auth)
         return self._session
 
     async def close(self) -> None:

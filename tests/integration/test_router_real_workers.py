@@ -15,7 +15,7 @@ import pytest
 from engine.protocol import GenerateRequest, SamplingParams
 from router.config import RouterConfig
 from router.router import Router
-from tests.integration.workers import WorkerProcess, start_workers
+from tests.integration.workers import AUTH, TOKEN, WorkerProcess, start_workers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,7 +64,7 @@ async def _collect(router: Router, req: GenerateRequest, seen: list[str] | None 
 
 
 async def _run_all(config: RouterConfig, reqs: list[GenerateRequest], during=None, seen: list[str] | None = None):
-    router = Router(config)
+    router = Router(config, auth=AUTH)
     await router.start()
     try:
         tasks = [asyncio.create_task(_collect(router, r, seen)) for r in reqs]
@@ -128,7 +128,7 @@ def test_draining_worker_finishes_and_gets_no_new_requests(cluster) -> None:
     reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), first))
 
     async def scenario():
-        router = Router(_config(worker=(draining.url,)))
+        router = Router(_config(worker=(draining.url,)), auth=AUTH)
         await router.start()
         try:
             tasks = [asyncio.create_task(_collect(router, r)) for r in first]
@@ -162,7 +162,7 @@ def test_dp_ranks_of_one_worker_share_the_load(cluster) -> None:
         reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), reqs))
         out = asyncio.run(_run_all(_config(worker=(dp_worker.url,)), reqs))
         assert [t for t, _, _ in out] == [t for t, _, _ in reference]
-        metrics = urllib.request.urlopen(dp_worker.url + "/metrics").read().decode()
+        metrics = urllib.request.urlopen(urllib.request.Request(dp_worker.url + "/metrics", headers=AUTH.headers())).read().decode()
         per_rank = {r: 0.0 for r in ("0", "1")}
         for line in metrics.splitlines():
             if line.startswith("vllm:e2e_request_latency_seconds_count{"):
@@ -184,17 +184,17 @@ def test_worker_registers_and_deregisters_itself(cluster) -> None:
     from tests.integration.workers import free_port
 
     port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "router", "--port", str(port), "--policy", "least_load"],
+    router = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "router", "--port", str(port), "--policy", "least_load", "--internal-token", TOKEN],
                               stdout=open(cluster["logs"] / "router-register.log", "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def listed() -> list[str]:
-        return [w["url"] for w in json.load(urllib.request.urlopen(url + "/workers"))["workers"]]
+        return [w["url"] for w in json.load(urllib.request.urlopen(urllib.request.Request(url + "/workers", headers=AUTH.headers())))["workers"]]
 
     try:
         for _ in range(100):
             try:
-                urllib.request.urlopen(url + "/workers")
+                urllib.request.urlopen(url + "/health")
                 break
             except OSError:
                 time.sleep(0.1)
@@ -204,7 +204,7 @@ def test_worker_registers_and_deregisters_itself(cluster) -> None:
             assert time.monotonic() < deadline, "worker never registered"
             time.sleep(0.1)
         body = json.dumps(_requests(1, seed=7, max_tokens=4)[0].to_dict()).encode()
-        reply = urllib.request.urlopen(urllib.request.Request(url + "/internal/generate", data=body, method="POST"), timeout=60).read()
+        reply = urllib.request.urlopen(urllib.request.Request(url + "/internal/generate", data=body, method="POST", headers=AUTH.headers()), timeout=60).read()
         assert b'"finish_reason"' in reply
         worker.terminate()
         deadline = time.monotonic() + 20
@@ -228,7 +228,7 @@ def test_kv_events_rows_equal_events(cluster) -> None:
     asyncio.run(_run_all(_config(policy="cache_aware", worker=(mixed.url,)), _requests(2, seed=31, max_tokens=2, lengths=(300,))))
 
     def get(q: str) -> dict:
-        with urllib.request.urlopen(mixed.url + "/kv_events?since=0" + q, timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(mixed.url + "/kv_events?since=0" + q, headers=AUTH.headers()), timeout=10) as r:
             return json.loads(r.read())
 
     old, new = get(""), get("&format=rows")

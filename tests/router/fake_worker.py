@@ -9,7 +9,9 @@ Behaviours for failure tests (flags or ``POST /fake/control``):
 - ``--token-delay S``: sleep S seconds before each token (a decode step);
 - ``--refuse N``: answer 503 to the next N generate requests (-1: always);
 - ``--die-after K``: ``SIGKILL`` itself after emitting K tokens in total (a crash mid-stream);
-- ``draining``: ``/health`` answers 503 and ``/load`` reports ``draining``.
+- ``draining``: ``/health`` answers 503 and ``/load`` reports ``draining``;
+- ``--require-token T``: every route but ``/health`` and ``/fake/*`` answers 401 without
+  ``Authorization: Bearer T`` (the internal token, as a real worker).
 ``GET /fake/stats`` tells what it served. Run: ``python -m tests.router.fake_worker --port 0``;
 it prints ``READY <port>`` once listening.
 
@@ -77,6 +79,7 @@ class FakeWorker:
         self.kv_log: list[dict] = []  # KV events, seq = index + 1
         self.keys = _load_keys_module() if args.kv_events else None
         self.kv_rows = args.kv_rows
+        self.require_token = args.require_token
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
@@ -170,8 +173,15 @@ class FakeWorker:
     async def get_stats(self, request: web.Request) -> web.Response:
         return web.json_response(dict(self.stats))
 
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.path != "/health" and not request.path.startswith("/fake/") and request.headers.get("Authorization") != f"Bearer {self.require_token}":
+            self.stats["unauthorized"] += 1
+            return web.json_response({"error": "missing or wrong internal token"}, status=401)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._authorize] if self.require_token else [])
         app.router.add_post("/internal/generate", self.generate)
         app.router.add_post("/internal/abort", self.abort)
         app.router.add_get("/load", self.load)
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--kv-events", action="store_true")
     p.add_argument("--kv-rows", action="store_true", help="answer /kv_events?format=rows with rows")
+    p.add_argument("--require-token", default="", help="the internal token every route but /health needs")
     args = p.parse_args(argv)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -11,9 +11,8 @@ Pure functions, no I/O: the prompt is already encoded. Mapping:
   ``stop_token_ids``, ``ignore_eos``): ``server.extensions``, validated with OpenAI's / vLLM's ranges.
 - ``stop_token_ids``: EOS (unless ``ignore_eos``) plus the client's. Stop *strings* stay in the
   gateway (the recipe's ParsingOptions), which aborts the engine request when one matches.
-- the output constraint: recipe ``(kind, schema)`` -> ``OutputConstraint(kind, spec, trigger)``, the
-  trigger being the thinking-end token when the answer starts in reasoning, so the grammar applies
-  only after ``</think>``.
+- the output constraint: ``server.structured`` (the recipe's kind with the client's own schemas,
+  or a vLLM / SGLang extension field; in thinking mode it applies only after ``</think>``).
 """
 
 from __future__ import annotations
@@ -21,9 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from engine.protocol import GenerateRequest, SamplingParams
 from server.errors import ContextLengthExceeded, InvalidRequest, from_conversion_error
 from server.extensions import Extras
+from server.structured import recipe_constraint
 
 
 def session_key(body: dict[str, Any]) -> str | None:
@@ -36,18 +36,6 @@ def session_key(body: dict[str, Any]) -> str | None:
     if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
         return meta["user_id"]
     return None
-
-
-def output_constraint(recipe_constraint: Any, parsing_options: Any, thinking_end_id: int) -> OutputConstraint | None:
-    """Recipe ``OutputConstraint(kind, schema)`` -> engine ``OutputConstraint``."""
-    if recipe_constraint is None:
-        return None
-    stage = parsing_options.thinking_initial_stage
-    in_reasoning = (
-        stage is not None and stage.starts_in_reasoning() and not parsing_options.starts_in_tool_calls
-    )
-    trigger = (thinking_end_id,) if in_reasoning else ()
-    return OutputConstraint(kind=recipe_constraint.kind, spec=recipe_constraint.schema, trigger_token_ids=trigger)
 
 
 def resolve_max_tokens(conv_req: Any, prompt_len: int, context_len: int) -> int:
@@ -88,6 +76,7 @@ def build_generate_request(
     thinking_end_id: int,
     extras: Extras | None = None,
     official_thinking_sampling: bool = False,
+    compact_json: bool = False,
 ) -> GenerateRequest:
     """The engine request for a converted Chat Completions / Responses / Messages request."""
     extras = extras or Extras()
@@ -111,7 +100,9 @@ def build_generate_request(
         seed=opts.seed,
         logprobs=bool(opts.logprobs),
         top_logprobs=int(opts.top_logprobs or 0) if opts.logprobs else 0,
-        constraint=output_constraint(opts.output_constraint, conv_req.parsing_options, thinking_end_id),
+        constraint=recipe_constraint(
+            body, opts.output_constraint, conv_req.parsing_options, thinking_end_id, compact=compact_json
+        ),
         **extra,
     )
     return GenerateRequest(

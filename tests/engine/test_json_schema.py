@@ -1,0 +1,109 @@
+"""engine.json_schema: OpenAI strict translation and the audit of what xgrammar enforces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.json_schema import SchemaError, enforceable_schema
+
+
+def spec(schema, strict=False):
+    return json.loads(enforceable_schema(schema, strict=strict))
+
+
+def test_strict_keeps_the_integer_enum_and_spells_out_required_and_no_extras() -> None:
+    schema = {"type": "object", "properties": {"count": {"type": "integer", "enum": [1, 2, 3]}}}
+    assert spec(schema, strict=True) == {
+        "type": "object",
+        "properties": {"count": {"type": "integer", "enum": [1, 2, 3]}},
+        "required": ["count"],
+        "additionalProperties": False,
+    }
+
+
+def test_strict_reaches_nested_objects_and_keeps_defs() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}, "maxItems": 2},
+            "ref": {"$ref": "#/$defs/N"},
+        },
+        "$defs": {"N": {"type": "object", "properties": {"n": {"type": "integer"}}}},
+    }
+    out = spec(schema, strict=True)
+    inner = out["properties"]["items"]["items"]
+    assert inner["required"] == ["a"] and inner["additionalProperties"] is False
+    assert inner["properties"]["a"]["maxLength"] == 3 and out["properties"]["items"]["maxItems"] == 2
+    assert out["$defs"]["N"]["required"] == ["n"] and out["$defs"]["N"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    "schema, location",
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": []}, "required"),
+        ({"type": "object", "properties": {}, "additionalProperties": True}, "additionalProperties"),
+    ],
+)
+def test_strict_refuses_what_contradicts_it(schema, location) -> None:
+    with pytest.raises(SchemaError) as e:
+        enforceable_schema(schema, strict=True)
+    assert e.value.location == location
+
+
+@pytest.mark.parametrize(
+    "schema, location",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "properties": {"a": {"type": "array", "contains": {"type": "integer"}}}}, "properties.a.contains"),
+        ({"not": {"type": "integer"}}, "not"),
+        ({"if": {"type": "integer"}, "then": {"minimum": 1}}, "if"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+        ({"type": "string", "pattern": "^a+$", "minLength": 2}, "minLength"),
+        ({"type": "string", "format": "iri"}, "format"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, "required"),
+        ({"type": "string", "const": 1}, "const"),
+        ({"type": "string", "enum": ["a"], "maxLength": 0}, "maxLength"),
+        ({"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/missing"}]}, "anyOf[1].$ref"),
+        ({"$ref": "https://example.com/schema"}, "$ref"),
+        ({"minLength": 3}, "minLength"),
+        ({"type": "strng"}, "type"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ],
+)
+def test_refused_keywords_are_named(schema, location) -> None:
+    with pytest.raises(SchemaError) as e:
+        enforceable_schema(schema, strict=False)
+    assert e.value.location == location
+
+
+def test_enum_values_the_type_rejects_are_dropped() -> None:
+    assert spec({"type": "string", "enum": ["a", 1, None]}) == {"type": "string", "enum": ["a"]}
+    assert spec({"type": ["integer", "null"], "enum": [1, 1.5, None, True]})["enum"] == [1, None]
+    with pytest.raises(SchemaError, match="No 'enum' value"):
+        enforceable_schema({"type": "boolean", "enum": [0, 1]}, strict=False)
+
+
+def test_supported_schemas_pass_unchanged() -> None:
+    schema = {
+        "title": "T",
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "minLength": 1, "maxLength": 5, "description": "d"},
+            "p": {"type": "string", "pattern": "^[a-z]+$", "format": "email"},
+            "n": {"type": "number", "minimum": 0, "exclusiveMaximum": 10},
+            "i": {"type": "integer", "multipleOf": 3},
+            "u": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+            "a": {"allOf": [{"$ref": "#/definitions/A"}]},
+            "t": {"type": "array", "prefixItems": [{"const": 1}], "items": False, "minItems": 1},
+            "x-vendor": {"type": "null"},
+        },
+        "required": ["s"],
+        "additionalProperties": {"type": "boolean"},
+        "definitions": {"A": {"enum": [1, "a", None]}},
+        "x-extension": 1,
+    }
+    assert spec(schema) == schema

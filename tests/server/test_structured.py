@@ -1,0 +1,145 @@
+"""server.structured: request fields -> OutputConstraint, over real deepseek-recipe conversions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import deepseek_recipe as dr
+import pytest
+
+from server.errors import InvalidRequest
+from server.structured import completion_constraint, recipe_constraint
+
+MODEL = "DeepSeek-V4-Pro"
+THINK_END = 128822
+USER = [{"role": "user", "content": "Answer in json."}]
+NO_THINK = {"thinking": {"type": "disabled"}}
+COUNT = {"type": "object", "properties": {"count": {"type": "integer", "enum": [1, 2, 3]}}}
+
+
+def constraint(body: dict[str, Any], cls: Any = dr.ChatCompletionRequest, compact: bool = False):
+    body = {"model": MODEL, **body}
+    conv = cls(json.dumps(body).encode()).convert(dr.ConversionOptions())
+    return recipe_constraint(body, conv.inference_options.output_constraint, conv.parsing_options, THINK_END, compact=compact)
+
+
+def refused(body: dict[str, Any], cls: Any = dr.ChatCompletionRequest) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as e:
+        constraint(body, cls)
+    return e.value
+
+
+def test_strict_json_schema_keeps_the_integer_enum() -> None:
+    """The recipe's strict normalisation drops the enum; the constraint is the client's schema."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COUNT, "strict": True}}
+    c = constraint({"messages": USER, "response_format": fmt, **NO_THINK})
+    assert c.kind == "json" and c.trigger_token_ids == ()
+    assert json.loads(c.spec) == {**COUNT, "required": ["count"], "additionalProperties": False}
+
+
+def test_responses_text_format_keeps_the_enum_and_thinking_triggers() -> None:
+    fmt = {"format": {"type": "json_schema", "name": "c", "schema": COUNT, "strict": True}}
+    c = constraint({"input": "json please", "text": fmt}, dr.ResponsesRequest)
+    assert json.loads(c.spec)["properties"]["count"]["enum"] == [1, 2, 3]
+    assert c.trigger_token_ids == (THINK_END,)
+
+
+def test_unenforceable_keyword_is_a_400_naming_it() -> None:
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    e = refused({"messages": USER, "response_format": fmt})
+    assert e.status == 400 and e.param == "response_format.json_schema.schema.properties.tags.uniqueItems"
+
+
+def test_strict_tool_parameters_come_from_the_client() -> None:
+    tools = [
+        {"type": "function", "function": {"name": "f", "strict": True, "parameters": COUNT}},
+        {"type": "function", "function": {"name": "g", "strict": True, "parameters": {"type": "object", "properties": {}}}},
+    ]
+    c = constraint({"messages": USER, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}, **NO_THINK})
+    assert c.kind == "tool_call_required"
+    (tool,) = json.loads(c.spec)
+    assert tool["function"]["name"] == "f"
+    assert tool["function"]["parameters"]["properties"]["count"]["enum"] == [1, 2, 3]
+    assert tool["function"]["parameters"]["required"] == ["count"]
+
+
+def test_tool_parameters_audited_with_the_tool_index() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"not": {}}}}}}]
+    e = refused({"messages": USER, "tools": tools, **NO_THINK})
+    assert e.param == "tools[0].function.parameters.properties.a.not"
+
+
+@pytest.mark.parametrize(
+    "fields, kind, spec",
+    [
+        ({"guided_json": COUNT}, "json", json.dumps(COUNT, separators=(",", ":"))),
+        ({"guided_json": json.dumps(COUNT)}, "json", json.dumps(COUNT, separators=(",", ":"))),
+        ({"guided_regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
+        ({"guided_choice": ["yes", 'no "way"']}, "ebnf", 'root ::= "yes" | "no \\"way\\""'),
+        ({"guided_grammar": 'root ::= "a"'}, "ebnf", 'root ::= "a"'),
+        ({"structured_outputs": {"json": COUNT}}, "json", json.dumps(COUNT, separators=(",", ":"))),
+        ({"structured_outputs": {"regex": "a+"}}, "regex", "a+"),
+        ({"structured_outputs": {"choice": ["x"]}}, "ebnf", 'root ::= "x"'),
+        ({"structured_outputs": {"grammar": 'root ::= "b"'}}, "ebnf", 'root ::= "b"'),
+        ({"structured_outputs": {"json_object": True}}, "json", ""),
+        ({"regex": "b+", "guided_decoding_backend": "xgrammar"}, "regex", "b+"),
+        ({"ebnf": 'root ::= "c"'}, "ebnf", 'root ::= "c"'),
+    ],
+)
+def test_extensions_map_to_constraints(fields, kind, spec) -> None:
+    c = constraint({"messages": USER, **fields, **NO_THINK})
+    assert (c.kind, c.spec, c.compact) == (kind, spec, False)
+
+
+def test_extension_in_thinking_mode_starts_after_think_end() -> None:
+    c = constraint({"messages": USER, "guided_regex": "a"})
+    assert c.trigger_token_ids == (THINK_END,)
+
+
+def test_compact_from_the_server_option_or_the_request() -> None:
+    assert constraint({"messages": USER, "guided_json": COUNT, **NO_THINK}, compact=True).compact
+    so = {"json": COUNT, "disable_any_whitespace": True}
+    assert constraint({"messages": USER, "structured_outputs": so, **NO_THINK}).compact
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COUNT}}
+    assert constraint({"messages": USER, "response_format": fmt, **NO_THINK}, compact=True).compact
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"guided_json": COUNT, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn"),
+        ({"structured_outputs": {"disable_any_whitespace": "yes"}}, "structured_outputs.disable_any_whitespace"),
+        ({"structured_outputs": "json"}, "structured_outputs"),
+        ({"guided_whitespace_pattern": "\\s*"}, "guided_whitespace_pattern"),
+        ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json.uniqueItems"),
+        ({"regex": 3}, "regex"),
+    ],
+)
+def test_bad_extensions_are_400_with_param(fields, param) -> None:
+    assert refused({"messages": USER, **fields, **NO_THINK}).param == param
+
+
+def test_extension_with_response_format_is_refused() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COUNT}}
+    assert refused({"messages": USER, "response_format": fmt, "guided_regex": "a", **NO_THINK}).param == "guided_regex"
+
+
+def test_completions_constraints() -> None:
+    assert completion_constraint({"prompt": "x"}, compact=False) is None
+    assert completion_constraint({"response_format": {"type": "text"}}, compact=False) is None
+    c = completion_constraint({"response_format": {"type": "json_schema", "json_schema": {"schema": COUNT, "strict": True}}}, compact=True)
+    assert c.compact and json.loads(c.spec)["required"] == ["count"]
+    assert completion_constraint({"response_format": {"type": "json_object"}}, compact=False).spec == ""
+    assert completion_constraint({"guided_choice": ["a", "b"]}, compact=False).kind == "ebnf"
+    with pytest.raises(InvalidRequest) as e:
+        completion_constraint({"response_format": {"type": "xml"}}, compact=False)
+    assert e.value.param == "response_format.type"

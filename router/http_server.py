@@ -100,10 +100,6 @@ class StreamWriter:
         if conn.write_paused:
             await conn.drain()
 
-    def write_nowait(self, data: bytes) -> None:
-        if data and not self._conn.closed:
-            self._conn.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
-
     def end(self) -> None:
         if not self._conn.closed:
             self._conn.transport.write(b"0\r\n\r\n")

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from deepserve import internal_auth
 from server import up as up_module
 from server.config import GatewayConfig, add_gateway_flags
 
@@ -26,6 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_gateway_flags(gw)
     gw.add_argument("--engine-url", metavar="URL", help="engine worker or router service (DEEPSERVE_ENGINE_URL)")
     gw.add_argument("--access-log", action="store_true", help="log every request (off: it costs CPU per request)")
+    internal_auth.add_flags(gw)
     gw.set_defaults(func=run_gateway)
 
     up = subparsers.add_parser(
@@ -62,7 +64,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     _logging(config.log_level)
     if not config.engine_url:
         raise SystemExit("deepserve gateway: --engine-url (or DEEPSERVE_ENGINE_URL) is required")
-    client = make_engine_client(config.engine_url)
+    client = make_engine_client(config.engine_url, internal_auth.from_args(args))
 
     @contextlib.asynccontextmanager
     async def lifecycle() -> AsyncIterator[None]:
@@ -99,6 +101,7 @@ def run_up(args: argparse.Namespace) -> int:
         dp=args.dp,
         dtype=args.dtype,
         device=args.device,
+        max_model_len=config.max_model_len,
         startup_timeout_s=args.startup_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         engine_args=tuple(args.engine_arg),

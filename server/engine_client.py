@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol, runtime_checkable
 
+from deepserve.internal_auth import InternalAuth
 from engine.protocol import GenerateRequest, TokenEvent
 
 
@@ -23,8 +24,9 @@ class EngineClient(Protocol):
         ...
 
 
-def make_engine_client(url: str) -> EngineClient:
-    """The client of one engine worker or router service at ``url`` (``WorkerClient``)."""
+def make_engine_client(url: str, auth: InternalAuth | None = None) -> EngineClient:
+    """The client of one engine worker or router service at ``url`` (``WorkerClient``),
+    sending ``auth``'s internal token."""
     from router.worker_client import WorkerClient
 
-    return WorkerClient(url)
+    return WorkerClient(url, auth=auth)

@@ -10,9 +10,15 @@
    (values already in the environment win). Linux: each child gets SIGTERM if this process dies
    (``PR_SET_PDEATHSIG``), so even a SIGKILLed ``up`` leaves no orphans.
 3. Once every worker answers ``/health`` 200, the in-process ``router.Router`` over them and the
-   gateway on ``--host``/``--port`` (127.0.0.1:8000). ``/health`` is 200 while all workers are up;
-   ``/metrics`` carries the gateway's, the router's and every worker's metrics.
-4. Ctrl-C / SIGTERM: the gateway stops accepting, the workers get SIGTERM (they drain), and any
+   gateway on ``--host``/``--port`` (127.0.0.1:8000). ``/health`` is 200 while the stack can
+   serve (a worker that decodes is available), also with a worker down; ``/metrics`` carries the
+   gateway's, the router's and every worker's metrics.
+4. The internal plane's token: the one in the environment (``deepserve.internal_auth``), else
+   a fresh one, given to the workers in theirs and used by the router.
+5. Supervision: a worker process that exits is started again on its port (backoff from
+   ``restart_backoff_s``, doubling to 30 s while it keeps dying within a minute); the router's
+   poller sees it come back.
+6. Ctrl-C / SIGTERM: the gateway stops accepting, the workers get SIGTERM (they drain), and any
    still alive after ``--shutdown-timeout`` seconds get SIGKILL.
 """
 
@@ -28,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 from engine.protocol import Role
+from deepserve.internal_auth import ENV_TOKEN, InternalAuth, generate_token
 from server.config import GatewayConfig
 
 log = logging.getLogger("deepserve.up")
@@ -52,8 +60,10 @@ class UpOptions:
     dp: int | None = None
     dtype: str | None = None
     device: str | None = None
+    max_model_len: int | None = None  # the gateway's context length, passed to every worker too
     startup_timeout_s: float = 600.0
     shutdown_timeout_s: float = 15.0
+    restart_backoff_s: float = 1.0  # first delay before a dead worker is started again
     engine_args: tuple[str, ...] = ()  # passed through to every `deepserve engine`
 
     def __post_init__(self) -> None:
@@ -150,6 +160,10 @@ class WorkerProcess:
     role: Role
     port: int
     proc: subprocess.Popen[bytes]
+    restarts: int = 0
+    started: float = field(default_factory=time.monotonic)
+    next_start: float = 0.0  # monotonic time of the planned restart (0: none planned)
+    backoff_s: float = 0.0
 
     @property
     def url(self) -> str:
@@ -161,14 +175,19 @@ class WorkerProcess:
 
 @dataclass
 class WorkerSet:
-    """The engine worker processes of one ``up``; ``stop()`` leaves none behind."""
+    """The engine worker processes of one ``up``; ``supervise()`` restarts those that exit,
+    ``stop()`` leaves none behind."""
 
     opts: UpOptions
     model_dir: Path
+    auth: InternalAuth = field(default_factory=lambda: InternalAuth(generate_token()), repr=False)
     workers: list[WorkerProcess] = field(default_factory=list)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _supervisor: threading.Thread | None = None
 
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env[ENV_TOKEN] = self.auth.token
         env.setdefault("DEEPSERVE_KV_TIERS", "memory,fs")
         env.setdefault("DEEPSERVE_KV_FS_DIR", str(self.opts.cache_dir / "kv"))
         Path(env["DEEPSERVE_KV_FS_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -176,8 +195,10 @@ class WorkerSet:
         return env
 
     def command(self, role: Role, port: int) -> list[str]:
-        cmd = [*deepserve_command(), "engine", "--model", str(self.model_dir), "--role", role, "--port", str(port)]
-        for flag, value in (("--dp", self.opts.dp), ("--dtype", self.opts.dtype), ("--device", self.opts.device)):
+        # --open-metrics: the gateway's /metrics (open) merges theirs; they listen on loopback only
+        cmd = [*deepserve_command(), "engine", "--model", str(self.model_dir), "--role", role, "--port", str(port), "--open-metrics"]
+        o = self.opts
+        for flag, value in (("--dp", o.dp), ("--dtype", o.dtype), ("--device", o.device), ("--max-model-len", o.max_model_len)):
             if value is not None:
                 cmd += [flag, str(value)]
         return cmd + list(self.opts.engine_args)
@@ -189,10 +210,41 @@ class WorkerSet:
             index = counts.get(role, 0)
             counts[role] = index + 1
             port = free_port()
-            cmd = self.command(role, port)
-            log.info("starting %s-%d: %s", role, index, " ".join(cmd))
-            proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            self.workers.append(WorkerProcess(f"{role}-{index}", role, port, proc))
+            log.info("starting %s-%d on port %d", role, index, port)
+            self.workers.append(WorkerProcess(f"{role}-{index}", role, port, self._spawn(role, port, env)))
+
+    def _spawn(self, role: Role, port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        cmd = self.command(role, port)
+        log.debug("%s", " ".join(cmd))
+        return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def supervise(self, interval_s: float = 0.5) -> None:
+        """Watch the workers from a daemon thread until ``stop()``; restart any that exits."""
+        self._supervisor = threading.Thread(target=self._watch, args=(interval_s,), name="up-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _watch(self, interval_s: float) -> None:
+        env = self.worker_env()
+        while not self._stopping.wait(interval_s):
+            for w in self.workers:
+                if not w.alive() and not self._stopping.is_set():
+                    self._restart(w, env)
+
+    def _restart(self, w: WorkerProcess, env: dict[str, str]) -> None:
+        now = time.monotonic()
+        if not w.next_start:  # just found dead: plan the restart
+            quick = now - w.started < 60.0  # died soon after its last start: back off further
+            w.backoff_s = min(30.0, w.backoff_s * 2) if quick and w.backoff_s else self.opts.restart_backoff_s
+            w.next_start = now + w.backoff_s
+            log.warning("%s exited with status %s; restarting it in %.1fs", w.name, w.proc.returncode, w.backoff_s)
+            return
+        if now < w.next_start:
+            return
+        w.proc = self._spawn(w.role, w.port, env)
+        w.started = now
+        w.restarts += 1
+        w.next_start = 0.0
+        log.info("%s restarted (restart %d)", w.name, w.restarts)
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -210,6 +262,9 @@ class WorkerSet:
                 time.sleep(0.25)
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5)
         for w in self.workers:
             if w.alive():
                 w.proc.send_signal(signal.SIGTERM)
@@ -243,7 +298,7 @@ def build_engine(workers: WorkerSet, registry: Any) -> tuple[Any, Any, Any]:
     from router.router import Router
 
     config = RouterConfig.from_env(worker=by_role["mixed"], prefill=by_role["prefill"], decode=by_role["decode"])
-    router = Router(config, metrics=RouterMetrics(registry))
+    router = Router(config, metrics=RouterMetrics(registry), auth=workers.auth)
 
     @contextlib.asynccontextmanager
     async def router_life() -> AsyncIterator[None]:
@@ -254,10 +309,8 @@ def build_engine(workers: WorkerSet, registry: Any) -> tuple[Any, Any, Any]:
             await router.stop()
 
     async def router_health() -> bool:
-        if not all(w.alive() for w in workers.workers):
-            return False
-        known = list(router.registry.workers())
-        return len(known) == len(workers.workers) and all(w.available for w in known)
+        """Whether the stack can serve: a worker that decodes (mixed or decode) is available."""
+        return any(w.available and w.role in ("mixed", "decode") for w in router.registry.workers())
 
     return router, router_life, router_health
 
@@ -272,7 +325,8 @@ def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False)
     if not port_is_free(gateway.host, gateway.port):
         raise SystemExit(f"deepserve up: {gateway.host}:{gateway.port} is already in use")
     model_dir = ensure_checkpoint(opts)
-    workers = WorkerSet(opts, model_dir)
+    given = InternalAuth.resolve()
+    workers = WorkerSet(opts, model_dir, auth=given) if given.enabled else WorkerSet(opts, model_dir)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -281,6 +335,7 @@ def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False)
     try:
         workers.start()
         workers.wait_healthy(opts.startup_timeout_s)
+        workers.supervise()
         gm = GatewayMetrics()
         engine, lifecycle, health = build_engine(workers, gm.registry)
         config = GatewayConfig(**{**gateway.__dict__, "model_dir": str(model_dir)})

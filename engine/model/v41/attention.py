@@ -12,7 +12,9 @@ the candidate blocks of the candidate source when one ran earlier in the stack.
 What one forward publishes from layer to layer (rows, keys, each query's chosen rows, the
 candidate blocks) lives in a per-sequence ``Shared``; what persists across forwards lives in the
 sequence's ``V41SequenceState``. Projections run on all tokens of a batch at once, the rest per
-sequence.
+sequence. Attention is one masked softmax over [window ring, new keys, compressed rows] with the
+reference's tensor shapes, so its roundings (and hence every FP8/FP4 rounding downstream) are
+the reference's.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attend import attend_with_sinks, hide
-from engine.model.layers import GroupedLinear, RMSNorm
-from engine.model.rope import Rotary, apply_rope
+from engine.model.layers import GroupedLinear
+from engine.model.rope import Rotary
+from engine.model.rope import apply_rope_eager as apply_rope
 from engine.model.v41.config import V41Config
+from engine.model.v41.layers import RMSNorm
 from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
-
-QUERY_TILE = 512  # queries per attention tile in long prefills (bounds the gathered rows)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Indexer(nn.Module):
         where the choice is a complete row. Publishes the candidate blocks at the candidate source."""
         s, t = x.shape[0], keys.shape[0]
         q = fp4_indexer(apply_rope(self.wq_b(q_res).view(s, self.n_heads, self.head_dim), *rope))  # (S, Hi, Di)
-        scores = torch.matmul(q.float(), keys.float().t()).relu_() * self.softmax_scale  # (S, Hi, T)
+        scores = torch.einsum("bshd,btd->bsht", q.float()[None], keys.float()[None])[0].relu_() * self.softmax_scale  # (S, Hi, T)
         weights = self.weights_proj(x).float() * self.heads_scaling  # (S, Hi)
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (S, T)
         complete = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # (S,) rows < this are complete
@@ -191,7 +192,7 @@ class Attention(nn.Module):
             if self.ratio:
                 comp_rope = (ropes["compress"][0][rows], ropes["compress"][1][rows])
                 extra = self._compressed(c, x[rows], q_res[rows], positions[rows], comp_rope, compress_rotary)
-            out[rows] = self._attend(c, q[rows], kv[rows], extra)
+            out[rows] = self._attend(c, q[rows], kv[rows], positions[rows], extra)
         out = apply_rope(out, cos, -sin)  # undo the rotation the values picked up as keys
         return self.wo_b(self.wo_a(out.view(n, self.o_groups, -1)).flatten(1))
 
@@ -199,8 +200,9 @@ class Attention(nn.Module):
         self, c: Chunk, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
         comp_rope: tuple[torch.Tensor, torch.Tensor], rotary: Rotary,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """The compressed rows each query attends, ``(S, k, D)``, and their bias ``(S, k)``
-        (None: no row). A KV source first extends and publishes its group's rows and keys."""
+        """The group's compressed rows ``(T, D)`` and each query's bias over them ``(S, T)``
+        (0 = chosen, -inf = not; None: no rows). A KV source first extends and publishes its
+        group's rows and keys."""
         sh = c.shared
         if self.compressor is not None:
             src = c.state.sources[self.layer_idx]
@@ -217,32 +219,34 @@ class Attention(nn.Module):
             sh.top = None
             if sh.keys is not None and sh.keys.shape[0]:
                 sh.top = self.indexer.select(x, q_res, sh.keys, positions, comp_rope, sh)
-        if sh.rows is None or not sh.rows.shape[0] or sh.top is None:
+        if sh.rows is None or not sh.rows.shape[0]:
             return None
-        top, valid = sh.top
-        return sh.rows[top], hide(~valid, sh.rows.dtype)  # (S, k, D), (S, k)
+        bias = torch.full((x.shape[0], sh.rows.shape[0] + 1), float("-inf"), dtype=torch.float32, device=x.device)  # (S, T+1)
+        if sh.top is not None:  # a pick that is not a complete row goes to the dropped last column
+            top, valid = sh.top
+            bias.scatter_(-1, torch.where(valid, top, sh.rows.shape[0]), 0.0)
+        return sh.rows, bias[:, :-1]
 
-    def _attend(self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """``q (S, nh, D)`` over the window (ring + new keys ``kv (S, D)``) and ``extra`` → ``(S, nh, D)``."""
-        win, win_bias = self._windows(c.state, kv)
-        out = torch.empty_like(q)
-        for t0 in range(0, q.shape[0], QUERY_TILE):
-            t = slice(t0, t0 + QUERY_TILE)
-            rows, bias = (None, None) if extra is None else (extra[0][t], extra[1][t])
-            out[t] = attend_with_sinks(q[t], win[t], None if win_bias is None else win_bias[t], rows, bias, self.attn_sink, self.scaling)
-        return out
-
-    def _windows(self, st: V41SequenceState, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Window keys of each new token ``(S, W, D)`` (a view) and the bias ``(S, W)`` hiding the
-        left padding (None without); keeps the last ``W-1`` keys as the layer's ring."""
-        keep = self.window - 1
-        prev = st.windows[self.layer_idx]
-        pad = keep - prev.shape[0]
-        padded = torch.cat([kv.new_zeros(pad, kv.shape[-1]), prev, kv])  # (W-1+S, D)
-        st.windows[self.layer_idx] = padded[padded.shape[0] - min(prev.shape[0] + kv.shape[0], keep) :].clone()
-        win = padded.unfold(0, self.window, 1).transpose(1, 2)  # (S, W, D)
-        if not pad:
-            return win, None
-        i = torch.arange(kv.shape[0], device=kv.device)[:, None]
-        j = torch.arange(self.window, device=kv.device)[None, :]
-        return win, hide(i + j < pad, kv.dtype)
+    def _attend(
+        self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``q (S, nh, D)`` over [ring, new keys ``kv (S, D)``, compressed rows] → ``(S, nh, D)``;
+        keeps the last ``W-1`` window keys as the layer's ring."""
+        st = c.state
+        ring = st.windows[self.layer_idx]
+        keys = torch.cat([ring, kv])  # (R+S, D): positions first-R .. last
+        st.windows[self.layer_idx] = keys[max(0, keys.shape[0] - (self.window - 1)) :].clone()
+        key_pos = torch.arange(keys.shape[0], device=kv.device) + (positions[0] - ring.shape[0])  # (R+S,)
+        visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - self.window)
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=kv.device).masked_fill(~visible, float("-inf"))
+        if extra is not None:
+            keys = torch.cat([keys, extra[0]])  # (R+S+T, D)
+            mask = torch.cat([mask, extra[1]], dim=-1)  # (S, R+S+T)
+        qh = q.transpose(0, 1)[None]  # (1, nh, S, D)
+        kh = keys[None, None]  # (1, 1, L, D): one key=value head for all query heads
+        logits = torch.matmul(qh, kh.transpose(2, 3)) * self.scaling + mask  # (1, nh, S, L)
+        sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(1, -1, q.shape[0], 1)
+        logits = torch.cat([logits, sinks.float()], dim=-1)  # the sink: one more logit per row
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kh.dtype)  # sink only in the denominator
+        return torch.matmul(probs, kh)[0].transpose(0, 1)  # (S, nh, D)

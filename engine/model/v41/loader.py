@@ -2,10 +2,8 @@
 
 Names: ``save_pretrained``'s (``model.layers.0.attn.wq_a.weight``, ``lm_head.weight``) and the
 released checkpoint's native ones (the same without ``model.``, ``head.weight``). Both map onto
-this package's modules: native names everywhere, except the mHC tensors
-(``hc_attn_fn`` → ``hc_attn.fn``) and the MoE, which is V4's module (``gate.bias`` →
-``gate.e_score_correction_bias``, per-expert ``w1/w3`` stacked into ``gate_up_proj``, ``w2``
-into ``down_proj``, the shared expert's ``w1/w2/w3`` → ``gate_proj/down_proj/up_proj``).
+this package's modules, which use the native names except for the mHC tensors
+(``hc_attn_fn`` → ``hc_attn.fn``).
 
 Precision: as stored, or FP8 e4m3 / packed FP4 with block scales (``*.scale``), dequantised on
 load by V4's ``dequantize`` (the engram tables' per-32-channel scales included). Kept aside:
@@ -20,7 +18,6 @@ the file and the tensor.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -33,14 +30,7 @@ from engine.model.v41.engram import NgramHasher
 from engine.model.v41.model import DeepseekV41ForCausalLM
 
 _TOP = {"embed.weight": "model.embed.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight"}
-_LAYER = [
-    (r"^hc_(attn|ffn)_(fn|base|scale)$", r"hc_\1.\2"),
-    (r"^ffn\.gate\.bias$", "ffn.gate.e_score_correction_bias"),
-    (r"^ffn\.shared_experts\.w1\.", "ffn.shared_experts.gate_proj."),
-    (r"^ffn\.shared_experts\.w2\.", "ffn.shared_experts.down_proj."),
-    (r"^ffn\.shared_experts\.w3\.", "ffn.shared_experts.up_proj."),
-]
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_HC = re.compile(r"^hc_(attn|ffn)_(fn|base|scale)$")
 _TEXT_ONLY_SKIP = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$|layers\.\d+\.ffn\.gate\.bias_vl$)")
 
 
@@ -54,9 +44,7 @@ def to_internal_name(name: str) -> str | None:
     m = re.match(r"^layers\.(\d+)\.(.*)$", bare)
     if not m:
         return "model." + bare
-    rest = m.group(2)
-    for pattern, repl in _LAYER:
-        rest = re.sub(pattern, repl, rest)
+    rest = _HC.sub(r"hc_\1.\2", m.group(2))
     return f"model.layers.{m.group(1)}.{rest}"
 
 
@@ -91,10 +79,9 @@ def load_v41_model(
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     loaded: set[str] = set()
-    experts: dict[str, dict[int, dict[str, tuple[torch.Tensor, Path]]]] = defaultdict(lambda: defaultdict(dict))
 
     def assign(name: str, tensor: torch.Tensor, file: Path, key: str) -> None:
-        if name not in params:
+        if name not in params or name in loaded:
             raise CheckpointError(f"{file}: unexpected tensor {key!r}")
         target = params[name]
         if tuple(tensor.shape) != tuple(target.shape):
@@ -126,13 +113,7 @@ def load_v41_model(
                 if name.startswith("model.mtp."):
                     model.mtp[key] = tensor
                     continue
-                m = _EXPERT.match(name)
-                if m:
-                    experts[m.group(1)][int(m.group(2))][m.group(3)] = (tensor, file)
-                    continue
                 assign(name, tensor, file, key)
-    for prefix, per_expert in experts.items():
-        _assign_experts(prefix, per_expert, cfg, model_dir, assign)
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         model.lm_head.weight = model.model.embed.weight
         loaded.add("lm_head.weight")
@@ -140,26 +121,3 @@ def load_v41_model(
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
     return model.eval()
-
-
-def _assign_experts(prefix: str, per_expert: dict, cfg: V41Config, model_dir: Path, assign) -> None:  # noqa: ANN001
-    """Stack one layer's per-expert ``w1/w3`` into ``gate_up_proj (E, 2I, H)`` and ``w2`` into
-    ``down_proj (E, H, I)``, checking each expert's shapes against the config first."""
-    h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    want = {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
-    for e in range(cfg.n_routed_experts):
-        for w, shape in want.items():
-            key = f"{prefix}.{e}.{w}.weight".removeprefix("model.")
-            if w not in per_expert.get(e, {}):
-                raise CheckpointError(f"{model_dir}: missing tensor {key!r}")
-            tensor, file = per_expert[e][w]
-            if tuple(tensor.shape) != shape:
-                raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}")
-    extra = sorted(set(per_expert) - set(range(cfg.n_routed_experts)))
-    if extra:
-        raise CheckpointError(f"{per_expert[extra[0]][next(iter(per_expert[extra[0]]))][1]}: unexpected expert {extra[0]} in {prefix!r}")
-    n = cfg.n_routed_experts
-    gate_up = torch.stack([torch.cat([per_expert[e]["w1"][0], per_expert[e]["w3"][0]]) for e in range(n)])
-    down = torch.stack([per_expert[e]["w2"][0] for e in range(n)])
-    assign(f"{prefix}.gate_up_proj", gate_up, model_dir, f"{prefix}.gate_up_proj")
-    assign(f"{prefix}.down_proj", down, model_dir, f"{prefix}.down_proj")

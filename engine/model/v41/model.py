@@ -20,31 +20,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine.model.layers import RMSNorm, collapse, hc_merge, mix_gates, normed_linear
 from engine.model.lm_head import LMHead
 from engine.model.rope import Rotary
 from engine.model.v41.attention import Attention, Chunk, Shared
 from engine.model.v41.config import V41Config
 from engine.model.v41.engram import Engram, NgramHasher
-from engine.model.v41.moe import V41MoE
+from engine.model.v41.layers import MoE, HyperSite, RMSNorm, collapse, expand
 from engine.model.v41.state import V41SequenceState
-
-
-class HyperSite(nn.Module):
-    """The mHC parameters of one site, as raw tensors (``hc_{site}_fn / _base / _scale``)."""
-
-    def __init__(self, cfg: V41Config) -> None:
-        super().__init__()
-        hc = cfg.hc_mult
-        self.hc, self.iters, self.hc_eps, self.norm_eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        self.fn = nn.Parameter(torch.empty((2 + hc) * hc, hc * cfg.hidden_size, dtype=torch.float32))
-        self.base = nn.Parameter(torch.zeros((2 + hc) * hc, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-
-    def gates(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``streams (N, hc, H)`` → ``pre (N, hc)``, ``post (N, hc)``, doubly-stochastic ``comb (N, hc, hc)``."""
-        mixes = normed_linear(streams.flatten(1).float(), self.fn, self.norm_eps, fold=False)  # (N, (2+hc)·hc)
-        return mix_gates(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
 
 
 class DecoderLayer(nn.Module):
@@ -53,7 +35,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.attn = Attention(cfg, layer_idx, dtype)
-        self.ffn = V41MoE(cfg, layer_idx, dtype)
+        self.ffn = MoE(cfg, dtype)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.engram = Engram(cfg, layer_idx, dtype) if layer_idx in cfg.engram_layer_ids else None
@@ -61,8 +43,7 @@ class DecoderLayer(nn.Module):
         self.hc_ffn = HyperSite(cfg)
 
     def forward(
-        self, streams: torch.Tensor, pre: torch.Tensor, hash_ids: torch.Tensor | None, token_ids: torch.Tensor,
-        positions: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], rotary: Rotary, chunks: list[Chunk],
+        self, streams: torch.Tensor, pre: torch.Tensor, hash_ids: torch.Tensor | None, positions: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], rotary: Rotary, chunks: list[Chunk],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``streams (N, hc, H)`` and the previous site's ``pre (N, hc)`` → the new streams and
         this layer's FFN-site ``pre``."""
@@ -71,10 +52,10 @@ class DecoderLayer(nn.Module):
             streams = self.engram(streams, hash_ids[:, self.engram.slot])
         attn_pre, post, comb = self.hc_attn.gates(streams)
         x = self.attn_norm(collapse(pre, streams))  # (N, H)
-        streams = hc_merge(post, comb, self.attn(x, positions, ropes, rotary, chunks), streams, fused=False)
+        streams = expand(self.attn(x, positions, ropes, rotary, chunks), streams, post, comb)
         ffn_pre, post, comb = self.hc_ffn.gates(streams)
         x = self.ffn_norm(collapse(attn_pre, streams))
-        return hc_merge(post, comb, self.ffn(x, token_ids), streams, fused=False), ffn_pre
+        return expand(self.ffn(x), streams, post, comb), ffn_pre
 
 
 class DeepseekV41Model(nn.Module):
@@ -147,7 +128,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         ropes = {kind: rot.cos_sin(positions, embeds.dtype) for kind, rot in self.rotary.items()}
         parts = [Chunk(st, a, b, Shared()) for (st, _), (a, b) in zip(chunks, spans)]
         for layer in self.model.layers:
-            streams, pre = layer(streams, pre, hash_ids, token_ids, positions, ropes, self.rotary["compress"], parts)
+            streams, pre = layer(streams, pre, hash_ids, positions, ropes, self.rotary["compress"], parts)
 
         for state, ids in chunks:
             state.num_tokens += len(ids)

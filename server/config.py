@@ -26,6 +26,7 @@ ENV_VARS: dict[str, str] = {
     "max_model_len": "DEEPSERVE_MAX_MODEL_LEN",
     "default_thinking": "DEEPSERVE_DEFAULT_THINKING",
     "official_thinking_sampling": "DEEPSERVE_OFFICIAL_THINKING_SAMPLING",
+    "compact_json": "DEEPSERVE_COMPACT_JSON",
     "max_body_bytes": "DEEPSERVE_MAX_BODY_BYTES",
     "rate_limit_rpm": "DEEPSERVE_RATE_LIMIT_RPM",
     "rate_limit_tpm": "DEEPSERVE_RATE_LIMIT_TPM",
@@ -66,6 +67,8 @@ class GatewayConfig:
     # True: thinking mode samples at temperature 1.0 / top_p 1.0 whatever the client sent, as
     # DeepSeek's official API does (deepseek-recipe's rule); False: the client's values are used.
     official_thinking_sampling: bool = False
+    # True: constrained JSON has no whitespace outside strings (``{"a":1}``, as OpenAI writes it).
+    compact_json: bool = False
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies: 413, checked while reading
     rate_limit_rpm: int = 0  # requests per minute per API key; 0 = unlimited
     rate_limit_tpm: int = 0  # prompt + completion tokens per minute per API key; 0 = unlimited
@@ -196,6 +199,10 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--official-thinking-sampling", action="store_const", const=True, default=None,
         help="in thinking mode sample at temperature 1.0 / top_p 1.0 whatever the client sent (DeepSeek's API)",
+    )
+    p.add_argument(
+        "--compact-json", action="store_const", const=True, default=None,
+        help="structured (JSON) output without whitespace outside strings, as OpenAI returns it",
     )
     p.add_argument("--max-body-bytes", type=int, help="largest request body (413 beyond)")
     p.add_argument("--rate-limit-rpm", type=int, help="requests per minute per API key (0 = off)")

@@ -127,6 +127,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
             rid if extras.n == 1 else f"{rid}-{i}", prompt, conv, body,
             context_len=catalog.context_len, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
             extras=extras, official_thinking_sampling=gw.config.official_thinking_sampling,
+            compact_json=gw.config.compact_json,
         )
         if i and greq.sampling.seed is not None:  # choice i: its own seeded stream
             greq.sampling = replace(greq.sampling, seed=(greq.sampling.seed + i) % (1 << 63))

@@ -29,8 +29,9 @@ import deepseek_recipe as dr
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine.protocol import GenerateRequest, SamplingParams
+from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from server.convert import session_key
+from server.structured import completion_constraint
 from server.extensions import Extras, parse_extras
 from server.fields import check_fields
 from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest
@@ -327,6 +328,7 @@ async def create_completion(request: Request) -> Response:
         gw.limiter.admit(key)
     catalog = gw.catalog
     p = parse_completion(body, catalog)
+    constraint = completion_constraint(body, compact=gw.config.compact_json)
     rid = "cmpl-" + uuid.uuid4().hex
     requests: list[tuple[int, GenerateRequest | None]] = []  # (prompt index, engine request)
     for k, (ids, _) in enumerate(p.prompts):
@@ -338,7 +340,7 @@ async def create_completion(request: Request) -> Response:
                 param="prompt",
             )
         for j in range(p.best_of):
-            greq = None if p.max_tokens == 0 else _generate_request(f"{rid}-{len(requests)}", ids, p, j, catalog, body)
+            greq = None if p.max_tokens == 0 else _generate_request(f"{rid}-{len(requests)}", ids, p, j, catalog, body, constraint)
             requests.append((k, greq))
 
     subs: list[Sub] = []
@@ -372,7 +374,8 @@ async def create_completion(request: Request) -> Response:
 
 
 def _generate_request(
-    request_id: str, ids: list[int], p: CompletionParams, j: int, catalog: ModelCatalog, body: dict[str, Any]
+    request_id: str, ids: list[int], p: CompletionParams, j: int, catalog: ModelCatalog, body: dict[str, Any],
+    constraint: OutputConstraint | None,
 ) -> GenerateRequest:
     """Candidate ``j`` of a prompt: seed + j when seeded; logprobs computed when best_of ranks."""
     extra = dict(p.extras.sampling)
@@ -387,6 +390,7 @@ def _generate_request(
         seed=None if p.seed is None else (p.seed + j) % (1 << 63),
         logprobs=p.logprobs is not None or p.best_of > p.n,
         top_logprobs=p.logprobs or 0,
+        constraint=constraint,
         **extra,
     )
     return GenerateRequest(

@@ -22,6 +22,8 @@ HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 MLP_TYPES = ("hash_moe", "moe")
+# config.json model_type -> model family (V4.1: engine/model/v41, flat text or composite config)
+FAMILIES = {"deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v41", "deepseek_v41_text": "deepseek_v41"}
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type != "deepseek_v4":
-            raise CheckpointError(f"model_type must be 'deepseek_v4', got {model_type!r}")
+            raise CheckpointError(f"model_type must be 'deepseek_v4' for this V4 config, got {model_type!r} (families: {', '.join(FAMILIES)})")
         d = _Defaults()
         n = int(raw.get("num_hidden_layers", d.num_hidden_layers))
         head_dim = int(raw.get("head_dim", d.head_dim))
@@ -217,6 +219,20 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             quantization=qc if isinstance(qc, dict) else None,
         )
+
+
+def model_type_of(model_dir: str | Path) -> str:
+    """The ``model_type`` of a checkpoint's ``config.json``: it selects the model family."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing config.json")
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: invalid JSON object ({exc})") from exc
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"{path}: unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    return model_type
 
 
 class _Defaults:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.config import FAMILIES, model_type_of
 from engine.model.loader import load_model
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.tiny import default_tokenizer_path
@@ -59,6 +60,16 @@ def tokenizer_path(model_dir: str | Path) -> Path:
     return own if own.is_file() else default_tokenizer_path()
 
 
+def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu") -> DeepseekV4ForCausalLM:
+    """The checkpoint's model, its family selected by ``config.json``'s ``model_type``
+    (V4.1: ``engine.model.v41``, the same ``forward(chunks)`` / ``new_state`` / ``head`` surface)."""
+    if FAMILIES[model_type_of(model_dir)] == "deepseek_v41":
+        from engine.model.v41.loader import load_v41_model
+
+        return load_v41_model(model_dir, dtype=dtype, device=device)  # type: ignore[return-value]
+    return load_model(model_dir, dtype=dtype, device=device, progress=False)
+
+
 def build_sampler(model: DeepseekV4ForCausalLM, model_dir: str | Path, seed: int | None = None) -> Sampler:
     cfg = model.config
     eos = cfg.eos_token_ids or (1,)
@@ -88,7 +99,11 @@ def build_engine(
     if device == "cpu":
         configure_cpu_threads()
         configure_cpu_allocator()
-    model = model or load_model(model_dir, dtype=dtype, device=device, progress=False)
+    model = model or load_any_model(model_dir, dtype=dtype, device=device)
+    if not isinstance(model, DeepseekV4ForCausalLM) and config.static_decode is not False:
+        from dataclasses import replace
+
+        config = replace(config, static_decode=False)  # V4.1: the general path only (no slot decoder yet)
     budget = default_state_budget(model, config)
     if budget != config.state_memory_bytes:
         from dataclasses import replace

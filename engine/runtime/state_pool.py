@@ -20,6 +20,10 @@ MAX_CONTEXT = 1 << 20  # tokens; DeepSeek-V4's longest context
 
 def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes of one block unit, bytes of one boundary state) for this architecture."""
+    if not isinstance(cfg, ModelConfig):  # another family (V4.1) accounts for its own state
+        from engine.model.v41.state import state_bytes as v41_state_bytes
+
+        return v41_state_bytes(cfg, dtype)
     e = torch.tensor([], dtype=dtype).element_size()
     unit = cfg.unit_tokens
     block = 0

@@ -126,9 +126,12 @@ class V41Config:
         return max(s for s in self.kv_source_layer_ids if s <= layer_idx)
 
     @property
-    def mlp_layer_types(self) -> tuple[str, ...]:
-        """Every V4.1 layer is score-routed (no hash MoE); the V4 ``MoE`` module reads this."""
-        return ("moe",) * self.num_hidden_layers
+    def unit_tokens(self) -> int:
+        """Tokens per state block unit: 128, or a multiple that every compress ratio divides."""
+        unit = 128
+        while any(r and unit % r for r in self.compress_ratios):
+            unit += 128
+        return unit
 
     def fingerprint(self) -> str:
         """Short hash of the architecture (state records are only valid for the same one)."""

@@ -17,6 +17,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.model.v41.config import V41Config
+
+
+def state_bytes(cfg: V41Config, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one block unit, bytes of one boundary state) of a sequence, as this package
+    stores them (``dtype`` rows, fp32 group buffers)."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    unit = cfg.unit_tokens
+    block = 0
+    boundary = cfg.num_hidden_layers * (cfg.sliding_window - 1) * cfg.head_dim * e
+    for i in cfg.kv_source_layer_ids:
+        r = cfg.compress_ratios[i]
+        row = cfg.head_dim + (cfg.index_head_dim if i in cfg.index_source_layer_ids else 0)
+        block += unit // r * row * e
+        boundary += 2 * (r - 1) * cfg.head_dim * 4  # the unfinished group's kv + gate
+        boundary += unit // r * row * e  # rows past the last whole unit
+    return block, boundary
+
 
 @dataclass
 class SourceState:

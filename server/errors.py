@@ -11,13 +11,25 @@ Statuses chosen where OpenAI leaves it open:
 - 503 ``overloaded`` with ``Retry-After``: the admission queue is full or waited too long, or the
   router has no worker / is overloaded.
 - 502 ``engine_error``: the engine failed the request or could not be reached.
+
+What lower layers say is never passed on verbatim (``client_text``): a 4xx keeps the first line
+of the engine's reason (the JSON ``error`` of a worker's answer when there is one) with file
+paths masked and tracebacks cut; a 5xx says only what kind of failure it was, and the detail is
+logged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.+-]+)+\.(?:py|pyx|c|cc|cpp|cxx|h|hh|hpp|cu|cuh|rs|so)\b(?::\d+)*")
+_MAX_TEXT = 300
 
 # Anthropic's error ``type`` per HTTP status (https://docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPES = {
@@ -135,6 +147,31 @@ class EngineTimeout(GatewayError):
     status, type, code, reason = 504, "server_error", "timeout", "timeout"
 
 
+def client_text(text: str) -> str:
+    """A lower layer's error text as a client may see it: the worker's JSON ``error`` message
+    when the text carries one (``HTTP 400: {"error": ...}``), its first line, no traceback, file
+    paths masked, at most 300 characters."""
+    brace = text.find("{")
+    if brace >= 0:
+        try:
+            err = json.loads(text[brace:]).get("error")
+        except (ValueError, AttributeError):
+            err = None
+        if isinstance(err, dict):
+            err = err.get("message")
+        if isinstance(err, str) and err:
+            text = err
+    text = text.split("Traceback", 1)[0].strip().splitlines()[0] if text.strip() else ""
+    text = _PATH.sub("<internal>", text)
+    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
+
+
+def engine_failed(detail: str) -> EngineFailed:
+    """The 502 for an engine that failed a request: ``detail`` goes to the log, not the client."""
+    log.warning("engine failed a request: %s", detail)
+    return EngineFailed("The engine failed the request.")
+
+
 def from_conversion_error(exc: Exception) -> GatewayError:
     """deepseek-recipe's ``ConversionError`` already carries an OpenAI body and status."""
     status = int(getattr(exc, "status_code", 400) or 400)
@@ -162,7 +199,7 @@ def translate(exc: BaseException) -> GatewayError:
     if isinstance(exc, GatewayError):
         return exc
     names = {cls.__name__ for cls in type(exc).__mro__}
-    message = str(exc) or type(exc).__name__
+    message = client_text(str(exc)) or type(exc).__name__
     retry_after = getattr(exc, "retry_after", None)
     if names & {"NoWorkerAvailable", "Overloaded", "CapacityError", "Draining"} or retry_after is not None:
         return Overloaded(f"The engine is overloaded: {message}", retry_after=float(retry_after or 1.0))
@@ -170,11 +207,12 @@ def translate(exc: BaseException) -> GatewayError:
         exc, "status", None
     ) in (400, 422):
         return InvalidRequest(message)
+    log.warning("engine error %s: %s", type(exc).__name__, exc)
     if isinstance(exc, TimeoutError) or names & {"TimeoutException", "ServerTimeoutError"}:
-        return EngineTimeout(f"The engine did not answer in time: {message}")
+        return EngineTimeout("The engine did not answer in time.")
     status = getattr(exc, "status", None)
     if status == 503:
-        return Overloaded(f"The engine is unavailable: {message}", retry_after=1.0)
+        return Overloaded("The engine is unavailable.", retry_after=1.0)
     if isinstance(exc, (ConnectionError, OSError)) or names & {"ClientConnectionError", "ConnectError"}:
-        return Overloaded(f"The engine is unreachable: {message}", retry_after=1.0)
-    return EngineFailed(f"The engine failed the request: {message}")
+        return Overloaded("The engine is unreachable.", retry_after=1.0)
+    return EngineFailed("The engine failed the request.")

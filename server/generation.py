@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import deepseek_recipe as dr
 
 from engine.protocol import GenerateRequest, TokenEvent
-from server.errors import EngineFailed, EngineTimeout, GatewayError, Overloaded, translate
+from server.errors import EngineFailed, EngineTimeout, GatewayError, Overloaded, engine_failed, translate
 from server.metrics import _RouteMetrics
 from server.state import Gateway
 
@@ -144,7 +144,7 @@ class Run:
             if time.perf_counter() > self.deadline:
                 return self._timeout()
             return Overloaded("The engine aborted the request (draining or preempted). Please retry.", retry_after=1.0)
-        return EngineFailed(f"The engine failed the request: {ev.error or ev.finish_reason}")
+        return engine_failed(f"{self.req.request_id}: {ev.error or ev.finish_reason}")
 
     def _timeout(self) -> EngineTimeout:
         return EngineTimeout(f"The request did not finish within {self.gw.config.request_timeout_s:g}s.")

@@ -66,6 +66,8 @@ def parse_object(raw: bytes) -> dict[str, Any]:
             "We could not parse the JSON body of your request. The request body must be valid JSON.",
             code="invalid_json",
         ) from None
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise InvalidRequest("The JSON body of your request is nested too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     return body
@@ -127,7 +129,6 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
             rid if extras.n == 1 else f"{rid}-{i}", prompt, conv, body,
             context_len=catalog.context_len, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
             extras=extras, official_thinking_sampling=gw.config.official_thinking_sampling,
-            compact_json=gw.config.compact_json,
         )
         if i and greq.sampling.seed is not None:  # choice i: its own seeded stream
             greq.sampling = replace(greq.sampling, seed=(greq.sampling.seed + i) % (1 << 63))

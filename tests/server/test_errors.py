@@ -69,3 +69,23 @@ def test_reject_reasons():
     assert GatewayError("x", status=404).reject_reason == "not_found"
     assert GatewayError("x", status=400).reject_reason == "invalid_request"
     assert ContextLengthExceeded("x").reject_reason == "context_length"
+
+
+def test_engine_text_is_never_passed_on_verbatim():
+    leak = 'HTTP 400: {"error": "bad grammar at /build/xgrammar/cpp/parser.cc:88: unexpected )"}'
+    err = translate(_named("RequestRejected", status=400)(leak))
+    assert err.status == 400 and err.message == "bad grammar at <internal>: unexpected )"
+    trace = "RuntimeError: boom\nTraceback (most recent call last):\n  File \"/srv/engine/runtime/engine_core.py\", line 9"
+    for exc in (_named("WorkerUnavailable", status=502)(trace), RuntimeError(trace), TimeoutError(trace), ConnectionRefusedError(trace)):
+        body = translate(exc).body().decode()
+        assert "Traceback" not in body and ".py" not in body and "boom" not in body, body
+    assert len(translate(_named("RequestRejected", status=400)("x" * 5000)).message) == 300
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
+def test_json_nested_too_deeply_is_a_400(gateway, path):
+    import httpx
+
+    deep = '{"model":"DeepSeek-V4-Pro","x":' + "[" * 100_000 + "]" * 100_000 + "}"
+    r = httpx.post(gateway.url + path, content=deep, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "nested too deeply" in r.text and "Traceback" not in r.text

@@ -101,21 +101,24 @@ class Tiles(NamedTuple):
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Tile choice by row count (the benchmark ``bench/fp8_gemm_bench.py`` sweeps the fields)."""
+    """Tile choice by row count. Defaults: the fastest of ``bench/fp8_gemm_bench.py``'s sweep on an
+    H200 (run 2, ``bench/results_recorded/fp8_gemm_h200_run2.json``; docs/PERFORMANCE.md)."""
 
     small_m: int = 64  # M ≤ this: the weight-streaming tiling
     small_block_n: int = 64
     small_programs_per_sm: int = 2  # split K until about this many programs per SM
-    large_block_m: int = 128
+    small_stages: int = 4
+    large_block_m: int = 64  # run 2: 64×128 with 4 warps beat 128×128 with 8 by 10-15%
     large_block_n: int = 128
-    large_warps: int = 8
-    stages: int = 3
-    # quantise inside the GEMM up to this M, else one quantize_act pass first (run 1 on an H200: the
-    # separate pass was faster from M=1 on the large projections, 12.5 vs 15.0 µs for wq_b)
+    large_warps: int = 4
+    stages: int = 4  # of the large tiling (5 was 30-50% slower, 3 about 5%)
+    # quantise inside the GEMM up to this M, else one quantize_act pass first (run 1: the separate
+    # pass was faster from M=1 on the large projections, 12.5 vs 15.0 µs for wq_b at M=1)
     fuse_quant_max_m: int = 0
     # one FMA per accumulator element (sa·sb first, the weight scale a scalar when BN divides 128)
-    # instead of two multiplies; a product sa·sb below 2^-126 may then be flushed to zero
-    fold_scales: bool = False
+    # instead of two multiplies (run 2: 6-12% faster at M=8192); a product sa·sb below 2^-126 would
+    # be flushed to zero if the compiler flushed subnormals (it did not: the exact test at 2^-133 passed)
+    fold_scales: bool = True
 
     def tiles(self, m: int, n: int, k: int, sms: int) -> Tiles:
         fuse = m <= self.fuse_quant_max_m
@@ -124,7 +127,7 @@ class Fp8GemmConfig:
             bn = self.small_block_n
             n_tiles, k_blocks = -(-n // bn), -(-k // BLOCK)
             split = max(1, min(k_blocks, self.small_programs_per_sm * sms // n_tiles))
-            return Tiles(bm, bn, split, 4, self.stages + 1, fuse, self.fold_scales)
+            return Tiles(bm, bn, split, 4, self.small_stages, fuse, self.fold_scales)
         return Tiles(self.large_block_m, self.large_block_n, 1, self.large_warps, self.stages, fuse, self.fold_scales)
 
 

@@ -40,7 +40,7 @@ CONFIGS = {
     "default": Fp8GemmConfig(),
     "fused": Fp8GemmConfig(fuse_quant_max_m=1 << 30),
     "tile-only": Fp8GemmConfig(small_m=0),
-    "fold": Fp8GemmConfig(fold_scales=True),
+    "no-fold": Fp8GemmConfig(fold_scales=False),
 }
 SHAPES = [(1, 200, 300), (5, 256, 256), (70, 136, 260)] if SMALL else [
     (1, 1024, 4096), (64, 2048, 4096), (300, 4096, 2048), (37, 1000, 1000), (1, 32768, 1024)

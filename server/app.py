@@ -24,7 +24,8 @@ from server.engine_client import EngineClient
 from server.errors import GatewayError, InvalidRequest, NotFound
 from server.metrics import GatewayMetrics, route_label
 from server.model import ModelCatalog
-from server.routes import chat, completions, health, messages, metrics, models, responses
+from server.request_id import RequestIdMiddleware
+from server.routes import chat, completions, health, messages, metrics, models, responses, tokens
 from server.state import Gateway, HealthProbe
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,11 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    for module in (chat, completions, responses, messages, models, health, metrics):
+    for module in (chat, completions, responses, messages, models, health, metrics, tokens):
         app.include_router(module.router)
     _install_error_handlers(app, gm)
     app.add_middleware(RequestMetricsMiddleware, metrics=gm)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 

@@ -62,7 +62,8 @@ class GatewayConfig:
     engine_url: str | None = None  # an engine worker or a router service (``deepserve gateway``)
     api_keys: tuple[str, ...] = ()  # empty (and no keys file): authentication off
     api_keys_file: str | None = None  # one key per line: ``KEY [rpm=N] [tpm=N]``; ``#`` starts a comment
-    max_model_len: int | None = None  # None: config.json's max_position_embeddings, else 65536
+    # None: 65536 (the engine's default), or config.json's max_position_embeddings when smaller.
+    max_model_len: int | None = None
     default_thinking: bool = True  # thinking mode when a request does not say (deepseek-recipe's default)
     # True: thinking mode samples at temperature 1.0 / top_p 1.0 whatever the client sent, as
     # DeepSeek's official API does (deepseek-recipe's rule); False: the client's values are used.

@@ -183,6 +183,19 @@ MESSAGES_OFF: OffValues = {
     "context_management": (),
 }
 COUNT_TOKENS: Table = {k: v for k, v in MESSAGES.items() if k in ("model", "messages", "system", "tools", "tool_choice", "thinking")}
+TOKENIZE: Table = {
+    "model": "optional: a served model name (default: the first)",
+    "prompt": "the text to tokenize",
+    "add_special_tokens": "default true: BOS first, as /v1/completions encodes text prompts",
+    "return_token_strs": "also answer each token's text",
+}
+TOKENIZE_CHAT: Table = {
+    "model": TOKENIZE["model"],
+    "messages": "a chat, rendered as /v1/chat/completions renders it",
+    "return_token_strs": TOKENIZE["return_token_strs"],
+    **{k: CHAT[k] for k in ("tools", "tool_choice", "thinking", "reasoning_effort", "chat_template_kwargs", "add_generation_prompt", "response_format")},
+}
+DETOKENIZE: Table = {"model": TOKENIZE["model"], "tokens": "token ids to turn into text"}
 
 ENDPOINTS: dict[str, tuple[Table, OffValues]] = {
     "/v1/chat/completions": (CHAT, CHAT_OFF),
@@ -190,6 +203,10 @@ ENDPOINTS: dict[str, tuple[Table, OffValues]] = {
     "/v1/responses": (RESPONSES, RESPONSES_OFF),
     "/v1/messages": (MESSAGES, MESSAGES_OFF),
     "/v1/messages/count_tokens": (COUNT_TOKENS, {}),
+    "/v1/chat/completions/render": (CHAT, CHAT_OFF),
+    "/tokenize": (TOKENIZE, {}),
+    "/tokenize (chat)": (TOKENIZE_CHAT, {"add_special_tokens": (False,), "continue_final_message": (False,)}),
+    "/detokenize": (DETOKENIZE, {}),
 }
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Literal
 
@@ -29,6 +28,7 @@ from server.errors import GatewayError, InvalidRequest, ModelNotFound, from_conv
 from server.extensions import parse_extras
 from server.fields import check_fields
 from server.generation import ClientDisconnected, Run, race_disconnect
+from server.request_id import ids
 from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
 
@@ -52,9 +52,6 @@ class RecipeProtocol:
     done: str | None = None  # final SSE frame (``data: [DONE]``) or None
     named_events: bool = False
     chat: bool = False  # Chat Completions: n choices, echo and the spec's streamed usage
-
-    def new_id(self) -> str:
-        return self.id_prefix + uuid.uuid4().hex
 
 
 # ---- shared request steps -------------------------------------------------------------------------
@@ -122,13 +119,14 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
     recipe_body = proto.prepare_body(body)
     extras = parse_extras(body, catalog.vocab_size, chat=proto.chat)
     conv, make_generator, prompt = convert_and_encode(gw, proto, raw if recipe_body is body else recipe_body)
-    rid = request_id(request, proto)
+    rid, engine_rid = ids(request, proto.id_prefix)
     greqs = []
     for i in range(extras.n):
         greq = build_generate_request(
-            rid if extras.n == 1 else f"{rid}-{i}", prompt, conv, body,
+            engine_rid if extras.n == 1 else f"{engine_rid}-{i}", prompt, conv, body,
             context_len=catalog.context_len, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
             extras=extras, official_thinking_sampling=gw.config.official_thinking_sampling,
+            compact_json=gw.config.compact_json,
         )
         if i and greq.sampling.seed is not None:  # choice i: its own seeded stream
             greq.sampling = replace(greq.sampling, seed=(greq.sampling.seed + i) % (1 << 63))
@@ -182,12 +180,6 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: bytes | dict[st
     except (RuntimeError, ValueError) as exc:
         raise InvalidRequest(f"The prompt could not be encoded: {exc}") from None
     return conv, make_generator, prompt
-
-
-def request_id(request: Request, proto: RecipeProtocol) -> str:
-    """The engine request id: the protocol's prefix and a fresh id (the client's ``X-Request-Id``
-    is kept apart, in the ``request.state``, by the request-id middleware)."""
-    return proto.new_id()
 
 
 async def _choice_batches(runs: list[Run]) -> AsyncIterator[tuple[int, list[Any]]]:

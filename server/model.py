@@ -16,6 +16,8 @@ import deepseek_recipe as dr
 
 from server.config import GatewayConfig, ModelFamily, ServedModel
 
+# The engine's default context length (``engine.runtime.config.EngineConfig.max_model_len``): a
+# gateway told nothing assumes it, even when config.json allows more, so the two agree.
 DEFAULT_CONTEXT_LEN = 65536
 DEFAULT_VOCAB_SIZE = 129280
 # deepseek-recipe's canonical request names per family (its default model table).
@@ -107,7 +109,7 @@ class ModelCatalog:
         think_end = single_token_id(tokenizer, dr.SpecialToken.ThinkingEnd.default_str())
         if eos is None or think_end is None:
             raise ValueError(f"{tok_path}: not a DeepSeek V4 tokenizer (no single-token EOS / </think>)")
-        context_len = config.max_model_len or int(ckpt_len or DEFAULT_CONTEXT_LEN)
+        context_len = config.max_model_len or min(int(ckpt_len or DEFAULT_CONTEXT_LEN), DEFAULT_CONTEXT_LEN)
         return cls(
             served=served,
             tokenizer=tokenizer,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -34,6 +33,7 @@ from server.convert import session_key
 from server.structured import completion_constraint
 from server.extensions import Extras, parse_extras
 from server.fields import check_fields
+from server.request_id import ids as request_ids
 from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest
 from server.generation import ClientDisconnected, Run, race_disconnect
 from server.handler import SSEResponse, check_model, parse_object, stream_error
@@ -329,7 +329,7 @@ async def create_completion(request: Request) -> Response:
     catalog = gw.catalog
     p = parse_completion(body, catalog)
     constraint = completion_constraint(body, compact=gw.config.compact_json)
-    rid = "cmpl-" + uuid.uuid4().hex
+    rid, engine_rid = request_ids(request, "cmpl-")
     requests: list[tuple[int, GenerateRequest | None]] = []  # (prompt index, engine request)
     for k, (ids, _) in enumerate(p.prompts):
         if len(ids) + max(p.max_tokens, 1) > catalog.context_len:
@@ -340,7 +340,7 @@ async def create_completion(request: Request) -> Response:
                 param="prompt",
             )
         for j in range(p.best_of):
-            greq = None if p.max_tokens == 0 else _generate_request(f"{rid}-{len(requests)}", ids, p, j, catalog, body, constraint)
+            greq = None if p.max_tokens == 0 else _generate_request(f"{engine_rid}-{len(requests)}", ids, p, j, catalog, body, constraint)
             requests.append((k, greq))
 
     subs: list[Sub] = []

@@ -1,9 +1,13 @@
-"""``GET /health``: 200 when the gateway can serve (in ``deepserve up``: all workers healthy).
+"""``GET /health`` (and vLLM's ``GET|POST /ping``): 200 when the gateway can serve (in
+``deepserve up``: all workers healthy); ``GET /version``: the deepserve version.
 
 Unauthenticated, for load balancers and orchestrator probes.
 """
 
 from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -11,6 +15,21 @@ from starlette.responses import JSONResponse, Response
 from server.state import Gateway
 
 router = APIRouter()
+
+
+@router.get("/version")
+async def version() -> Response:
+    try:
+        v = package_version("deepserve")
+    except PackageNotFoundError:
+        v = "unknown"
+    return JSONResponse({"version": v})
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request) -> Response:
+    """vLLM's liveness probe: the same answer as ``/health``."""
+    return await health(request)
 
 
 @router.get("/health")

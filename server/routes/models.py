@@ -1,4 +1,9 @@
-"""``GET /v1/models`` and ``GET /v1/models/{model_id}``: the served model names."""
+"""``GET /v1/models`` and ``GET /v1/models/{model_id}``: the served model names.
+
+Cards carry vLLM's extra keys too: ``root`` (the checkpoint directory the name serves, or the
+canonical model name), ``parent`` (null) and ``max_model_len`` (the context length requests are
+checked against).
+"""
 
 from __future__ import annotations
 
@@ -14,15 +19,19 @@ from server.state import Gateway
 router = APIRouter()
 
 
-def _card(name: str, created: int) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "deepserve"}
+def _card(gw: Gateway, name: str) -> dict[str, object]:
+    c = gw.catalog
+    return {
+        "id": name, "object": "model", "created": c.created, "owned_by": "deepserve",
+        "root": c.root, "parent": None, "max_model_len": c.context_len,
+    }
 
 
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     gw.authenticate(request)
-    data = [_card(name, gw.catalog.created) for name in gw.catalog.served]
+    data = [_card(gw, name) for name in gw.catalog.served]
     return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
@@ -32,4 +41,4 @@ async def get_model(model_id: str, request: Request) -> Response:
     gw.authenticate(request)
     if model_id not in gw.catalog.served:
         raise ModelNotFound(f"The model `{model_id}` does not exist or you do not have access to it.", param="model")
-    return Response(json.dumps(_card(model_id, gw.catalog.created)), media_type="application/json")
+    return Response(json.dumps(_card(gw, model_id)), media_type="application/json")

@@ -37,6 +37,14 @@ def test_up_options(tmp_path):
     assert UpOptions.default_cache_dir({"DEEPSERVE_CACHE_DIR": str(tmp_path)}) == tmp_path
 
 
+def test_up_passes_one_context_length_to_every_worker(tmp_path):
+    from server.up import WorkerSet
+
+    cmd = WorkerSet(UpOptions(tmp_path, max_model_len=4096), tmp_path).command("mixed", 9000)
+    assert cmd[cmd.index("--max-model-len") + 1] == "4096"
+    assert "--max-model-len" not in WorkerSet(UpOptions(tmp_path), tmp_path).command("mixed", 9000)
+
+
 def test_gateway_process_over_fake_worker():
     wport, gport = free_port(), free_port()
     worker = subprocess.Popen([sys.executable, "-m", "bench.gateway_bench", "--fake-worker", "--port", str(wport)])

@@ -41,3 +41,13 @@ def test_v41_checkpoint(tmp_path):
     default = ModelCatalog.load(GatewayConfig(model_dir=str(tmp_path)))
     assert set(default.served) == {tmp_path.name, "DeepSeek-V4.1-Flash"}
     assert ModelCatalog.load(GatewayConfig(model_dir=str(tmp_path), max_model_len=100)).context_len == 100
+
+
+def test_default_context_is_the_engines(tmp_path):
+    """A checkpoint allowing 1M tokens still defaults to the engine's 65536, so a default
+    request the gateway admits is one the engine accepts."""
+    from engine.runtime.config import EngineConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "max_position_embeddings": 1 << 20}))
+    cat = ModelCatalog.load(GatewayConfig(model_dir=str(tmp_path)))
+    assert cat.context_len == EngineConfig.max_model_len == 65536

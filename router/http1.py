@@ -14,6 +14,12 @@ disconnect). A request on a *reused* connection that dies before any answer byte
 once on a fresh connection (the worker may have closed it as idle at the same moment).
 Errors: ``ConnectError`` (could not connect), ``ProtocolError`` (connection lost or malformed
 answer), ``StatusError`` (non-200, with the body); ``worker_client`` maps them to router errors.
+
+Deadlines: a request whose answer head has not come ``first_byte_timeout_s`` after it was sent,
+or whose answer has brought nothing for ``event_timeout_s``, fails with ``DeadlineError`` (its
+connection aborted), as if the worker had died; while the pool is ``suspect`` (its worker's
+polls fail: a hung process), ``suspect_timeout_s`` bounds both. One sweep per pool, every
+half second while requests are open, checks them (no timer per request or per line).
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ class ConnectError(HttpError):
 
 class ProtocolError(HttpError):
     pass
+
+
+class DeadlineError(ProtocolError):
+    """The worker sent nothing within a deadline (a hung or stopped process)."""
 
 
 class StatusError(HttpError):
@@ -56,6 +66,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.recycle: Http1Pool | None = None  # the pool to go back to once the answer ends
+        self.last_data = 0.0  # loop time of the request's send or its answer's latest bytes
         self._reset()
 
     def _reset(self) -> None:
@@ -86,6 +97,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.last_data = self.loop.time()
         self.buf = self.buf + data if self.buf else data
         try:
             self._parse()
@@ -228,13 +240,20 @@ class _Conn(asyncio.Protocol):
 class Http1Pool:
     """Keep-alive connections to one ``http://host:port``: ``request`` (or ``post_lines``) is the only call."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256, headers: dict[str, str] | None = None,
+        first_byte_timeout_s: float = 300.0, event_timeout_s: float = 60.0, suspect_timeout_s: float = 3.0,
+    ) -> None:
         u = urlsplit(url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"http1 pool needs an http://host:port URL, got {url!r}")
         self.host, self.port = u.hostname, u.port or 80
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
+        self.first_byte_timeout_s, self.event_timeout_s, self.suspect_timeout_s = first_byte_timeout_s, event_timeout_s, suspect_timeout_s
+        self.suspect = False  # set by the caller while the worker looks hung (see the module docstring)
+        self._busy: set[_Conn] = set()  # connections with a request in progress
+        self._sweeper: asyncio.TimerHandle | None = None
         self._idle: list[_Conn] = []
         self._host_header = f"{self.host}:{self.port}".encode()
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode("latin-1")  # e.g. the internal token
@@ -263,6 +282,7 @@ class Http1Pool:
         sees the disconnect). ``complete``: the caller saw the answer's last event, and only the
         end of the body (e.g. the last empty chunk, often a packet of its own) may be missing:
         the connection goes back to the pool when it arrives instead of being closed."""
+        self._busy.discard(conn)
         if conn.keep_alive and not conn.closed and conn.error is None and len(self._idle) < self.max_idle:
             if conn.done:
                 conn._reset()
@@ -273,7 +293,35 @@ class Http1Pool:
                 return
         conn.transport.close()
 
+    def _watch(self, conn: _Conn) -> None:
+        conn.last_data = conn.loop.time()
+        self._busy.add(conn)
+        if self._sweeper is None:
+            self._sweeper = conn.loop.call_later(0.5, self._sweep)
+
+    def _sweep(self) -> None:
+        """Fail the requests that passed a deadline (module docstring)."""
+        self._sweeper = None
+        if not self._busy:
+            return
+        loop = next(iter(self._busy)).loop
+        now = loop.time()
+        for conn in list(self._busy):
+            limit = self.event_timeout_s if conn.status else self.first_byte_timeout_s
+            if self.suspect:
+                limit = min(limit, self.suspect_timeout_s)
+            if conn.closed or conn.done or now - conn.last_data <= limit:
+                continue
+            self._busy.discard(conn)
+            conn.error = DeadlineError(f"{self.host}:{self.port} sent nothing for {limit:g}s")
+            conn.transport.abort()
+            conn._wake()
+        self._sweeper = loop.call_later(0.5, self._sweep)
+
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for conn in self._idle:
             conn.transport.close()
         self._idle.clear()
@@ -296,12 +344,15 @@ class Http1Pool:
         else:
             conn.reused = True
         conn.transport.write(req)
+        self._watch(conn)
         while not conn.status and conn.error is None:
             await conn.wait()
-        if conn.error is not None and conn.reused and not conn.got_bytes:
+        if conn.error is not None and conn.reused and not conn.got_bytes and not isinstance(conn.error, DeadlineError):
+            self._busy.discard(conn)
             conn.transport.close()  # a stale keep-alive connection: once more on a fresh one
             conn = await self._connect()
             conn.transport.write(req)
+            self._watch(conn)
             while not conn.status and conn.error is None:
                 await conn.wait()
         if conn.status == 200:

@@ -170,7 +170,11 @@ class WorkerRegistry:
                 w.admin_draining = w.removing = False
                 w.sync_views()
                 return w
-        client = WorkerClient(url, session=self.session, connect_timeout_s=self.config.connect_timeout_s, auth=self.auth)
+        cfg = self.config
+        client = WorkerClient(
+            url, session=self.session, connect_timeout_s=cfg.connect_timeout_s, auth=self.auth,
+            first_byte_timeout_s=cfg.first_byte_timeout_s, event_timeout_s=cfg.event_timeout_s, suspect_timeout_s=cfg.suspect_timeout_s,
+        )
         breaker = CircuitBreaker(self.config.breaker_failure_threshold, self.config.breaker_cooldown_s)
         worker = Worker(url=url, worker_id=url, role=role or "mixed", client=client, breaker=breaker, static=static)
         worker.ranks = [RankView(worker_id=url, role=worker.role, cache=self.index)]
@@ -338,6 +342,7 @@ class WorkerRegistry:
             now = time.monotonic()
             try:
                 self._apply_load(w, await w.client.load_dict())
+                w.client.pool.suspect = False
                 if now >= next_health or not w.accepting:
                     w.accepting = await w.client.health()
                     next_health = now + cfg.health_interval_s
@@ -348,6 +353,7 @@ class WorkerRegistry:
                 if w.alive:
                     log.warning("worker %s unreachable or refused: %s", w.url, exc)
                 w.alive = False
+                w.client.pool.suspect = True  # its streams get suspect_timeout_s to show life
             except asyncio.CancelledError:
                 raise
             except Exception:  # a malformed answer must not kill the poller

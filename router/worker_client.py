@@ -97,7 +97,7 @@ class WorkerClient:
 
     def __init__(
         self, url: str, *, session: aiohttp.ClientSession | None = None, connect_timeout_s: float = 2.0, control_timeout_s: float = 2.0,
-        auth: InternalAuth | None = None,
+        auth: InternalAuth | None = None, first_byte_timeout_s: float = 300.0, event_timeout_s: float = 60.0, suspect_timeout_s: float = 3.0,
     ) -> None:
         self.url = url.rstrip("/")
         self._session = session
@@ -105,7 +105,10 @@ class WorkerClient:
         self._connect_timeout_s = connect_timeout_s
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self.auth = auth or InternalAuth()
-        self.pool = Http1Pool(self.url, connect_timeout_s=connect_timeout_s, headers=self.auth.headers())
+        self.pool = Http1Pool(
+            self.url, connect_timeout_s=connect_timeout_s, headers=self.auth.headers(),
+            first_byte_timeout_s=first_byte_timeout_s, event_timeout_s=event_timeout_s, suspect_timeout_s=suspect_timeout_s,
+        )
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -18,6 +18,8 @@ Event -> processor mapping:
 
 ``race_disconnect`` runs a step of a request while watching the client; it cancels the step when
 the client goes away (the ``Run`` then aborts the engine request) or when the deadline passes.
+``chunks()`` holds the deadline itself too: each wait for the next engine event ends at it (so a
+stream whose engine went silent gets its timeout error event, then closes).
 """
 
 from __future__ import annotations
@@ -81,8 +83,17 @@ class Run:
         ready = False
         self.engine_started = True
         events = self._events = self.gw.engine.generate(self.req)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + (self.deadline - time.perf_counter())  # the deadline on the loop's clock
         try:
-            async for ev in events:
+            while True:
+                try:
+                    async with asyncio.timeout_at(until):
+                        ev = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise self._timeout() from None
                 if self.engine_done:
                     continue  # drain what follows the finish so the client connection is reusable
                 out: list[Any] = []

@@ -15,6 +15,7 @@ from typing import Any, AsyncContextManager, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
@@ -80,6 +81,11 @@ def create_app(
     _install_error_handlers(app, gm)
     app.add_middleware(RequestMetricsMiddleware, metrics=gm)
     app.add_middleware(RequestIdMiddleware)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"], allow_headers=["*"],
+            expose_headers=["x-request-id"],
+        )
     return app
 
 

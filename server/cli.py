@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 from deepserve import internal_auth
 from server import up as up_module
 from server.config import GatewayConfig, add_gateway_flags
+from server.vllm_flags import add_vllm_flags, check_vllm_flags, engine_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=run_gateway.__doc__,
     )
     add_gateway_flags(gw)
+    add_vllm_flags(gw, engine=False)
     gw.add_argument("--engine-url", metavar="URL", help="engine worker or router service (DEEPSERVE_ENGINE_URL)")
     gw.add_argument("--access-log", action="store_true", help="log every request (off: it costs CPU per request)")
     internal_auth.add_flags(gw)
@@ -35,6 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(up_module.__doc__ or "").split("\n\n")[0],
     )
     add_gateway_flags(up)
+    add_vllm_flags(up, engine=True)
     up.add_argument("--dtype", help="passed to every engine worker")
     up.add_argument("--device", help="passed to every engine worker")
     up.add_argument("--dp", type=int, help="data-parallel ranks per engine worker")
@@ -62,6 +65,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     config = GatewayConfig.from_args(args)
     _logging(config.log_level)
+    check_vllm_flags(args)
     if not config.engine_url:
         raise SystemExit("deepserve gateway: --engine-url (or DEEPSERVE_ENGINE_URL) is required")
     client = make_engine_client(config.engine_url, internal_auth.from_args(args))
@@ -84,13 +88,14 @@ def run_gateway(args: argparse.Namespace) -> int:
         return await asyncio.to_thread(up_module.http_ok, health_url)
 
     app = create_app(config, client, lifecycle=lifecycle, health_probe=health)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=args.access_log)
+    uvicorn.run(app, access_log=args.access_log, **config.uvicorn_options())
     return 0
 
 
 def run_up(args: argparse.Namespace) -> int:
     config = GatewayConfig.from_args(args)
     _logging(config.log_level)
+    check_vllm_flags(args)
     cache_dir = Path(args.cache_dir) if args.cache_dir else up_module.UpOptions.default_cache_dir()
     opts = up_module.UpOptions(
         cache_dir=cache_dir,
@@ -104,6 +109,6 @@ def run_up(args: argparse.Namespace) -> int:
         max_model_len=config.max_model_len,
         startup_timeout_s=args.startup_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
-        engine_args=tuple(args.engine_arg),
+        engine_args=tuple(engine_args(args) + args.engine_arg),
     )
     return up_module.run_up(opts, config, access_log=args.access_log)

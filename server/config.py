@@ -7,6 +7,7 @@ Every environment variable the gateway reads is listed in ``ENV_VARS`` (and nowh
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -78,6 +79,10 @@ class GatewayConfig:
     queue_timeout_s: float = 30.0  # waiting longer for a slot: 503 with Retry-After
     request_timeout_s: float = 600.0  # engine has not finished by then: 504 (an error event if streaming)
     body_timeout_s: float = 30.0  # client has not sent its whole body by then: 408
+    root_path: str = ""  # ASGI root path when served behind a path-prefixing proxy (vLLM's --root-path)
+    ssl_keyfile: str | None = None  # with ssl_certfile: serve HTTPS
+    ssl_certfile: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS origins ("*" for any); empty: no CORS headers
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -92,12 +97,21 @@ class GatewayConfig:
         for name in ("queue_timeout_s", "request_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         for spec in self.served_model_names:
             parse_served_name(spec, "v4")  # raises on a bad family suffix
 
     # ---- derived ------------------------------------------------------------------------------
+    def uvicorn_options(self) -> dict[str, Any]:
+        """``uvicorn.Config`` keywords: address, log level, root path, TLS."""
+        return {
+            "host": self.host, "port": self.port, "log_level": self.log_level, "root_path": self.root_path,
+            "ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile,
+        }
+
     def all_api_keys(self) -> frozenset[str]:
         """Keys from ``api_keys`` and the keys file (read once, at startup)."""
         return frozenset(self.api_keys) | frozenset(self.key_limits())
@@ -142,7 +156,7 @@ class GatewayConfig:
         """From the parsed flags of ``add_gateway_flags`` (unset flags fall back to the env)."""
         names = {f.name for f in fields(cls)}
         overrides = {k: v for k, v in vars(args).items() if k in names}
-        for key in ("served_model_names", "api_keys"):
+        for key in ("served_model_names", "api_keys", "allowed_origins"):
             if overrides.get(key):
                 overrides[key] = tuple(overrides[key])
             else:
@@ -162,6 +176,17 @@ def parse_served_name(spec: str, default: ModelFamily) -> tuple[str, ModelFamily
     if family not in ("4", "4.1"):
         raise ValueError(f"served model {spec!r}: family must be v4 or v4.1")
     return name, "v4" if family == "4" else "v4.1"
+
+
+def _origins(raw: str) -> tuple[str, ...]:
+    """``'["a", "b"]'`` (vLLM's form) or ``a,b``."""
+    text = raw.strip()
+    if text.startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("--allowed-origins: a JSON list of strings")
+        return tuple(value)
+    return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
 def _coerce(typ: Any, raw: str) -> Any:
@@ -213,7 +238,14 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", dest="queue_timeout_s", type=float, help="seconds a request may wait for a slot")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="seconds until 504")
     p.add_argument("--body-timeout", dest="body_timeout_s", type=float, help="seconds to receive the body until 408")
-    p.add_argument("--log-level", help="uvicorn log level (default info)")
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", help="uvicorn log level (default info)")
+    p.add_argument("--root-path", help="ASGI root path behind a path-prefixing proxy")
+    p.add_argument("--ssl-keyfile", help="TLS private key file (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", help="TLS certificate file (with --ssl-keyfile)")
+    p.add_argument(
+        "--allowed-origins", type=_origins, metavar="ORIGINS",
+        help='CORS origins: a JSON list as vLLM takes it (\'["*"]\') or comma-separated',
+    )
 
 
 __all__ = ["ENV_VARS", "GatewayConfig", "ModelFamily", "ServedModel", "add_gateway_flags", "parse_served_name"]

@@ -40,7 +40,6 @@ SAMPLING: Table = {
     "stop_token_ids": "vLLM: more token ids that end the answer (the id stays in the output unless special)",
     "ignore_eos": "vLLM: keep generating past EOS (until max_tokens or a stop)",
     "skip_special_tokens": "vLLM: drop special tokens (BOS, EOS, pad, placeholders) from the text; default true",
-    "include_stop_str_in_output": "vLLM: keep the matched stop string at the end of the text",
     "priority": "vLLM: scheduling priority, lower first (router and engine queues)",
     "stream": "server-sent events",
     "stream_options": "include_usage (final chunk with choices: [] and usage), continuous_usage_stats (usage on every chunk)",
@@ -78,6 +77,7 @@ VLLM_OFF: OffValues = {
     "return_hidden_states": (False,),
     "no_stop_trim": (False,),
     "separate_reasoning": (True,),
+    "include_stop_str_in_output": (False,),
     "stream_reasoning": (True,),
 }
 OPENAI_OFF: OffValues = {
@@ -147,7 +147,6 @@ RESPONSES: Table = {
     "tools": "function tools (and namespaces)",
     "tool_choice": "auto, none, required, or a named function",
     "text": "text.format: text, json_object, json_schema (structured output)",
-    "parallel_tool_calls": "false: at most one tool call is returned",
     **METADATA,
 }
 RESPONSES_OFF: OffValues = {
@@ -160,6 +159,7 @@ RESPONSES_OFF: OffValues = {
     "conversation": (),
     "prompt": (),
     "stream_options": (),
+    "parallel_tool_calls": (True,),
 }
 MESSAGES: Table = {
     "model": "a served model name",

@@ -194,7 +194,7 @@ async def _choice_batches(runs: list[Run]) -> AsyncIterator[tuple[int, list[Any]
         try:
             async for batch in run.chunks():
                 await queue.put((i, batch, None))
-        except BaseException as exc:  # handed to the reader, which raises it
+        except Exception as exc:  # handed to the reader, which raises it
             await queue.put((i, None, exc))
             return
         await queue.put((i, None, None))

@@ -140,11 +140,14 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     fp8: Fp8GemmConfig | None = None,
+    fp4_experts: bool = False,
 ) -> DeepseekV4ForCausalLM:
     """Build the model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``.
 
     ``fp8``: keep every FP8 block-scaled linear weight as FP8 (``engine.model.fp8.Fp8Linear``, this
-    GEMM tiling); None dequantises them to ``dtype`` (the parity path)."""
+    GEMM tiling); None dequantises them to ``dtype`` (the parity path). ``fp4_experts``: keep FP4
+    routed experts with e8m0 scales packed as stored (``Experts.fp4``, run by ``kernels.moe_fp4``;
+    the general forward only, not the slot decoders) instead of dequantising them."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -159,6 +162,7 @@ def load_model(
     params.update(dict(model.named_buffers()))
     loaded: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    packed: dict[str, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(lambda: defaultdict(dict))
 
     def assign(name: str, tensor: torch.Tensor, file: Path) -> None:
         if name not in params:
@@ -192,12 +196,17 @@ def load_model(
                     if replace_linear(model, name, tensor, scale_of(scale_key), fp8):
                         loaded.add(name)
                         continue
+                m = _EXPERT_RE.match(name)
+                if fp4_experts and m and scale_key is not None and tensor.dtype == torch.int8:
+                    scale = scale_of(scale_key)
+                    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):  # e8m0 exponents: the kernel's format
+                        packed[m.group(1)][int(m.group(2))][m.group(3)] = (tensor, scale.view(torch.float8_e8m0fnu))
+                        continue
                 if scale_key is not None and tensor.dtype.itemsize == 1:
                     tensor = dequantize(tensor, scale_of(scale_key))
                 if key.startswith(("mtp.", "model.mtp.")):
                     model.mtp[key] = tensor
                     continue
-                m = _EXPERT_RE.match(name)
                 if m:
                     experts[m.group(1)][int(m.group(2))][m.group(3)] = tensor
                     continue
@@ -213,6 +222,9 @@ def load_model(
         down = torch.stack([per_expert[e]["w2"] for e in range(n)])
         assign(f"{prefix}.gate_up_proj", gate_up, model_dir)
         assign(f"{prefix}.down_proj", down, model_dir)
+    for prefix, per_expert in packed.items():
+        _keep_fp4_experts(model.get_submodule(prefix), per_expert, cfg.n_routed_experts, f"{model_dir}: experts of {prefix!r}")
+        loaded.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         model.lm_head.weight = model.model.embed_tokens.weight
         loaded.add("lm_head.weight")
@@ -220,6 +232,26 @@ def load_model(
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
     return model.eval()
+
+
+def _keep_fp4_experts(experts: torch.nn.Module, per_expert: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]], n: int, what: str) -> None:
+    """Stack one layer's packed FP4 experts into ``experts.fp4`` (on its device) and free its bf16 weights."""
+    if sorted(per_expert) != list(range(n)) or any(set(w) != {"w1", "w2", "w3"} for w in per_expert.values()):
+        raise CheckpointError(f"{what} incomplete (need FP4 w1/w2/w3 for {n} experts)")
+    device = experts.gate_up_proj.device
+    rows = [per_expert[e] for e in range(n)]
+    gate_up_q = torch.stack([torch.cat([w["w1"][0], w["w3"][0]]) for w in rows])  # (E, 2I, H/2)
+    byte = lambda t: t.view(torch.uint8)  # noqa: E731 - cat/stack of e8m0 run on its bytes
+    gate_up_s = torch.stack([torch.cat([byte(w["w1"][1]), byte(w["w3"][1])]) for w in rows]).view(torch.float8_e8m0fnu)  # (E, 2I, H/32)
+    down_q = torch.stack([w["w2"][0] for w in rows])  # (E, H, I/2)
+    down_s = torch.stack([byte(w["w2"][1]) for w in rows]).view(torch.float8_e8m0fnu)  # (E, H, I/32)
+    e, two_i, h = experts.gate_up_proj.shape
+    if gate_up_q.shape != (e, two_i, h // 2) or down_q.shape != (e, h, two_i // 4):
+        raise CheckpointError(f"{what}: FP4 shapes {tuple(gate_up_q.shape)} / {tuple(down_q.shape)} do not fit ({e}, {two_i}, {h})")
+    experts.fp4 = tuple(t.to(device).contiguous() for t in (gate_up_q, gate_up_s, down_q, down_s))
+    empty = experts.gate_up_proj.new_empty(0)
+    experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
 
 
 def _is_scale_of_some(key: str, keys: set[str]) -> bool:

@@ -87,6 +87,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
         self.limit = cfg.swiglu_limit
+        # the checkpoint's FP4 experts kept as stored (load_model(fp4_experts=True)): packed
+        # gate_up (E, 2I, H/2), its e8m0 scales (E, 2I, H/32), down (E, H, I/2), scales (E, H, I/64);
+        # the bf16 parameters are then empty and every call runs kernels.moe_fp4
+        self.fp4: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """Sum over each token's chosen experts, grouping tokens by expert (ascending expert id).
@@ -96,6 +100,10 @@ class Experts(nn.Module):
         ``index_add_`` then adds every slot to its token, in slot order (= ascending expert, as
         one ``index_add_`` per expert would). ``add`` (CUDA bf16/fp16 only): added in the combine.
         """
+        if self.fp4 is not None:
+            from kernels.moe_fp4 import moe_experts_fp4
+
+            return moe_experts_fp4(x, weights, indices, *self.fp4, self.limit, add)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             from kernels.moe import (
                 moe_experts,  # grouped GEMM + fused SwiGLU/combine (Triton)
@@ -165,7 +173,7 @@ class MoE(nn.Module):
     def _fused_weights(self, x: torch.Tensor) -> tuple | None:
         """The transposed weights of ``cpu_fused.experts`` when it should run ``x``: a few fp32
         CPU tokens, small experts; rebuilt whenever a weight changes (loaders ``copy_`` in)."""
-        if not (self.fused and x.shape[0] <= FUSED_TOKENS and cpu_fused.usable(x)):
+        if not (self.fused and x.shape[0] <= FUSED_TOKENS and cpu_fused.usable(x)) or self.experts.fp4 is not None:
             return None
         ex, sh = self.experts, self.shared_experts
         params = (ex.gate_up_proj, ex.down_proj, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)

@@ -110,3 +110,17 @@ def test_gpu_drawn_checkpoint_runs_with_fp8_linears(tmp_path: Path) -> None:
     assert torch.isfinite(got).all()
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < 0.15, err
+
+
+def test_fp4_experts_kept_packed(narrow_dir: Path) -> None:
+    """``fp4_experts=True``: the experts stay packed (a quarter of bf16's bytes plus scales) and the
+    forward matches the dequantised model's (FP4 × e8m0 dequantises exactly; fp32 sums)."""
+    ids = [0, 17, 4242, 99, 128000, 5]
+    ref_model = load_model(narrow_dir, dtype="float32", progress=False)
+    model = load_model(narrow_dir, dtype="float32", progress=False, fp4_experts=True)
+    ex = model.model.layers[2].mlp.experts
+    assert ex.fp4 is not None and ex.gate_up_proj.numel() == 0
+    assert ex.fp4[0].dtype == torch.int8 and ex.fp4[0].shape == (8, 256, 128) and ex.fp4[1].shape == (8, 256, 8)
+    want = ref_model([(ref_model.new_state(), ids)], logits="all")
+    got = model([(model.new_state(), ids)], logits="all")
+    assert ((got - want).norm() / want.norm()).item() < 1e-5

@@ -1,0 +1,134 @@
+"""Routed experts with FP4 (e2m1) weights as DeepSeek-V4 ships them, dequantised inside the kernel.
+
+Layout (the release's, stacked per layer): ``wq (E, N, K/2)`` int8, two e2m1 codes per byte, the
+low nibble first (input ``2j`` low, ``2j+1`` high); ``ws (E, N, K/32)`` float8_e8m0fnu (or its
+exponent bytes as uint8), one power-of-two scale per 32 inputs of a row. A code is sign · e2m1
+magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}: every dequantised weight ``code · 2^s`` is exact in bf16.
+
+``fp4_grouped_linear`` is ``kernels.moe_fp8``'s grouped GEMM with the weight tile decoded in
+registers: one program per (expert, 128-column tile) returns at once when its expert has no rows,
+else loads each ``(BN, 64)``-byte packed tile and its ``(BN, 4)`` scales once per row tile, splits
+the nibbles, builds each magnitude from its exponent and mantissa bits, scales it and runs a
+bf16 tensor-core product with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for
+the scales); the decode costs a few integer operations per weight and row tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import HAS_TRITON, dot_precision, mma, next_pow2, tl, triton, use_triton
+
+BLOCK = 128  # K per step; every 32-wide scale group lies inside one step
+GROUP = 32  # inputs per e8m0 scale
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def dequantize_fp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q (..., N, K/2)`` packed e2m1 and ``scale (..., N, K/32)`` → ``(..., N, K)`` (the kernel's reference)."""
+    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), device=q.device)
+    u8 = q.contiguous().view(torch.uint8).long()
+    vals = torch.stack([lut[u8 & 0xF], lut[u8 >> 4]], dim=-1).flatten(-2)  # (..., N, K)
+    s = scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8 else scale
+    return (vals * s.float().repeat_interleave(GROUP, dim=-1)).to(dtype)
+
+
+def fp4_grouped_linear(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+    """Rows ``xs (M, K)`` sorted by group (group ``g`` = rows ``[offs[g-1], offs[g])``, ``offs``
+    int32 group ends) times ``dequant(wq[g], ws[g])ᵀ`` → ``(M, N)`` in ``xs.dtype``."""
+    m, k = xs.shape
+    e, n, half = wq.shape
+    assert 2 * half == k and n % BLOCK == 0 and k % BLOCK == 0 and ws.shape == (e, n, k // GROUP), "fp4_grouped_linear: shapes"
+    assert xs.is_contiguous() and wq.is_contiguous() and ws.is_contiguous()
+    out = torch.empty(m, n, dtype=xs.dtype, device=xs.device)
+    if not use_triton(xs):
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            if end > start:
+                out[start:end] = xs[start:end] @ dequantize_fp4(wq[g], ws[g], xs.dtype).t()
+            start = end
+        return out
+    if m == 0:
+        return out
+    if block_m is None:  # rows per expert on average: decode ~1-3, prefill many
+        block_m = min(64, max(16, next_pow2(triton.cdiv(m, e))))
+    _fp4_grouped_kernel[(e, n // BLOCK)](
+        xs, wq.view(torch.uint8), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=BLOCK, BK=BLOCK, G=GROUP,
+        PRECISION=dot_precision(xs.dtype), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def moe_experts_fp4(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    gate_up_q: torch.Tensor,
+    gate_up_s: torch.Tensor,
+    down_q: torch.Tensor,
+    down_s: torch.Tensor,
+    limit: float,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``kernels.moe.moe_experts`` with the checkpoint's FP4 expert weights (module docstring):
+    ``gate_up_q (E, 2I, H/2)`` (gate rows, then up rows), ``down_q (E, H, I/2)``, scales ``/32``;
+    ``add`` (e.g. the shared expert's output) joins the sum."""
+    from kernels.moe import grouped_experts, moe_experts_reference
+
+    if not use_triton(x):
+        gu = dequantize_fp4(gate_up_q, gate_up_s, x.dtype)
+        dn = dequantize_fp4(down_q, down_s, x.dtype)
+        out = moe_experts_reference(x, weights, indices, gu, dn, limit)
+        return out if add is None else out + add
+    return grouped_experts(
+        x, weights, indices, gate_up_q.shape[0], gate_up_q.shape[1] // 2, limit,
+        lambda xs, offs, _counts: fp4_grouped_linear(xs, gate_up_q, gate_up_s, offs),
+        lambda act, offs, _counts: fp4_grouped_linear(act, down_q, down_s, offs), add=add,
+    )  # fmt: skip
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fp4_tile(w_base, s_base, cols, k0, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
+        """The dequantised weight tile ``(BN, BK)`` fp32 of columns ``cols`` and inputs ``[k0, k0+BK)``."""
+        jj = tl.arange(0, BK // 2)
+        packed = tl.load(w_base + cols.to(tl.int64)[:, None] * (K // 2) + k0 // 2 + jj[None, :]).to(tl.int32)  # (BN, BK/2) bytes
+        codes = tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), (BN, BK))  # low nibble first
+        e = (codes >> 1) & 3
+        mant = codes & 1
+        normal = (((e + 126) << 23) | (mant << 22)).to(tl.float32, bitcast=True)  # 2^(e-1)·(1 + m/2)
+        mag = tl.where(e == 0, mant.to(tl.float32) * 0.5, normal)
+        val = tl.where((codes & 8) != 0, -mag, mag)
+        gg = tl.arange(0, BK // G)
+        sc = tl.load(s_base + cols.to(tl.int64)[:, None] * (K // G) + k0 // G + gg[None, :]).to(tl.int32)  # (BN, BK/G) e8m0
+        scale = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)  # 2^(sc-127); code 0 is 2^-127
+        return tl.reshape(tl.reshape(val, (BN, BK // G, G)) * scale[:, :, None], (BN, BK))
+
+    @triton.jit
+    def _fp4_grouped_kernel(
+        x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        e = tl.program_id(0)
+        nb = tl.program_id(1)
+        end = tl.load(offs_ptr + e)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        if end > start:
+            cols = nb * BN + tl.arange(0, BN)
+            kk = tl.arange(0, BK)
+            ty = out_ptr.dtype.element_ty
+            w_base = w_ptr + e.to(tl.int64) * N * (K // 2)
+            s_base = s_ptr + e.to(tl.int64) * N * (K // G)
+            for m0 in range(start, end, BM):
+                rows = m0 + tl.arange(0, BM)
+                r_ok = rows < end
+                acc = tl.zeros((BM, BN), tl.float32)
+                for k0 in range(0, K, BK):
+                    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + k0 + kk[None, :], mask=r_ok[:, None], other=0.0)
+                    w = _fp4_tile(w_base, s_base, cols, k0, K, BN, BK, G)  # (BN, BK)
+                    acc += mma(x, tl.trans(w).to(ty), PRECISION)
+                tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
+
+
+__all__ = ["dequantize_fp4", "fp4_grouped_linear", "moe_experts_fp4"]

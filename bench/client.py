@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -130,6 +132,18 @@ class Sample:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def first_model(url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The first model ``GET {url}/v1/models`` lists (what ``--model`` defaults to)."""
+    base = url.rstrip("/")
+    base = base[: -len("/v1")] if base.endswith("/v1") else base
+    req = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        data = json.loads(resp.read()).get("data") or []
+    if not data:
+        raise ValueError(f"{base}/v1/models lists no model; pass --model")
+    return str(data[0]["id"])
 
 
 def render_bodies(rows: Sequence[TraceRow], cfg: ClientConfig) -> list[bytes]:

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-itl", type=float, default=None, help="time-per-output-token SLO, seconds (for goodput)")
     p.add_argument("--output", default=None, help="write JSON with the config, summaries and every raw sample")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (latency CDFs, throughput-latency)")
-    p.add_argument("--model", default="deepseek-v4-flash")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of the endpoint's /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=["chat", "completions", "internal"], default="chat")
     p.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = end-to-end)")
@@ -38,14 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from bench.client import ClientConfig, Pacing, RunResult, render_bodies, run_async, warmup_async
+    from bench.client import ClientConfig, Pacing, RunResult, first_model, render_bodies, run_async, warmup_async
     from bench.report import SLO, format_table, summarize, write_json, write_plots
     from bench.workloads import make_workload
 
     wl = make_workload(args.workload, args.num_requests, args.seed)
     rows = wl.rows
+    model = args.model
+    if model is None and args.endpoint != "internal":
+        model = first_model(args.url, args.api_key, args.timeout)
+        print(f"model {model} (the endpoint's first)", file=sys.stderr)
     cfg = ClientConfig(
-        url=args.url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+        url=args.url, endpoint=args.endpoint, model=model or "", api_key=args.api_key,
         stream=not args.no_stream, ignore_eos=not args.no_ignore_eos, timeout_s=args.timeout,
         extra_body=json.loads(args.extra_body) if args.extra_body else {},
         block_size=args.block_size or wl.block_size, content_seed=args.seed, vocab_size=args.vocab_size,

@@ -23,3 +23,16 @@ def start_fake_worker() -> Iterator[Callable[..., str]]:
     yield start
     for p in started:
         procs.stop(p)
+
+
+@pytest.fixture
+def two_model_gateway() -> Iterator[str]:
+    """A real gateway (over the FAKE engine) serving the names ``served-first`` and ``other``."""
+    from server.app import create_app
+    from server.config import GatewayConfig
+    from tests.server.conftest import serve
+    from tests.server.fake_engine import FakeEngine
+
+    app = create_app(GatewayConfig(served_model_names=("served-first", "other")), FakeEngine())
+    with serve(app) as url:
+        yield url

@@ -93,3 +93,11 @@ def test_cli_end_to_end_writes_json_and_plots(start_fake_worker, tmp_path) -> No
     assert doc["runs"][0]["summary"]["goodput"] > 0
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
     assert (tmp_path / "plots" / "throughput_latency.png").stat().st_size > 0
+
+
+def test_model_defaults_to_the_endpoints_first(two_model_gateway) -> None:
+    from bench.client import first_model
+
+    url = two_model_gateway
+    assert first_model(url) == "served-first"
+    assert first_model(url + "/v1/") == "served-first"

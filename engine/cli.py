@@ -93,7 +93,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write a deterministic random tiny DeepSeek-V4 checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", default="tiny", help="tiny | tiny-small-windows")
+    p.add_argument("--preset", default="tiny", help="tiny | tiny-small-windows | tiny-v41")
     p.set_defaults(func=_make_tiny)
 
     g = sub.add_parser("generate", help="offline generation, one JSON object per prompt")

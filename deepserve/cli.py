@@ -17,6 +17,7 @@ SUBCOMMANDS: list[str] = [
     "server.cli",  # up, gateway
     "router.cli",  # router
     "bench.cli",  # bench, simulate
+    "deepserve.internal_auth",  # make-internal-token
 ]
 
 

@@ -120,3 +120,22 @@ def add_flags(parser: argparse.ArgumentParser, *, metrics: bool = False) -> None
 def from_args(args: argparse.Namespace) -> InternalAuth:
     """The credential the parsed ``add_flags`` arguments (then the environment) give."""
     return InternalAuth.resolve(args.internal_token, args.internal_token_file)
+
+
+def write_token_file(path: Path) -> bool:
+    """Write a fresh token to ``path`` (mode 0600, parent 0700 if made) unless it already holds
+    one; True when written. For a one-shot init step that the services' token files read."""
+    if path.is_file() and path.read_text().strip():
+        return False
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(generate_token() + "\n")
+    return True
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``deepserve make-internal-token --out PATH``."""
+    p = subparsers.add_parser("make-internal-token", help="write a fresh internal token to a file unless it holds one")
+    p.add_argument("--out", required=True, type=Path, help="the token file (mode 0600)")
+    p.set_defaults(func=lambda args: print(("wrote " if write_token_file(args.out) else "kept ") + str(args.out)) or 0)

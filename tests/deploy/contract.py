@@ -14,7 +14,7 @@ from typing import Literal
 ROOT = Path(__file__).resolve().parents[2]
 
 # `deepserve <sub-command>`s (DESIGN.md, "CLI").
-SUBCOMMANDS = frozenset({"up", "gateway", "router", "engine", "make-tiny-model", "generate", "bench", "simulate"})
+SUBCOMMANDS = frozenset({"up", "gateway", "router", "engine", "make-tiny-model", "make-internal-token", "generate", "bench", "simulate"})
 # Sub-commands that run an HTTP server with /health and /metrics.
 SERVING_SUBCOMMANDS = frozenset({"up", "gateway", "router", "engine"})
 ROLES = frozenset({"prefill", "decode", "mixed"})

@@ -275,3 +275,18 @@ def test_images_are_pinned(svcs: dict[str, cm.Service]) -> None:
         if s.is_deepserve:
             assert s.spec["build"]["context"] == "."
             assert image == f"deepserve:{s.spec['build']['args']['VARIANT']}"
+
+
+def test_internal_services_share_the_token_model_init_writes(svcs: dict[str, cm.Service]) -> None:
+    """Gateway, router and workers read the internal token from the `internal-token` volume
+    (read-only), which the one-shot `model-init` fills; none of them runs without it."""
+    init = svcs["model-init"]
+    assert "make-internal-token --out /run/deepserve/internal-token" in init.argv()[-1]
+    assert ("internal-token", "/run/deepserve", False) in init.volumes()
+    for s in svcs.values():
+        args = s.deepserve_args() or []
+        if not args or args[0] not in SERVING_SUBCOMMANDS:
+            continue
+        assert s.environment().get("DEEPSERVE_INTERNAL_TOKEN_FILE") == "/run/deepserve/internal-token", s.name
+        assert ("internal-token", "/run/deepserve", True) in s.volumes(), s.name
+        assert s.name == "gateway" or "--open-metrics" in args, f"{s.name}: Prometheus scrapes it without the token"

@@ -340,3 +340,45 @@ def test_replica_counts(rendered: dict) -> None:
     assert (replicas("gpu", "StatefulSet", "prefill"), replicas("gpu", "StatefulSet", "decode")) == (1, 2)
     for name in ALL:
         assert replicas(name, "Deployment", "router") == 1
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_internal_token_secret_reaches_every_deepserve_pod(rendered: dict, name: str) -> None:
+    """Gateway, router and workers read the token from the Secret; the ServiceMonitor sends it;
+    the base leaves it empty (router and workers refuse to start until an overlay sets it)."""
+    objs = rendered[name]
+    (secret,) = _by_kind(objs, "Secret").values()
+    assert secret["metadata"]["name"] == "deepserve-internal-token"
+    assert (secret.get("data") or {}).get("token", "") != "" if name == "dev" else (secret.get("data") or {}).get("token", "") == ""
+    for o in _workloads(objs):
+        if _component(o) == "redis":
+            continue
+        (c,) = [c for c in _containers(o, init=False) if _deepserve_args(c)]
+        assert {"name": "DEEPSERVE_INTERNAL_TOKEN_FILE", "value": "/run/deepserve/token"} in c.get("env", []), o["metadata"]["name"]
+        assert {"name": "internal-token", "mountPath": "/run/deepserve", "readOnly": True} in c["volumeMounts"]
+        vols = {v["name"]: v for v in _pod(o)["volumes"]}
+        assert vols["internal-token"]["secret"]["secretName"] == "deepserve-internal-token"
+    for sm in _by_kind(objs, "ServiceMonitor").values():
+        for ep in sm["spec"]["endpoints"]:
+            assert ep["authorization"]["credentials"] == {"name": "deepserve-internal-token", "key": "token"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_network_policies_admit_only_the_request_path(rendered: dict, name: str) -> None:
+    objs = rendered[name]
+    pols = _by_kind(objs, "NetworkPolicy")
+    deny = pols["deepserve-default-deny"]["spec"]
+    assert deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
+    assert deny["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "deepserve"}
+
+    def sources(pol: str) -> list[dict[str, Any]]:
+        return [f for rule in pols[pol]["spec"]["ingress"] for f in rule.get("from", [])]
+
+    assert sources("deepserve-gateway") == []  # anyone may reach the gateway
+    router_from = [f["podSelector"]["matchLabels"] for f in sources("deepserve-router") if "namespaceSelector" not in f]
+    assert router_from == [{"app.kubernetes.io/name": "deepserve", "app.kubernetes.io/component": "gateway"}]
+    worker_from = [f["podSelector"]["matchLabels"] for f in sources("deepserve-workers") if "namespaceSelector" not in f]
+    assert worker_from == [{"app.kubernetes.io/name": "deepserve", "app.kubernetes.io/component": "router"}]
+    pods = {_component(o): o["spec"]["template"]["metadata"]["labels"] for o in _workloads(objs)}
+    for comp in ("prefill", "decode"):
+        assert pods[comp]["app.kubernetes.io/component"] in pols["deepserve-workers"]["spec"]["podSelector"]["matchExpressions"][1]["values"]

@@ -72,6 +72,10 @@ class KVStoreConfig:
     redis_connect_timeout_s: float = 0.25
     redis_timeout_s: float = 1.0
     redis_retry_after_s: float = 1.0  # after a failure, skip Redis for this long
+    # A shared Redis: its password from a file (a mounted Secret; not in the URL or the
+    # environment), and for a rediss:// (TLS) URL the CA that signs the server's certificate.
+    redis_password_file: str = ""
+    redis_tls_ca_file: str = ""
     chunk_bytes: int = 4 << 20  # Redis values above this are split into chunks
     # Events for the router.
     event_ring: int = 4096
@@ -88,6 +92,8 @@ class KVStoreConfig:
             raise KVStoreConfigError("tier 'ssd' needs ssd_dir (DEEPSERVE_KV_SSD_DIR)")
         if "fs" in self.tiers and not self.fs_dir:
             raise KVStoreConfigError("tier 'fs' needs fs_dir (DEEPSERVE_KV_FS_DIR)")
+        if self.redis_tls_ca_file and not self.redis_url.startswith("rediss://"):
+            raise KVStoreConfigError("redis_tls_ca_file needs a rediss:// (TLS) redis_url")
         if self.write_mode not in ("through", "back"):
             raise KVStoreConfigError(f"write_mode must be 'through' or 'back', got {self.write_mode!r}")
         if self.chunk_bytes <= 0 or self.event_ring <= 0 or self.writeback_queue <= 0:

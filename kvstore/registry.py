@@ -7,6 +7,7 @@ adds a kind (an RDMA transfer engine, a Mooncake client) with ``register_backend
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from kvstore.backends import Backend, FSBackend, HostBackend, MemoryBackend, RedisBackend, SSDBackend
 from kvstore.config import KVStoreConfig
@@ -36,8 +37,16 @@ def _fs(cfg: KVStoreConfig) -> Backend:
 
 
 def _redis(cfg: KVStoreConfig) -> Backend:
+    password = None
+    if cfg.redis_password_file:
+        try:
+            password = Path(cfg.redis_password_file).read_text().strip()
+        except OSError as exc:
+            raise KVStoreConfigError(f"cannot read redis_password_file {cfg.redis_password_file}: {exc}") from exc
     return RedisBackend(
         cfg.redis_url,
+        password=password,
+        tls_ca_file=cfg.redis_tls_ca_file or None,
         prefix=cfg.redis_prefix,
         ttl_s=cfg.redis_ttl_s,
         chunk_size=cfg.chunk_bytes,

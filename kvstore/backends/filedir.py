@@ -72,7 +72,7 @@ class DirectoryBackend(Backend):
     ) -> None:
         super().__init__()
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # KV holds users' prompts: owner only
         self.checksum = checksum
         self.fsync = fsync
         self.fsync_dir = fsync_dir
@@ -140,8 +140,8 @@ class DirectoryBackend(Backend):
         frame = _FRAME.pack(_MAGIC, _FLAG_CRC if self.checksum else 0, n, crc, 0)
         tmp = path.parent / f".{key}.{self._tag}.{secrets.token_hex(4)}.tmp"
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "xb") as f:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.write(frame)
                 f.write(value)
                 f.flush()

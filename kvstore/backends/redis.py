@@ -54,7 +54,11 @@ class RedisBackend(Backend):
         timeout_s: float = 1.0,
         retry_after_s: float = 1.0,
         max_connections: int | None = None,
+        password: str | None = None,
+        tls_ca_file: str | None = None,
     ) -> None:
+        """``password``: the server's (``AUTH``), when not in ``url``; ``tls_ca_file``: the CA
+        that signs the server's certificate, for a ``rediss://`` URL."""
         super().__init__()
         if chunk_size <= 0:
             raise ValueError("chunk_size must be > 0")
@@ -69,6 +73,8 @@ class RedisBackend(Backend):
             socket_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # the default retries with backoff: seconds of stall when down
             max_connections=max_connections,
+            **({"password": password} if password else {}),
+            **({"ssl_ca_certs": tls_ca_file} if tls_ca_file else {}),
         )
         self._down_until = 0.0
         self._down = False

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 
 from deepserve import internal_auth
 from server import up as up_module
-from server.config import GatewayConfig, add_gateway_flags
+from server.config import GatewayConfig, add_gateway_flags, parse_served_name
 from server.vllm_flags import add_vllm_flags, check_vllm_flags, engine_args
 
 
@@ -107,6 +107,7 @@ def run_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         max_model_len=config.max_model_len,
+        served_model_name=parse_served_name(config.served_model_names[0], "v4")[0] if config.served_model_names else None,
         startup_timeout_s=args.startup_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         engine_args=tuple(engine_args(args) + args.engine_arg),

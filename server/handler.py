@@ -131,6 +131,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
         if i and greq.sampling.seed is not None:  # choice i: its own seeded stream
             greq.sampling = replace(greq.sampling, seed=(greq.sampling.seed + i) % (1 << 63))
         greqs.append(greq)
+    gw.metrics.params_n.labels(model).observe(extras.n)
     skip = catalog.special_ids if extras.skip_special_tokens else frozenset()
     runs: list[Run] = []
     answer = Answer(rid, runs, proto, model, None, echo_text(body) if extras.echo else "")

@@ -96,6 +96,11 @@ class GatewayMetrics:
         self.running = Gauge("deepserve_http_requests_running", "Requests holding an engine slot", registry=r)
         self.queued = Gauge("deepserve_http_requests_queued", "Requests waiting for an engine slot", registry=r)
         self.rejected = Counter("deepserve_http_rejected", "Requests refused or failed, by reason", ["reason"], registry=r)
+        # vLLM's name: the engines see each of the n choices as its own request, so the gateway counts n.
+        self.params_n = Histogram(
+            "vllm:request_params_n", "The n (choices) of admitted requests", ["model_name"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r,
+        )
         # Bind label children once: a labels() lookup per token would cost more than the increment.
         self.by_route = {route: _RouteMetrics(self, route) for route in ROUTES + ("other",)}
         self._rejected = {reason: self.rejected.labels(reason) for reason in REJECT_REASONS}

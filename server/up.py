@@ -61,6 +61,7 @@ class UpOptions:
     dtype: str | None = None
     device: str | None = None
     max_model_len: int | None = None  # the gateway's context length, passed to every worker too
+    served_model_name: str | None = None  # the workers' model_name metric label (default: the checkpoint's name)
     startup_timeout_s: float = 600.0
     shutdown_timeout_s: float = 15.0
     restart_backoff_s: float = 1.0  # first delay before a dead worker is started again
@@ -198,6 +199,8 @@ class WorkerSet:
         # --open-metrics: the gateway's /metrics (open) merges theirs; they listen on loopback only
         cmd = [*deepserve_command(), "engine", "--model", str(self.model_dir), "--role", role, "--port", str(port), "--open-metrics"]
         o = self.opts
+        name = o.served_model_name or self.model_dir.resolve().name  # the gateway's first name by default
+        cmd += ["--served-model-name", name]
         for flag, value in (("--dp", o.dp), ("--dtype", o.dtype), ("--device", o.device), ("--max-model-len", o.max_model_len)):
             if value is not None:
                 cmd += [flag, str(value)]

@@ -201,7 +201,7 @@ class EngineCore:
             self.kv.observe_prefill(out.num_tokens, time.perf_counter() - t0)
         events.extend(self._make_output(out, result))
         if self.metrics:
-            self.metrics.on_step(self)
+            self.metrics.on_step(self, out.num_tokens)
         return events
 
     def _poll_kv_loads(self) -> None:

@@ -345,6 +345,7 @@ async def create_completion(request: Request) -> Response:
 
     subs: list[Sub] = []
     response: Response | None = None
+    gw.metrics.params_n.labels(model).observe(p.n)
     skip = catalog.special_ids if p.extras.skip_special_tokens else frozenset()
     try:
         for k, greq in requests:

@@ -73,3 +73,29 @@ def test_one_scrape_counts_match_requests(live_stack) -> None:
     assert delta("deepserve_kvstore_keys") > 0 and delta("deepserve_kvstore_bytes_used") > 0
     # every worker reports under its own label
     assert _by_label(live_stack.url, "vllm:num_requests_running", "worker")
+
+
+def test_vllm_parity_metrics(live_stack) -> None:
+    client = openai.OpenAI(base_url=live_stack.url + "/v1", api_key=E2E_KEY)
+    before = _scrape(live_stack.url)
+    r = client.chat.completions.create(
+        model=E2E_MODEL, messages=[{"role": "user", "content": "parity"}], max_tokens=4, n=2, seed=1,
+        extra_body={"thinking": {"type": "disabled"}, "ignore_eos": True},
+    )
+    after = _scrape(live_stack.url)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("vllm:request_prompt_tokens_count") == 2
+    assert delta("vllm:request_prompt_tokens_sum") == 2 * r.usage.prompt_tokens
+    assert delta("vllm:request_generation_tokens_sum") == r.usage.completion_tokens == 8
+    assert delta("vllm:request_params_max_tokens_sum") == 8
+    assert delta("vllm:request_params_n_count") == 1 and delta("vllm:request_params_n_sum") == 2
+    assert delta("vllm:iteration_tokens_total_count") > 0 and delta("vllm:iteration_tokens_total_sum") >= 2 * r.usage.prompt_tokens
+    assert delta("vllm:time_per_output_token_seconds_count") == 2 * 3
+    for name in ("prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{name}_time_seconds_count") == 2
+    assert after["vllm:cache_config_info"] >= 1
+    assert set(_by_label(live_stack.url, "vllm:num_requests_running", "model_name")) == {E2E_MODEL}  # the served name
+    assert set(_by_label(live_stack.url, "vllm:num_requests_running", "engine")) == {"0"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from engine.runtime.config import EngineConfig
 from engine.runtime.engine_core import EngineCore, KVConnector
 from engine.runtime.metrics import EngineMetrics
 from engine.sampling import GrammarCompilerCache, Sampler, SamplerConfig
+
+log = logging.getLogger(__name__)
 
 
 def configure_cpu_threads() -> int:
@@ -70,6 +73,18 @@ def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cp
     return load_model(model_dir, dtype=dtype, device=device, progress=False)
 
 
+def family_engine_config(model: DeepseekV4ForCausalLM, config: EngineConfig) -> EngineConfig:
+    """``config`` with what the model's family cannot do yet turned off. V4.1: no static slot
+    decoder and no KV-store record format yet, so the general path and ``kv_cache="off"``."""
+    if isinstance(model, DeepseekV4ForCausalLM):
+        return config
+    from dataclasses import replace
+
+    if config.kv_cache != "off":
+        log.warning("DeepSeek-V4.1 has no KV-store record format yet: kv_cache %r -> 'off'", config.kv_cache)
+    return replace(config, static_decode=False, kv_cache="off")
+
+
 def build_sampler(model: DeepseekV4ForCausalLM, model_dir: str | Path, seed: int | None = None) -> Sampler:
     cfg = model.config
     eos = cfg.eos_token_ids or (1,)
@@ -100,10 +115,7 @@ def build_engine(
         configure_cpu_threads()
         configure_cpu_allocator()
     model = model or load_any_model(model_dir, dtype=dtype, device=device)
-    if not isinstance(model, DeepseekV4ForCausalLM) and config.static_decode is not False:
-        from dataclasses import replace
-
-        config = replace(config, static_decode=False)  # V4.1: the general path only (no slot decoder yet)
+    config = family_engine_config(model, config)
     budget = default_state_budget(model, config)
     if budget != config.state_memory_bytes:
         from dataclasses import replace

@@ -24,13 +24,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.kv_connector import KVConnector
-from engine.model.loader import load_model
 from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
 from engine.runtime.builder import (
     build_sampler,
     configure_cpu_allocator,
     configure_cpu_threads,
     default_state_budget,
+    family_engine_config,
+    load_any_model,
 )
 from engine.runtime.config import EngineConfig
 from engine.runtime.engine_core import EngineCore
@@ -76,10 +77,10 @@ class Worker:
         if config.device == "cpu":
             configure_cpu_threads()
             configure_cpu_allocator()
-        model = load_model(config.model_dir, dtype=config.dtype, device=config.device, progress=True)
+        model = load_any_model(config.model_dir, dtype=config.dtype, device=config.device)
         self.model = model
         families = EngineMetricFamilies(self.registry)
-        engine_cfg = config.engine
+        engine_cfg = family_engine_config(model, config.engine)
         budget = default_state_budget(model, engine_cfg) // max(config.dp, 1)
         from dataclasses import replace
 

@@ -42,6 +42,11 @@ class Fp8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def keeps_native_weights(model: nn.Module) -> bool:
+    """Whether ``model`` holds checkpoint-format weights: an ``Fp8Linear`` or packed FP4 experts."""
+    return any(isinstance(m, Fp8Linear) or getattr(m, "fp4", None) is not None for m in model.modules())
+
+
 def replace_linear(model: nn.Module, name: str, weight: torch.Tensor, scale: torch.Tensor, config: Fp8GemmConfig) -> bool:
     """Put an ``Fp8Linear`` of ``weight``/``scale`` (moved to the model's device) in place of the
     ``nn.Linear`` whose weight is ``name``; False (nothing changed) when ``name`` is no such weight."""

@@ -148,6 +148,10 @@ class StaticDecoder:
         fused: bool = True,
         merge_proj: bool = True,
     ) -> None:
+        from engine.model.fp8 import keeps_native_weights
+
+        if keeps_native_weights(model):  # the slot step reads bf16 weights directly (merged projections, GEMVs)
+            raise ValueError("the slot decoders need dequantised weights: load with load_model(fp8=None, fp4_experts=False)")
         self.model = model
         self.cfg = model.config
         self.device = model.device

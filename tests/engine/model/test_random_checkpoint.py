@@ -124,3 +124,11 @@ def test_fp4_experts_kept_packed(narrow_dir: Path) -> None:
     want = ref_model([(ref_model.new_state(), ids)], logits="all")
     got = model([(model.new_state(), ids)], logits="all")
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_slot_decoders_refuse_native_weights(narrow_dir: Path) -> None:
+    from engine.model.static_decode import StaticDecoder
+
+    model = load_model(narrow_dir, dtype="float32", progress=False, fp4_experts=True)
+    with pytest.raises(ValueError, match="dequantised weights"):
+        StaticDecoder(model, max_slots=2, max_tokens=64)

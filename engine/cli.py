@@ -53,6 +53,10 @@ def _engine(args: argparse.Namespace) -> int:
     from engine.runtime.config import EngineConfig
     from engine.worker.server import WorkerConfig, run_worker
 
+    if args.tensor_parallel_size != 1:
+        print(f"error: --tensor-parallel-size {args.tensor_parallel_size} is not supported (tensor parallel size 1; "
+              "GPUs are spanned by --dp and expert parallelism)", file=sys.stderr)
+        return 2
     engine_cfg = EngineConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -60,7 +64,7 @@ def _engine(args: argparse.Namespace) -> int:
         state_memory_bytes=args.state_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         role=args.role,
-        kv_cache=args.kv_cache,
+        kv_cache="off" if args.enable_prefix_caching is False else args.kv_cache,
         snapshot_interval_units=args.snapshot_interval,
         static_decode={"auto": None, "on": True, "off": False}[args.static_decode],
         static_max_tokens=args.static_max_tokens,
@@ -130,6 +134,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--state-memory-bytes", type=int, default=2 << 30)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache", default=env("DEEPSERVE_KV_CACHE", "readwrite"), choices=["off", "read", "write", "readwrite"])
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM spelling: --no-enable-prefix-caching is --kv-cache off")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only (vLLM spelling; use --dp)")
     e.add_argument("--static-decode", default="auto", choices=["auto", "on", "off"],
                    help="decode through slot pools: CUDA graphs on GPU, host slots on CPU (auto: on, general path if the pools cannot be built)")  # fmt: skip
     e.add_argument("--static-max-tokens", type=int, default=8192, help="tokens per static decode slot")

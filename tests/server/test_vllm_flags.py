@@ -56,3 +56,11 @@ def test_cors_from_allowed_origins(make_gateway):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
     other = httpx.get(gw.url + "/v1/models", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_engine_takes_the_vllm_spellings(capsys):
+    from engine.cli import _engine
+
+    args = build_parser().parse_args(["engine", "--model", "m", "--no-enable-prefix-caching", "-tp", "2", "--max-num-seqs", "4"])
+    assert (args.enable_prefix_caching, args.max_num_seqs) == (False, 4)
+    assert _engine(args) == 2 and "tensor-parallel-size 2" in capsys.readouterr().err

@@ -11,12 +11,15 @@ exactly (checked keyword by keyword, and by the property test over random schema
 ``allOf`` with one branch, ``oneOf`` whose branches accept disjoint JSON types, ``properties``,
 ``required`` (declared properties only), ``additionalProperties``, ``minProperties`` /
 ``maxProperties``, ``items``, ``prefixItems``, ``minItems`` / ``maxItems``, ``minLength`` /
-``maxLength`` (without ``pattern``), ``pattern``, the ``format`` values below, ``minimum`` /
-``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``, ``multipleOf`` on integers.
+``maxLength`` (without ``pattern``), ``pattern``, ``format`` (``email`` / ``ipv6`` / ``uuid`` by
+xgrammar; ``date``, ``time``, ``date-time``, ``ipv4``, ``hostname`` as stricter patterns of ours,
+since xgrammar's accept invalid values), ``minimum`` /
+``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``.
 Refused (xgrammar accepts values the schema rejects): ``uniqueItems``, ``contains``, ``not``,
 ``if`` / ``then`` / ``else``, ``dependentRequired`` / ``dependentSchemas``, overlapping ``oneOf``,
-multi-branch ``allOf``, ``multipleOf`` on numbers, ``minLength`` / ``maxLength`` beside ``pattern``,
-unknown formats, and every keyword not listed here. Annotations (``title``, ``description``,
+multi-branch ``allOf``, ``multipleOf`` (xgrammar ignores it beside a bound), ``minLength`` /
+``maxLength`` beside ``pattern``, a ``pattern`` with a quantified group, unknown formats, and every
+keyword not listed here. Annotations (``title``, ``description``,
 ``default``, ...) are ignored, as JSON Schema defines them.
 
 xgrammar narrows where it cannot widen: with no ``additionalProperties`` it allows none, and a
@@ -36,6 +39,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -50,18 +54,35 @@ ANNOTATIONS = frozenset(
 )
 TYPE_KEYWORDS: dict[str, frozenset[str]] = {
     "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
-    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
     "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
     "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties"}),
 }
 GENERAL_KEYWORDS = frozenset({"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"})
 SUPPORTED = GENERAL_KEYWORDS.union(*TYPE_KEYWORDS.values())
-FORMATS = frozenset(
-    {
-        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
-        "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-    }
+FORMATS = frozenset({"email", "ipv6", "uuid"})  # xgrammar's own grammars for these hold
+# Formats xgrammar gets wrong (its ``date`` allows 2021-02-30 and year 0, its ``ipv4`` leading
+# zeros) or that nothing here checks, replaced by a pattern whose every match is valid: a subset
+# (no leap days, leap seconds or fractions of a second, hostnames of <= 3 short labels).
+_DATE = (
+    "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})-"
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
 )
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_LABEL = "[a-z0-9]{1,16}"  # a short label (63 characters and hyphens allowed; counted repeats compile slowly)
+FORMAT_PATTERNS: dict[str, str] = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "ipv4": f"^{_OCTET}\\.{_OCTET}\\.{_OCTET}\\.{_OCTET}$",
+    "hostname": f"^(?:{_LABEL}|{_LABEL}\\.{_LABEL}|{_LABEL}\\.{_LABEL}\\.{_LABEL})$",
+}
+# xgrammar compiles a schema ``pattern`` wrongly when a group carries a quantifier: ``(?:a*[0-9])?``
+# also matches "a" (found by fuzzing its schema path against Python's ``re``; its plain regex path
+# is right). Such patterns are refused, as are regex features outside ECMA-262's common core.
+_QUANTIFIED_GROUP = re.compile(r"\)[*+?{]")
+_UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|[*+?}][+]")
 JSON_TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
 
 
@@ -250,28 +271,36 @@ class _Audit:
             target = target[part]
 
     def _string(self, node: dict[str, Any], path: Path) -> None:
+        fmt = node.get("format")
+        if fmt in FORMAT_PATTERNS:
+            if "pattern" in node:
+                raise SchemaError(f"'format' {fmt!r} beside 'pattern' is not supported for constrained output.", path + ("format",))
+            node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
+        elif fmt is not None and fmt not in FORMATS:
+            raise SchemaError(f"The string format {fmt!r} is not supported for constrained output.", path + ("format",))
         if "pattern" in node:
             if not isinstance(node["pattern"], str):
                 raise SchemaError("'pattern' must be a string.", path + ("pattern",))
+            bare = _without_classes(node["pattern"])
+            if _QUANTIFIED_GROUP.search(bare):
+                raise SchemaError(
+                    "A 'pattern' with a quantified group ('(...)?', '(...)*', ...) is not supported for constrained output.",
+                    path + ("pattern",),
+                )
+            if _UNSUPPORTED_REGEX.search(bare):
+                raise SchemaError("Lookarounds, backreferences and possessive quantifiers are not supported in 'pattern'.", path + ("pattern",))
             for word in ("minLength", "maxLength"):
                 if word in node:
                     raise SchemaError(f"'{word}' beside 'pattern' is not supported; put the length in the pattern.", path + (word,))
-        fmt = node.get("format")
-        if fmt is not None and fmt not in FORMATS:
-            raise SchemaError(f"The string format {fmt!r} is not supported for constrained output.", path + ("format",))
         for word in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"):
             if word in node and not _count(node[word]):
                 raise SchemaError(f"'{word}' must be a non-negative integer.", path + (word,))
 
     def _numbers(self, node: dict[str, Any], path: Path) -> None:
-        for word in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+        for word in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             v = node.get(word)
             if word in node and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
                 raise SchemaError(f"'{word}' must be a number.", path + (word,))
-        if "multipleOf" in node:
-            v = node["multipleOf"]
-            if node.get("type") != "integer" or not isinstance(v, int) or v <= 0:
-                raise SchemaError("'multipleOf' is supported only as a positive integer on integers.", path + ("multipleOf",))
 
     def _children(self, node: dict[str, Any], path: Path) -> None:
         props = node.get("properties", {})
@@ -299,6 +328,30 @@ class _Audit:
         for word in ("items", "additionalProperties"):
             if word in node:
                 self.node(node[word], path + (word,), may_be_false=True)
+
+
+def _without_classes(pattern: str) -> str:
+    """The pattern with escapes and character classes blanked (``\\)`` or ``[)?]`` is no group)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append("\\" + pattern[i + 1 : i + 2] if not in_class and pattern[i + 1 : i + 2].isdigit() else "__")
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+            out.append("_")
+        elif c == "[":
+            in_class = True
+            out.append("_")
+            if pattern[i + 1 : i + 2] == "]":  # a leading ']' is a literal
+                out.append("_")
+                i += 1
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _count(v: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -64,6 +65,9 @@ def test_strict_refuses_what_contradicts_it(schema, location) -> None:
         ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
         ({"type": "string", "pattern": "^a+$", "minLength": 2}, "minLength"),
         ({"type": "string", "format": "iri"}, "format"),
+        ({"type": "string", "pattern": "^(?:a*[0-9]{1,3})?$"}, "pattern"),
+        ({"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$"}, "pattern"),
+        ({"type": "string", "pattern": "^(?=a)a$"}, "pattern"),
         ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, "required"),
         ({"type": "string", "const": 1}, "const"),
         ({"type": "string", "enum": ["a"], "maxLength": 0}, "maxLength"),
@@ -78,6 +82,15 @@ def test_refused_keywords_are_named(schema, location) -> None:
     with pytest.raises(SchemaError) as e:
         enforceable_schema(schema, strict=False)
     assert e.value.location == location
+
+
+def test_formats_xgrammar_gets_wrong_become_stricter_patterns() -> None:
+    out = spec({"type": "string", "format": "date", "description": "d"})
+    assert "format" not in out and out["description"] == "d"
+    assert re.fullmatch(out["pattern"][1:-1], "2024-02-28") and not re.fullmatch(out["pattern"][1:-1], "2021-02-30")
+    with pytest.raises(SchemaError) as e:
+        enforceable_schema({"type": "string", "format": "ipv4", "pattern": "^1"}, strict=False)
+    assert e.value.location == "format"
 
 
 def test_enum_values_the_type_rejects_are_dropped() -> None:
@@ -95,7 +108,6 @@ def test_supported_schemas_pass_unchanged() -> None:
             "s": {"type": "string", "minLength": 1, "maxLength": 5, "description": "d"},
             "p": {"type": "string", "pattern": "^[a-z]+$", "format": "email"},
             "n": {"type": "number", "minimum": 0, "exclusiveMaximum": 10},
-            "i": {"type": "integer", "multipleOf": 3},
             "u": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
             "a": {"allOf": [{"$ref": "#/definitions/A"}]},
             "t": {"type": "array", "prefixItems": [{"const": 1}], "items": False, "minItems": 1},

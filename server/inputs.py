@@ -38,7 +38,8 @@ def _check_parts(content: Any, media: dict[str, str], where: str) -> None:
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             continue
-        kind = media.get(part.get("type"))  # type: ignore[arg-type]
+        kind_name = part.get("type")
+        kind = media.get(kind_name) if isinstance(kind_name, str) else None
         if kind is not None:
             raise _refuse_media(kind, f"{where}.content[{j}]")
         if part.get("type") == "tool_result":  # Anthropic: a tool result holds blocks of its own
@@ -79,6 +80,8 @@ def _thinking_from_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     if wanted is None:
         return None
     explicit = body.get("thinking")
+    if explicit is not None and not isinstance(explicit, dict):
+        raise InvalidRequest("Invalid type for 'thinking': expected an object.", param="thinking")
     thinking = {"type": "enabled" if wanted else "disabled"}
     if isinstance(explicit, dict) and explicit.get("type") not in (None, thinking["type"]):
         raise InvalidRequest("'thinking' and chat_template_kwargs disagree on the thinking mode.", param="chat_template_kwargs")

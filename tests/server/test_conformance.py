@@ -278,3 +278,30 @@ def test_sdk_stream_usage_chunk(gateway):
         model=MODEL, messages=USER, stream=True, stream_options={"include_usage": True}, extra_body=NO_THINK))
     assert stream[-1].choices == [] and stream[-1].usage.total_tokens == stream[-1].usage.prompt_tokens + 3
     assert all(c.usage is None for c in stream[:-1])
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": ["image_url"]}]}]}),
+    ("/v1/chat/completions", {"messages": USER, "thinking": "on", "chat_template_kwargs": {"thinking": True}}),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": ["thinking"]}),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"1": None}}),
+    ("/v1/chat/completions", {"messages": USER, "n": 1.5}),
+    ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}}),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": ["system"], "content": "x"}]}),
+    ("/v1/messages", {"max_tokens": 5, "messages": USER, "system": [{"type": {"x": 1}}]}),
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}),
+    ("/v1/completions", {"prompt": "x", "best_of": "3"}),
+    ("/tokenize", {"messages": "x"}),
+    ("/detokenize", {"tokens": "1 2"}),
+])
+def test_odd_types_are_400_not_500(gateway, route, body):
+    r = httpx.post(gateway.url + route, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+
+
+def test_responses_developer_role_is_system(gateway):
+    client = oai(gateway)
+    client.responses.create(model=MODEL, input=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    client.responses.create(model=MODEL, input=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    a, b = gateway.engine.requests
+    assert a.prompt_token_ids == b.prompt_token_ids

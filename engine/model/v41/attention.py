@@ -33,6 +33,8 @@ from engine.model.v41.layers import RMSNorm
 from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
 
+QUERY_TILE = 256  # queries per attention / indexer tile: bounds the (nh, tile, L) logits of long prefills
+
 
 @dataclass
 class Shared:
@@ -113,20 +115,26 @@ class Indexer(nn.Module):
         where the choice is a complete row. Publishes the candidate blocks at the candidate source."""
         s, t = x.shape[0], keys.shape[0]
         q = fp4_indexer(apply_rope(self.wq_b(q_res).view(s, self.n_heads, self.head_dim), *rope))  # (S, Hi, Di)
-        scores = torch.einsum("bshd,btd->bsht", q.float()[None], keys.float()[None])[0].relu_() * self.softmax_scale  # (S, Hi, T)
         weights = self.weights_proj(x).float() * self.heads_scaling  # (S, Hi)
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (S, T)
         complete = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # (S,) rows < this are complete
-        scores = scores.masked_fill(torch.arange(t, device=keys.device)[None, :] >= complete[:, None], float("-inf"))
+        picks, valid, cands = [], [], []
+        for t0 in range(0, s, QUERY_TILE):
+            r = slice(t0, t0 + QUERY_TILE)
+            scores = torch.einsum("bshd,btd->bsht", q[r].float()[None], keys.float()[None])[0].relu_() * self.softmax_scale  # (s, Hi, T)
+            scores = (scores * weights[r].unsqueeze(-1)).sum(dim=1)  # (s, T)
+            scores = scores.masked_fill(torch.arange(t, device=keys.device)[None, :] >= complete[r, None], float("-inf"))
+            if self.is_candidate_source:
+                cands.append(candidate_blocks(scores, complete[r], self.block_topk, self.block_size))
+            elif self.uses_candidates and shared.candidates is not None:
+                scores = scores.masked_fill(~shared.candidates[r], float("-inf"))
+            # torch.topk over every row so far, future ones at -inf, as the reference: exact ties
+            # (relu zeros) are then broken the same way
+            top = scores.topk(min(self.topk, t), dim=-1, sorted=False)
+            picks.append(top.indices)
+            valid.append(top.values > float("-inf"))
         if self.is_candidate_source:
-            shared.candidates = candidate_blocks(scores, complete, self.block_topk, self.block_size)
-        elif self.uses_candidates and shared.candidates is not None:
-            scores = scores.masked_fill(~shared.candidates, float("-inf"))
-        # torch.topk over every row so far, future ones at -inf, as the reference: exact ties
-        # (relu zeros) are then broken the same way
-        top = scores.topk(min(self.topk, t), dim=-1, sorted=False)
-        return top.indices, top.values > float("-inf")
-
+            shared.candidates = torch.cat(cands)  # (S, T)
+        return torch.cat(picks), torch.cat(valid)
 
 def candidate_blocks(scores: torch.Tensor, complete: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
     """Level one of the two-level top-k: ``(S, T)`` True inside each query's ``topk_blocks`` best
@@ -230,23 +238,34 @@ class Attention(nn.Module):
     def _attend(
         self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:  # fmt: skip
-        """``q (S, nh, D)`` over [ring, new keys ``kv (S, D)``, compressed rows] → ``(S, nh, D)``;
-        keeps the last ``W-1`` window keys as the layer's ring."""
+        """``q (S, nh, D)`` over [ring, new keys ``kv (S, D)``, compressed rows] → ``(S, nh, D)``,
+        ``QUERY_TILE`` queries at a time; keeps the last ``W-1`` window keys as the layer's ring."""
         st = c.state
         ring = st.windows[self.layer_idx]
         keys = torch.cat([ring, kv])  # (R+S, D): positions first-R .. last
         st.windows[self.layer_idx] = keys[max(0, keys.shape[0] - (self.window - 1)) :].clone()
         key_pos = torch.arange(keys.shape[0], device=kv.device) + (positions[0] - ring.shape[0])  # (R+S,)
-        visible = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - self.window)
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=kv.device).masked_fill(~visible, float("-inf"))
         if extra is not None:
             keys = torch.cat([keys, extra[0]])  # (R+S+T, D)
-            mask = torch.cat([mask, extra[1]], dim=-1)  # (S, R+S+T)
-        qh = q.transpose(0, 1)[None]  # (1, nh, S, D)
+        out = torch.empty_like(q)
+        for t0 in range(0, q.shape[0], QUERY_TILE):
+            t = slice(t0, t0 + QUERY_TILE)
+            pos = positions[t, None]
+            hidden = (key_pos[None, :] > pos) | (key_pos[None, :] <= pos - self.window)  # (s, R+S)
+            mask = torch.zeros(hidden.shape, dtype=torch.float32, device=kv.device).masked_fill(hidden, float("-inf"))
+            if extra is not None:
+                mask = torch.cat([mask, extra[1][t]], dim=-1)  # (s, R+S+T)
+            out[t] = self._softmax_attend(q[t], keys, mask)
+        return out
+
+    def _softmax_attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One masked softmax with the sinks: ``q (s, nh, D)``, ``keys (L, D)`` (= values), ``mask
+        (s, L)`` additive → ``(s, nh, D)``, in the reference's ``(1, nh, s, L)`` layout."""
+        qh = q.transpose(0, 1)[None]  # (1, nh, s, D)
         kh = keys[None, None]  # (1, 1, L, D): one key=value head for all query heads
-        logits = torch.matmul(qh, kh.transpose(2, 3)) * self.scaling + mask  # (1, nh, S, L)
+        logits = torch.matmul(qh, kh.transpose(2, 3)) * self.scaling + mask  # (1, nh, s, L)
         sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(1, -1, q.shape[0], 1)
         logits = torch.cat([logits, sinks.float()], dim=-1)  # the sink: one more logit per row
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kh.dtype)  # sink only in the denominator
-        return torch.matmul(probs, kh)[0].transpose(0, 1)  # (S, nh, D)
+        return torch.matmul(probs, kh)[0].transpose(0, 1)  # (s, nh, D)

@@ -73,3 +73,16 @@ def test_cached_equals_one_shot_exactly_where_no_rounding_flips() -> None:
     for a in range(0, len(ids), 7):
         chunked = model([(st, ids[a : a + 7])])[0]
     assert (one - chunked).abs().max().item() < 1e-5
+
+
+def test_query_tiles_do_not_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long prefills run attention and the indexer ``QUERY_TILE`` queries at a time; tiny tiles
+    give the one-tile logits to float32 noise."""
+    from engine.model.v41 import attention
+
+    model, ref = _model("flash_shape")
+    ids = ref["prompts"][0]["prompt_ids"]
+    whole = model([(model.new_state(), ids)])[0]
+    monkeypatch.setattr(attention, "QUERY_TILE", 5)
+    tiled = model([(model.new_state(), ids)])[0]
+    assert (whole - tiled).abs().max().item() < 1e-5

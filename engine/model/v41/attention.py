@@ -61,7 +61,7 @@ class Compressor(nn.Module):
 
     def __init__(self, cfg: V41Config, ratio: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.ratio, self.width = ratio, cfg.head_dim
+        self.ratio = ratio
         self.wkv = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False, dtype=dtype)
         self.wgate = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False, dtype=dtype) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -43,7 +43,8 @@ class DecoderLayer(nn.Module):
         self.hc_ffn = HyperSite(cfg)
 
     def forward(
-        self, streams: torch.Tensor, pre: torch.Tensor, hash_ids: torch.Tensor | None, positions: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], rotary: Rotary, chunks: list[Chunk],
+        self, streams: torch.Tensor, pre: torch.Tensor, hash_ids: torch.Tensor | None, positions: torch.Tensor,
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], rotary: Rotary, chunks: list[Chunk],
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``streams (N, hc, H)`` and the previous site's ``pre (N, hc)`` → the new streams and
         this layer's FFN-site ``pre``."""

@@ -8,7 +8,9 @@ asked. This module reshapes its JSON:
   chunk has ``usage: null`` and a last chunk has ``choices: []`` and the summed usage; with vLLM's
   ``continuous_usage_stats`` too, every chunk carries the usage so far;
 - ``parallel_tool_calls: false``: only the first tool call of a choice is kept;
-- vLLM's chat ``echo``: the last message's text, when it is the assistant's, starts the answer.
+- vLLM's chat ``echo``: the last message's text, when it is the assistant's, starts the answer;
+- ``reasoning_tokens`` at most ``completion_tokens`` (deepseek-recipe 0.2.0 at times counts one
+  reasoning token more than were generated, on answers cut off inside the reasoning).
 Chunks that need none of this are passed on as the recipe wrote them (no JSON round trip).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,6 +41,9 @@ def merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
                 if isinstance(value, int) and isinstance(mine.get(key), int):
                     mine[key] += value
     total["total_tokens"] = total.get("prompt_tokens", 0) + total.get("completion_tokens", 0)
+    details = total.get("completion_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+        details["reasoning_tokens"] = min(details["reasoning_tokens"], total.get("completion_tokens", 0))
     return total
 
 
@@ -63,9 +69,20 @@ def _first_tool_only(holder: dict[str, Any]) -> None:
         holder["tool_calls"] = calls[:1]
 
 
+_COMPLETION = re.compile(r'"completion_tokens":\s*(\d+)')
+_REASONING = re.compile(r'"reasoning_tokens":\s*(\d+)')
+
+
+def _reasoning_overcounted(text: str) -> bool:
+    """Whether an answer's usage says more reasoning than completion tokens (read off its text:
+    a single answer is passed on without parsing otherwise)."""
+    c, r = _COMPLETION.search(text), _REASONING.search(text)
+    return c is not None and r is not None and int(r[1]) > int(c[1])
+
+
 def merge_answers(texts: list[str], extras: Extras, echo: str) -> str:
     """The whole answer from each choice's recipe response JSON (one per choice)."""
-    if len(texts) == 1 and not echo and extras.parallel_tool_calls:
+    if len(texts) == 1 and not echo and extras.parallel_tool_calls and not _reasoning_overcounted(texts[0]):
         return texts[0]
     answers = [json.loads(t) for t in texts]
     out = answers[0]

@@ -106,3 +106,37 @@ def test_engram_checkpoint_with_a_foreign_tokenizer_is_refused(tmp_path: Path) -
     (out / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(CheckpointError, match="engram_compressed_vocab_size is 40"):
         load_v41_model(out)
+
+
+def test_fp8_block_scaled_weights_are_dequantized(tmp_path: Path) -> None:
+    """The released layout stores non-expert weights as FP8 e4m3 with 128×128 ue8m0 (uint8
+    exponent) block scales: the loaded model equals one loaded from the dequantized floats."""
+    out, tensors = _copy("tester", tmp_path)
+    name = "model.layers.1.attn.wq_b.weight"  # (128, 32): one 128×128 block
+    w = tensors[name]
+    exp = torch.ceil(torch.log2(w.abs().max() / 448.0))  # a power-of-two scale covering the block
+    q = (w / 2.0**exp).to(torch.float8_e4m3fn)
+    tensors[name] = q
+    tensors[name.removesuffix(".weight") + ".scale"] = (exp + 127).to(torch.uint8).reshape(1, 1)
+    save_file(tensors, str(out / "model.safetensors"))
+    plain = tmp_path / "plain"
+    shutil.copytree(out, plain)
+    floats = dict(tensors)
+    floats[name] = q.float() * 2.0**exp
+    del floats[name.removesuffix(".weight") + ".scale"]
+    save_file(floats, str(plain / "model.safetensors"))
+    a, b = load_v41_model(out, dtype="float32"), load_v41_model(plain, dtype="float32")
+    assert torch.equal(a.model.layers[1].attn.wq_b.weight, b.model.layers[1].attn.wq_b.weight)
+    assert not torch.equal(a.model.layers[1].attn.wq_b.weight, w)  # it really was rounded
+
+
+def test_state_accounting_covers_a_real_state() -> None:
+    """The state pool's byte model (block units + one boundary) bounds what a sequence holds."""
+    from engine.model.v41.state import state_bytes
+
+    ckpt, ref = fixture_case("flash_shape")
+    model = load_v41_model(ckpt, dtype="float32")
+    block, boundary = state_bytes(model.config, torch.float32)
+    st = model.new_state()
+    model([(st, ref["prompts"][0]["prompt_ids"])])  # 82 tokens: one unit of 128
+    assert 0 < st.nbytes() <= block + boundary

@@ -7,8 +7,9 @@ newlines (one await per chunk, not per line), and the common event shape (token 
 logprobs) is built directly instead of through ``TokenEvent.from_dict``.
 
 Transport failures are translated here into ``router.errors``: ``WorkerUnavailable`` (could not
-connect, connection dropped, 5xx, stream ended without a finish event; ``connect=True`` when the
-worker could not be reached at all) and ``WorkerRejected`` (4xx).
+connect, connection dropped, 5xx, 401/403 (our internal token refused: the worker's or our
+configuration, not the request), stream ended without a finish event; ``connect=True`` when the
+worker could not be reached at all) and ``WorkerRejected`` (other 4xx).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 dumps = _dumps
 loads = _loads
 _JSON = {"Content-Type": "application/json"}
+_NOT_THE_REQUESTS_FAULT = (401, 403, 408, 429)  # 4xx that another worker (or later) may not give
 
 
 class KVEventsAnswer(NamedTuple):
@@ -151,14 +153,14 @@ class WorkerClient:
         if isinstance(exc, ConnectError):
             return WorkerUnavailable(str(exc), self.url, connect=True)
         if isinstance(exc, StatusError):
-            if 400 <= exc.status < 500 and exc.status not in (408, 429):
+            if 400 <= exc.status < 500 and exc.status not in _NOT_THE_REQUESTS_FAULT:
                 return WorkerRejected(str(exc), self.url)
             return WorkerUnavailable(str(exc), self.url)
         return WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url)
 
     async def _raise_status(self, resp: aiohttp.ClientResponse) -> None:
         text = (await resp.text())[:500]
-        if 400 <= resp.status < 500 and resp.status not in (408, 429):
+        if 400 <= resp.status < 500 and resp.status not in _NOT_THE_REQUESTS_FAULT:
             raise WorkerRejected(f"worker answered {resp.status}: {text}", self.url)
         raise WorkerUnavailable(f"worker answered {resp.status}: {text}", self.url)
 

@@ -61,13 +61,14 @@ def test_every_route_but_health_needs_the_token_and_the_router_sends_it_on(spawn
 
 
 async def _tokens_or_none(client: WorkerClient, req):
-    """The tokens of ``req``, or nothing when the call is refused (401 is a 4xx: ``WorkerRejected``)."""
-    from router.errors import WorkerRejected
+    """The tokens of ``req``, or nothing when the call is refused: a 401 is the caller's
+    configuration at fault, not the request (``WorkerUnavailable``, not ``WorkerRejected``)."""
+    from router.errors import WorkerUnavailable
 
     try:
         async for ev in client.generate(req):
             yield ev
-    except WorkerRejected as exc:
+    except WorkerUnavailable as exc:
         assert "401" in str(exc)
 
 

@@ -178,7 +178,8 @@ torch.set_num_threads(1)
 from engine.model.loader import load_model
 from tests.engine.model.test_static_decode import assert_states_close, run_both
 model = load_model(sys.argv[1], dtype="float32", progress=False)
-worst, general, exported, _ = run_both(model, [0, 3, 4, 7, 9, 17, 40], steps=6, seed=1, max_slots=8)
+lens, steps = [int(n) for n in sys.argv[2].split(",")], int(sys.argv[3])
+worst, general, exported, _ = run_both(model, lens, steps=steps, seed=1, max_slots=8)
 assert worst <= 1e-4, worst
 for a, b in zip(general, exported):
     assert_states_close(a, b, 1e-4)
@@ -186,8 +187,16 @@ print("ok", worst)
 """
 
 
+@pytest.mark.parametrize(
+    "lens,steps",
+    [
+        # default run: a fresh slot; 7→11 closes CSA (4) and HCA (8) windows; 40→44 wraps the 16-token ring with the indexer selecting
+        ("0,7,40", 4),
+        pytest.param("0,3,4,7,9,17,40", 6, marks=pytest.mark.slow),  # every boundary case, longer
+    ],
+)
 def test_static_decode_triton_kernels_under_interpreter(
-    small_windows_model_dir,
+    small_windows_model_dir, lens: str, steps: int
 ) -> None:
     """The same comparison with the step's Triton kernels (decode attention, indexer, pooling,
     mHC) run by Triton's CPU interpreter, so their integration is checked without a GPU."""
@@ -205,7 +214,7 @@ def test_static_decode_triton_kernels_under_interpreter(
         "PYTHONPATH": str(root),
     }
     proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED, str(small_windows_model_dir)],
+        [sys.executable, "-c", _INTERPRETED, str(small_windows_model_dir), lens, str(steps)],
         cwd=root,
         env=env,
         capture_output=True,

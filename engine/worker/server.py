@@ -154,8 +154,8 @@ class Worker:
 
     async def abort(self, request: web.Request) -> web.Response:
         try:
-            rid = str((await request.json())["request_id"])
-        except (ValueError, KeyError, TypeError):
+            rid = str(json.loads(await request.read())["request_id"])
+        except (ValueError, KeyError, TypeError, RecursionError):
             return web.json_response({"error": "body must be {\"request_id\": ...}"}, status=400)
         self.loop.abort(rid)
         return web.json_response({"ok": True})
@@ -184,7 +184,10 @@ class Worker:
     async def kv_events(self, request: web.Request) -> web.Response:
         """The store's KV events after ``since``; with ``snapshot=1`` the units held now as
         ``stored`` events instead (for a poller that got ``complete: false``)."""
-        since = int(request.query.get("since", "0"))
+        try:
+            since = int(request.query.get("since", "0"))
+        except ValueError:
+            return web.json_response({"error": "since must be an integer"}, status=400)
         if self.store is None:
             return web.json_response({"seq": 0, "events": [], "complete": True})
         batch = self.store.events_snapshot() if request.query.get("snapshot") == "1" else self.store.events_since(since)

@@ -83,6 +83,11 @@ def test_poison_requests_get_400_and_leave_other_streams_untouched(worker) -> No
             for task in streams:
                 tokens, reason = await task
                 assert (tokens, reason) == (alone, "length")
+            for path, data in (("/internal/abort", b"[" * 100_000), ("/internal/abort", b"{}"), ("/internal/abort", b"nope")):
+                async with s.post(worker.url + path, data=data, headers=auth_headers()) as resp:
+                    assert resp.status == 400, (path, data[:20])
+            async with s.get(worker.url + "/kv_events?since=x", headers=auth_headers()) as resp:
+                assert resp.status == 400
             again, reason = await _stream(s, worker.url, _body("after"))
             assert (again, reason) == (alone, "length")
             async with s.get(worker.url + "/health") as resp:

@@ -26,7 +26,7 @@ async def version() -> Response:
     return JSONResponse({"version": v})
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
 async def ping(request: Request) -> Response:
     """vLLM's liveness probe: the same answer as ``/health``."""
     return await health(request)

@@ -118,6 +118,10 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
     catalog = gw.catalog
     recipe_body = proto.prepare_body(body)
     extras = parse_extras(body, catalog.vocab_size, chat=proto.chat)
+    if extras.n > gw.config.max_concurrent_requests:  # its choices could never all run at once
+        raise InvalidRequest(
+            f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
+        )
     conv, make_generator, prompt = convert_and_encode(gw, proto, raw if recipe_body is body else recipe_body)
     rid, engine_rid = ids(request, proto.id_prefix)
     greqs = []

@@ -305,3 +305,9 @@ def test_responses_developer_role_is_system(gateway):
     client.responses.create(model=MODEL, input=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     a, b = gateway.engine.requests
     assert a.prompt_token_ids == b.prompt_token_ids
+
+
+def test_n_beyond_the_concurrency_limit_refused(make_gateway):
+    gw = make_gateway(max_concurrent_requests=2)
+    error_of(chat(gw, n=3), "n")
+    assert chat(gw, n=2, **NO_THINK).status_code == 200

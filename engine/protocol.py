@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-ConstraintKind = Literal["json", "regex", "ebnf", "tool_call", "tool_call_required"]
+ConstraintKind = Literal["json", "regex", "ebnf", "tool_call", "tool_call_required", "tool_call_forced"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 Role = Literal["prefill", "decode", "mixed"]
 

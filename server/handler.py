@@ -31,6 +31,7 @@ from server.generation import ClientDisconnected, Run, race_disconnect
 from server.request_id import ids
 from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
+from server.structured import with_auto_tool_choice
 
 Flavor = Literal["openai", "anthropic"]
 MakeGenerator = Callable[[Any, str, str], Any]  # (ConversationRequest, id, model) -> chunk generator
@@ -122,7 +123,10 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
         raise InvalidRequest(
             f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
         )
-    conv, make_generator, prompt = convert_and_encode(gw, proto, raw if recipe_body is body else recipe_body)
+    try:
+        conv, make_generator, prompt = convert_and_encode(gw, proto, raw if recipe_body is body else recipe_body)
+    except GatewayError as refused:
+        conv, make_generator, prompt = convert_forcing_tools(gw, proto, recipe_body, refused)
     rid, engine_rid = ids(request, proto.id_prefix)
     greqs = []
     for i in range(extras.n):
@@ -185,6 +189,20 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: bytes | dict[st
     except (RuntimeError, ValueError) as exc:
         raise InvalidRequest(f"The prompt could not be encoded: {exc}") from None
     return conv, make_generator, prompt
+
+
+def convert_forcing_tools(
+    gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any], refused: GatewayError
+) -> tuple[Any, MakeGenerator, list[int]]:
+    """deepseek-recipe refuses ``tool_choice`` required or named in thinking mode: convert with an
+    "auto" choice and let the grammar force the call (``server.structured``); other refusals stand."""
+    auto = with_auto_tool_choice(recipe_body)
+    if auto is None:
+        raise refused
+    converted = convert_and_encode(gw, proto, auto)
+    if not converted[0].conversation.thinking_mode:
+        raise refused
+    return converted
 
 
 async def _choice_batches(runs: list[Run]) -> AsyncIterator[tuple[int, list[Any]]]:
@@ -313,4 +331,3 @@ class SSEResponse(StreamingResponse):
             # mid-write); that ``finally`` does not await, so a cancelled scope cannot interrupt it.
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             self._on_close()
-

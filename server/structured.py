@@ -19,6 +19,11 @@ Sources, at most one per request (a second one is a 400 naming it):
 
 Compact JSON (no whitespace outside strings): the gateway's ``compact_json`` option, or a
 request's ``disable_any_whitespace``. In thinking mode the grammar starts after ``</think>``.
+
+A forced tool choice in thinking mode (``tool_choice`` ``required`` or a named function; Messages:
+``any`` / ``tool``), which the recipe refuses: the handler converts the request with an "auto"
+choice instead (``with_auto_tool_choice``), and the constraint becomes ``tool_call_forced``: after
+``</think>`` one whole tool-calls block, of the named tool when one is named.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.json_schema import SchemaError, enforceable_schema
-from engine.protocol import ConstraintKind, OutputConstraint
+from deepserve.protocol import ConstraintKind, OutputConstraint
 from server.errors import InvalidRequest
 
 VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -66,6 +71,9 @@ def recipe_constraint(
     if recipe.kind == "json":
         spec = client_schema_spec(body) if recipe.schema else ""
         return OutputConstraint("json", recipe.schema if spec is None else spec, trigger, compact)
+    if recipe.kind == "tool_call" and forced_tool(body) is not None:  # converted as "auto": see the docstring
+        name = forced_tool(body) or None
+        return OutputConstraint("tool_call_forced", client_tools_spec(body, recipe.schema, only=name), trigger, compact)
     if recipe.kind.startswith("tool_call"):
         return OutputConstraint(recipe.kind, client_tools_spec(body, recipe.schema), trigger, compact)
     return OutputConstraint(recipe.kind, recipe.schema, trigger, compact)
@@ -109,10 +117,15 @@ def client_schema_spec(body: dict[str, Any]) -> str | None:
     return schema_spec(box["schema"], strict=box.get("strict") is True, param=param + ".schema")
 
 
-def client_tools_spec(body: dict[str, Any], recipe_spec: str) -> str:
-    """The recipe's tool list (the tools the choice allows) with each tool's parameters replaced by
-    the client's own, translated and audited (``tools[i].function.parameters`` in errors)."""
+def client_tools_spec(body: dict[str, Any], recipe_spec: str, only: str | None = None) -> str:
+    """The recipe's tool list (the tools the choice allows; ``only`` that one) with each tool's
+    parameters replaced by the client's own, translated and audited (``tools[i].function.parameters``
+    in errors)."""
     tools = json.loads(recipe_spec)
+    if only is not None:
+        tools = [t for t in tools if t.get("function", t).get("name") == only]
+        if not tools:
+            raise InvalidRequest(f"tool_choice names the function {only!r}, which is not in 'tools'.", param="tool_choice")
     sent = _tools_by_name(body)
     for tool in tools:
         fn = tool.get("function", tool)
@@ -141,6 +154,31 @@ def _tools_by_name(body: dict[str, Any]) -> dict[str, tuple[Any, bool, str]]:
             params = fn.get(key)
             out[fn["name"]] = ({"type": "object", "properties": {}} if params is None else params, fn.get("strict") is True, param)
     return out
+
+
+def forced_tool(body: dict[str, Any]) -> str | None:
+    """``""`` when ``tool_choice`` requires some tool call, the function's name when it names one,
+    else None (Chat, Responses and Messages spellings)."""
+    choice = body.get("tool_choice")
+    if choice == "required":
+        return ""
+    if not isinstance(choice, dict):
+        return None
+    kind = choice.get("type")
+    if kind == "any":
+        return ""
+    fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+    name = fn.get("name")
+    return name if kind in ("function", "tool") and isinstance(name, str) else None
+
+
+def with_auto_tool_choice(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The body with its forced tool choice made "auto" (Messages: ``{"type": "auto"}``), or None
+    when the choice is not forced."""
+    if forced_tool(body) is None:
+        return None
+    anthropic = isinstance(body.get("tool_choice"), dict) and body["tool_choice"].get("type") in ("any", "tool")
+    return {**body, "tool_choice": {"type": "auto"} if anthropic else "auto"}
 
 
 def schema_spec(schema: Any, *, strict: bool, param: str) -> str:

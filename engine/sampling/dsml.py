@@ -13,7 +13,7 @@ String arguments are raw text with ``string="true"``; every other value is JSON 
 ``string="false"``. V4.1 spells the tags ``<｜DSML｜ calls>``, ``<｜DSML｜ invoke`` and
 ``<｜DSML｜ parameter`` (a space after the DSML token).
 
-Two constraint kinds (deepseek-recipe's ``OutputConstraint``):
+Three constraint kinds (the first two are deepseek-recipe's ``OutputConstraint`` kinds):
 - ``tool_call`` (tool_choice "auto"): free text (the content), then optionally one tool-calls
   block, then the end of the turn. deepseek-recipe's ``StreamProcessor`` treats any ``<｜DSML｜``
   in content as markup (a stray ``<｜DSML｜invoke`` becomes a tool call whose arguments no schema
@@ -23,6 +23,10 @@ Two constraint kinds (deepseek-recipe's ``OutputConstraint``):
 - ``tool_call_required`` (tool_choice "required" or a named function): the rendered prompt already
   ends with ``\\n\\n<｜DSML｜tool_calls>\\n`` (deepseek-recipe's ``starts_in_tool_calls`` parsing
   option), so the output is the continuation: one or more invokes, then the block's end tag.
+- ``tool_call_forced`` (the same choices in thinking mode, where the recipe renders the prompt as
+  for "auto" and the grammar starts after ``</think>``): the whole block, as an assistant turn with
+  tool calls is rendered after its reasoning: ``\\n\\n<｜DSML｜tool_calls>\\n``, the invokes, the end
+  tag.
 
 Invoke arguments follow each tool's JSON schema in declared property order (xgrammar's
 ``deepseek_xml`` style: required properties present, optional ones optional, no unknown keys).
@@ -105,10 +109,11 @@ def parse_tools(spec: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def tool_call_structural_tag(
-    spec: str, *, required: bool, version: DsmlVersion = "v4", max_whitespace: int | None = None
+    spec: str, *, required: bool, version: DsmlVersion = "v4", max_whitespace: int | None = None, open_block: bool = False
 ) -> xgr.StructuralTag:
-    """The structural tag for ``tool_call`` (``required=False``) or ``tool_call_required``;
-    ``max_whitespace`` caps each run of whitespace inside the arguments (None: unbounded)."""
+    """The structural tag for ``tool_call`` (``required=False``), ``tool_call_required`` or, with
+    ``open_block``, ``tool_call_forced``; ``max_whitespace`` caps each run of whitespace inside the
+    arguments (None: unbounded)."""
     sp = SPELLINGS[version]
     tools = parse_tools(spec)
     invokes = [
@@ -122,8 +127,10 @@ def tool_call_structural_tag(
     if required:
         if not invokes:
             raise InvalidConstraintError("tool_call_required needs at least one tool")
+        opening = [st.ConstStringFormat(value="\n\n" + sp.calls_begin)] if open_block else []
         fmt: Any = st.SequenceFormat(
             elements=[
+                *opening,
                 st.TagsWithSeparatorFormat(tags=invokes, separator="", at_least_one=True),
                 st.ConstStringFormat(value=sp.calls_end),
             ]

@@ -18,8 +18,8 @@ Kinds (``engine.protocol.OutputConstraint``):
   separators.
 - ``regex``: ``spec`` is the pattern (the whole output matches it).
 - ``ebnf``: ``spec`` is an xgrammar EBNF grammar with a ``root`` rule.
-- ``tool_call`` / ``tool_call_required``: ``spec`` is the Chat Completions tool list; the output is
-  DSML tool-call markup (see ``engine.sampling.dsml``).
+- ``tool_call`` / ``tool_call_required`` / ``tool_call_forced``: ``spec`` is the Chat Completions
+  tool list; the output is DSML tool-call markup (see ``engine.sampling.dsml``).
 
 Vocabulary. The mask covers the *model's* vocabulary (``vocab_size``, the lm_head rows), which may
 exceed the tokenizer's: ids past the tokenizer are never allowed. The tokenizer's added tokens
@@ -211,7 +211,7 @@ class GrammarCompilerCache:
         return self.submit(constraint).result()
 
     def new_state(self, constraint: OutputConstraint) -> GrammarState:
-        allowed = self.dsml_only_bar() if constraint.kind in ("tool_call", "tool_call_required") else None
+        allowed = self.dsml_only_bar() if constraint.kind.startswith("tool_call") else None
         return GrammarState(self.compile(constraint), constraint.trigger_token_ids, allowed)
 
     def dsml_only_bar(self) -> torch.Tensor:
@@ -248,10 +248,10 @@ class GrammarCompilerCache:
                 return c.compile_regex(spec)
             if kind == "ebnf":
                 return c.compile_grammar(spec)
-            if kind in ("tool_call", "tool_call_required"):
+            if kind in ("tool_call", "tool_call_required", "tool_call_forced"):
                 tag = tool_call_structural_tag(
-                    _audited_tools(spec), required=kind == "tool_call_required", version=self.dsml_version,
-                    max_whitespace=self.json_max_whitespace,
+                    _audited_tools(spec), required=kind != "tool_call", version=self.dsml_version,
+                    max_whitespace=self.json_max_whitespace, open_block=kind == "tool_call_forced",
                 )
                 return c.compile_structural_tag(tag)
         except InvalidConstraintError:

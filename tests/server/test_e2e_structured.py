@@ -114,3 +114,26 @@ def test_slow_grammar_does_not_stall_a_concurrent_chat(client) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             slow.result(timeout=120)
     assert "did not compile" in e.value.message
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "count", "parameters": COUNT}},
+    {"type": "function", "function": {"name": "echo", "parameters": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}}}},
+]
+THINK_END_BIAS = {"128822": 100}  # </think> at once: the random model would think for ever
+
+
+@pytest.mark.parametrize("choice, names", [("required", {"count", "echo"}), ({"type": "function", "function": {"name": "count"}}, {"count"})])
+def test_forced_tool_choice_in_thinking_mode(client, choice, names) -> None:
+    """deepseek-recipe refuses these in thinking mode; the grammar forces the call after </think>."""
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=E2E_MODEL, messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=160, seed=seed,
+            logit_bias=THINK_END_BIAS, extra_body={"thinking": {"type": "enabled"}},
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        for call in c.message.tool_calls:
+            assert call.function.name in names
+            schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), schema)

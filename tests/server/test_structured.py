@@ -9,7 +9,7 @@ import deepseek_recipe as dr
 import pytest
 
 from server.errors import InvalidRequest
-from server.structured import completion_constraint, recipe_constraint
+from server.structured import completion_constraint, forced_tool, recipe_constraint, with_auto_tool_choice
 
 MODEL = "DeepSeek-V4-Pro"
 THINK_END = 128822
@@ -143,3 +143,34 @@ def test_completions_constraints() -> None:
     with pytest.raises(InvalidRequest) as e:
         completion_constraint({"response_format": {"type": "xml"}}, compact=False)
     assert e.value.param == "response_format.type"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": COUNT}},
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {"s": {"type": "string"}}}}},
+]
+
+
+@pytest.mark.parametrize("choice, names", [("required", ["f", "g"]), ({"type": "function", "function": {"name": "g"}}, ["g"])])
+def test_forced_tool_choice_in_thinking_mode(choice, names) -> None:
+    """The recipe refuses it; converted as "auto", the grammar forces the block after </think>."""
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": choice}
+    with pytest.raises(dr.ConversionError):
+        constraint(body)
+    auto = with_auto_tool_choice({"model": MODEL, **body})
+    assert auto["tool_choice"] == "auto" and auto["tools"] == TOOLS
+    conv = dr.ChatCompletionRequest(json.dumps(auto).encode()).convert(dr.ConversionOptions())
+    assert conv.conversation.thinking_mode
+    c = recipe_constraint(auto | {"tool_choice": choice}, conv.inference_options.output_constraint, conv.parsing_options, THINK_END, compact=False)
+    assert c.kind == "tool_call_forced" and c.trigger_token_ids == (THINK_END,)
+    assert [t["function"]["name"] for t in json.loads(c.spec)] == names
+
+
+def test_forced_tool_spellings() -> None:
+    assert forced_tool({"tool_choice": "required"}) == ""
+    assert forced_tool({"tool_choice": {"type": "function", "name": "r"}}) == "r"  # Responses
+    assert forced_tool({"tool_choice": {"type": "any"}}) == ""  # Messages
+    assert forced_tool({"tool_choice": {"type": "tool", "name": "m"}}) == "m"
+    assert forced_tool({"tool_choice": "auto"}) is None and forced_tool({}) is None
+    assert with_auto_tool_choice({"tool_choice": {"type": "tool", "name": "m"}}) == {"tool_choice": {"type": "auto"}}
+    assert with_auto_tool_choice({"tool_choice": "none"}) is None

@@ -68,6 +68,7 @@ def _engine(args: argparse.Namespace) -> int:
         snapshot_interval_units=args.snapshot_interval,
         static_decode={"auto": None, "on": True, "off": False}[args.static_decode],
         static_max_tokens=args.static_max_tokens,
+        grammar_timeout_s=args.grammar_timeout,
     )
     run_worker(
         WorkerConfig(
@@ -140,6 +141,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-decode", default="auto", choices=["auto", "on", "off"],
                    help="decode through slot pools: CUDA graphs on GPU, host slots on CPU (auto: on, general path if the pools cannot be built)")  # fmt: skip
     e.add_argument("--static-max-tokens", type=int, default=8192, help="tokens per static decode slot")
+    e.add_argument(
+        "--grammar-timeout", type=float, default=10.0, metavar="S",
+        help="seconds a request waits for its structured-output grammar to compile (then it fails as invalid)",
+    )
     e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
     e.add_argument("--register", action="append", default=[], metavar="ROUTER_URL", help="register with this router service (repeatable); deregister on drain")
     e.add_argument("--advertise-url", default=None, help="URL routers should use for this worker (default http://HOST:PORT)")

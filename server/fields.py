@@ -47,16 +47,16 @@ SAMPLING: Table = {
     "n": "n choices, each its own engine request (seed + i when seeded); usage summed",
 }
 STRUCTURED: Table = {
-    "response_format": "structured output (text, json_object, json_schema)",
-    "guided_json": "vLLM structured output: JSON schema",
-    "guided_regex": "vLLM structured output: regular expression",
-    "guided_choice": "vLLM structured output: one of the strings",
-    "guided_grammar": "vLLM structured output: EBNF grammar",
-    "guided_decoding_backend": "vLLM structured output: accepted (xgrammar is the backend)",
-    "guided_whitespace_pattern": "vLLM structured output: whitespace pattern",
-    "structured_outputs": "vLLM structured output (json, regex, choice, grammar)",
-    "regex": "SGLang structured output: regular expression",
-    "ebnf": "SGLang structured output: EBNF grammar",
+    "response_format": "structured output: text, json_object, json_schema (the client's own schema; strict as OpenAI means it; a keyword the grammar cannot enforce: 400 naming it)",
+    "guided_json": "vLLM: the output follows this JSON schema (an object or JSON text; audited as response_format)",
+    "guided_regex": "vLLM: the output matches this regular expression (xgrammar)",
+    "guided_choice": "vLLM: the output is exactly one of these strings",
+    "guided_grammar": "vLLM: the output follows this xgrammar EBNF grammar (a root rule)",
+    "guided_decoding_backend": "vLLM: xgrammar or auto (the backend); any other: 400",
+    "guided_whitespace_pattern": "vLLM: 400 unless null (xgrammar has no whitespace pattern; use structured_outputs.disable_any_whitespace)",
+    "structured_outputs": "vLLM: one of json, regex, choice, grammar, json_object; disable_any_whitespace (compact JSON), disable_additional_properties, disable_fallback; whitespace_pattern, structural_tag: 400",
+    "regex": "SGLang: the output matches this regular expression",
+    "ebnf": "SGLang: the output follows this xgrammar EBNF grammar",
 }
 # vLLM / SGLang fields accepted only at the value that changes nothing.
 VLLM_OFF: OffValues = {

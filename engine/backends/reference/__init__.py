@@ -1,0 +1,1 @@
+"""The reference backend: deepserve's own PyTorch engine (``EngineCore``) behind the backend interface."""

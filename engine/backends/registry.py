@@ -1,0 +1,38 @@
+"""Backend registry: name → factory (``deepserve engine --backend NAME``).
+
+Factories are imported when asked for, so naming a backend never imports another one's
+dependencies (DeepInfer's ``_C`` extension needs CUDA on SM100).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from engine.backends.base import BackendContext, BackendFactory, BackendGroup
+from engine.errors import EngineError
+
+# name -> "module:function" of its factory
+_FACTORIES: dict[str, str] = {
+    "reference": "engine.backends.reference.factory:build_reference",
+    "deepinfer": "engine.backends.deepinfer.factory:build_deepinfer",
+}
+
+
+def names() -> tuple[str, ...]:
+    """The registered backend names."""
+    return tuple(_FACTORIES)
+
+
+def factory(name: str) -> BackendFactory:
+    """The factory registered under ``name``; ``EngineError`` for an unknown name."""
+    try:
+        target = _FACTORIES[name]
+    except KeyError:
+        raise EngineError(f"unknown engine backend {name!r} (known: {', '.join(_FACTORIES)})") from None
+    module, func = target.split(":")
+    return getattr(import_module(module), func)
+
+
+def build_backend(name: str, ctx: BackendContext, registry) -> BackendGroup:  # noqa: ANN001 (prometheus CollectorRegistry)
+    """Build the ranks a worker serves with the backend ``name``."""
+    return factory(name)(ctx, registry)

@@ -76,6 +76,9 @@ class KVStoreConfig:
     # environment), and for a rediss:// (TLS) URL the CA that signs the server's certificate.
     redis_password_file: str = ""
     redis_tls_ca_file: str = ""
+    # A key (file; at least 16 bytes) that authenticates every record on the shared tiers (redis,
+    # fs) with an HMAC (kvstore/backends/sealed.py): a record anyone else wrote there is a miss.
+    hmac_key_file: str = ""
     chunk_bytes: int = 4 << 20  # Redis values above this are split into chunks
     # Events for the router.
     event_ring: int = 4096

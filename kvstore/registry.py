@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.backends import Backend, FSBackend, HostBackend, MemoryBackend, RedisBackend, SSDBackend
+from kvstore.backends.sealed import SealedBackend
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreConfigError
 
@@ -56,6 +57,9 @@ def _redis(cfg: KVStoreConfig) -> Backend:
     )
 
 
+SHARED_TIERS = frozenset({"redis", "fs"})  # reachable by other hosts: authenticated with hmac_key_file
+
+
 class BackendRegistry:
     """A name -> factory map with a helpful error for unknown names."""
 
@@ -69,11 +73,20 @@ class BackendRegistry:
         return sorted(self._factories)
 
     def create(self, name: str, config: KVStoreConfig) -> Backend:
+        """A backend of kind ``name``; a shared one sealed with HMACs when ``hmac_key_file`` is set."""
         try:
             factory = self._factories[name]
         except KeyError:
             raise KVStoreConfigError(f"unknown kv tier {name!r}; known: {self.names()}") from None
-        return factory(config)
+        backend = factory(config)
+        if config.hmac_key_file and name in SHARED_TIERS:
+            try:
+                secret = Path(config.hmac_key_file).read_bytes().strip()
+                return SealedBackend(backend, secret)
+            except (OSError, ValueError) as exc:
+                backend.close()
+                raise KVStoreConfigError(f"hmac_key_file {config.hmac_key_file}: {exc}") from exc
+        return backend
 
 
 BACKENDS = BackendRegistry()

@@ -56,3 +56,32 @@ def test_redis_options_are_checked() -> None:
     KVStoreConfig(tiers=("redis",), redis_url="rediss://r:6380/0", redis_tls_ca_file="/ca.pem")
     with pytest.raises(KVStoreConfigError, match="redis_password_file"):
         build_store(KVStoreConfig(tiers=("redis",), redis_password_file="/no/such/file"))
+
+
+def test_shared_tier_records_are_authenticated(tmp_path) -> None:
+    """With an HMAC key the shared-dir tier keeps only records it (or a worker with the key)
+    wrote: a forged value, an altered one or one moved under another key is a miss."""
+    (tmp_path / "hmac").write_text("a-key-of-at-least-16-bytes\n")
+    cfg = KVStoreConfig(tiers=("fs",), fs_dir=str(tmp_path / "shared"), fs_fsync=False, hmac_key_file=str(tmp_path / "hmac"))
+    store = build_store(cfg)
+    try:
+        (tier,) = store.tiers
+        sealed = tier.backend
+        assert sealed.put(KEY, b"genuine") and sealed.get(KEY) == b"genuine"
+        plain = FSBackend(tmp_path / "shared", fsync=False)  # an intruder without the key
+        assert plain.get(KEY).startswith(b"genuine") and len(plain.get(KEY)) == len(b"genuine") + 32
+        plain.put(KEY, b"forged" + b"\0" * 32)
+        assert sealed.get(KEY) is None
+        sealed.put(KEY, b"genuine")
+        other = "ef" * 16
+        plain.put(other, plain.get(KEY))  # a valid record copied under another key
+        assert sealed.get(other) is None
+        stored = bytearray(plain.get(KEY))
+        stored[0] ^= 1  # one bit altered
+        plain.put(KEY, bytes(stored))
+        assert sealed.get_many([KEY, other, "00" * 16]) == [None, None, None]
+    finally:
+        store.close()
+    (tmp_path / "short").write_text("short")
+    with pytest.raises(KVStoreConfigError, match="16 bytes"):
+        build_store(KVStoreConfig(tiers=("fs",), fs_dir=str(tmp_path / "s2"), hmac_key_file=str(tmp_path / "short")))

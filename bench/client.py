@@ -8,7 +8,7 @@ every content chunk recorded with ``time.perf_counter``.
 
 Endpoints: ``chat`` (``/v1/chat/completions``), ``completions`` (``/v1/completions``), both with
 ``stream_options.include_usage``; and ``internal`` (``/internal/generate`` of
-``engine/protocol.py``: token ids in, NDJSON token events out) for engine workers and our router.
+``deepserve/protocol/messages.py``: token ids in, NDJSON token events out) for engine workers and our router.
 """
 
 from __future__ import annotations

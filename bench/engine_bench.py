@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from engine.runtime.engine_core import EngineCore

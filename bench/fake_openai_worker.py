@@ -1,7 +1,7 @@
 """A fast fake model server with known timings: OpenAI HTTP and the engine's internal protocol.
 
 It answers ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not, with
-``stream_options.include_usage``) and the worker surface of ``engine/protocol.py``
+``stream_options.include_usage``) and the worker surface of ``deepserve/protocol/messages.py``
 (``/internal/generate``, ``/internal/abort``, ``/load``, ``/health``, ``/kv_events``, ``/metrics``),
 so routers (ours and the peers) can sit in front of it and the bench client can be checked against
 timings it knows exactly.
@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from engine.protocol import KV_REMOVED, KV_ROWS_FORMAT, KV_STORED, LoadReport, RankLoad, TokenEvent
+from deepserve.protocol import KV_REMOVED, KV_ROWS_FORMAT, KV_STORED, LoadReport, RankLoad, TokenEvent
 from kvstore.keys import ROOT_KEY, chain_keys
 
 try:  # orjson is much faster; json works too

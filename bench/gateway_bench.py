@@ -2,7 +2,7 @@
 and the SSE tokens/s one gateway process sustains.
 
 The engine is a FAKE worker (this file, ``--fake-worker``): it speaks the worker HTTP surface of
-``engine/protocol.py`` and emits ``max_tokens`` pre-tokenised English tokens, one per event, as
+``deepserve/protocol/messages.py`` and emits ``max_tokens`` pre-tokenised English tokens, one per event, as
 fast as it can, so the engine is never the bottleneck. Three processes share the machine: the
 fake worker, the gateway (``deepserve gateway --engine-url``, a subprocess so its CPU time can be
 read from ``/proc``) and this load generator. The gateway's CPU per request / per token is the

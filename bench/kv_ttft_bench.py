@@ -18,7 +18,7 @@ import time
 from prometheus_client import CollectorRegistry
 
 from engine.kv_connector import KVConnector
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from kvstore import KVStoreConfig, build_store

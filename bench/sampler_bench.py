@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.protocol import OutputConstraint, SamplingParams
+from deepserve.protocol import OutputConstraint, SamplingParams
 from engine.sampling import GrammarCompilerCache, Sampler, SamplerConfig
 
 VOCAB = 129280

@@ -18,7 +18,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from engine.errors import EngineError
     from engine.generate import generate, load_prompts, write_results
-    from engine.protocol import SamplingParams
+    from deepserve.protocol import SamplingParams
     from engine.runtime.builder import tokenizer_path
 
     if sum(x is not None for x in (args.prompt, args.prompt_ids, args.input)) != 1:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine, tokenizer_path
 from engine.runtime.config import EngineConfig
 

@@ -3,7 +3,7 @@
 ``GenerateRequest.from_dict`` trusts its input's types; a wrong one (``sampling.seed: "x"``,
 ``top_k: 1e20``, a constraint ``spec`` that is an object) used to surface deep in the engine
 thread. ``check_generate`` walks the decoded JSON against the dataclasses' own annotations
-(``engine/protocol.py``), so a field added there is checked here without an edit, and raises a
+(``deepserve/protocol/messages.py``), so a field added there is checked here without an edit, and raises a
 ``ValueError`` naming the field. The dataclasses' ``__post_init__`` still check value ranges.
 
 Accepted per annotation: ``int`` (a JSON integer, not a boolean, within int64), ``float`` (a
@@ -21,7 +21,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from engine.protocol import GenerateRequest
+from deepserve.protocol import GenerateRequest
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 

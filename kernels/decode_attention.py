@@ -61,7 +61,7 @@ def decode_attention_reference(
     swa_slot: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Per-sequence loop with the math of ``engine.model.attend.attend_with_sinks`` for one query. → ``(B, H, D)``."""
+    """Per-sequence loop with the math of ``kernels.reference.attend_with_sinks`` for one query. → ``(B, H, D)``."""
     b_size, _, d = q.shape
     scale = d**-0.5 if scale is None else scale
     out = torch.empty_like(q)

@@ -38,7 +38,7 @@ NORM_ROPE_MIN_ROWS = 16384
 
 
 def collapse_norm_reference(pre: torch.Tensor, streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from engine.model.layers import collapse
+    from kernels.reference import collapse
 
     x = collapse(pre, streams)
     h = x.float()
@@ -60,22 +60,21 @@ def norm_rope_reference(
 ) -> torch.Tensor:  # fmt: skip
     """``x (N, G, D)``; mode 1: ``RMSNorm`` (fp32 ``weight``), 2: ``unweighted_rms_norm``, 0: none;
     then RoPE at ``(pos // pos_div) * pos_div`` from the tables (``sign=-1``: the inverse)."""
-    from engine.model.layers import unweighted_rms_norm
-    from engine.model.rope import apply_rope
+    from kernels.reference import apply_rope_eager, unweighted_rms_norm_eager
 
     if mode == 1:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         y = (weight * h).to(x.dtype)
     elif mode == 2:
-        y = unweighted_rms_norm(x, eps)
+        y = unweighted_rms_norm_eager(x, eps)
     else:
         y = x
     if cos_tab is None:
         return y.contiguous()
     p = torch.div(pos, pos_div, rounding_mode="floor") * pos_div
     cos, sin = cos_tab[p], sin_tab[p]
-    return apply_rope(y, cos, -sin if sign < 0 else sin)
+    return apply_rope_eager(y, cos, -sin if sign < 0 else sin)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

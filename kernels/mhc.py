@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.layers import mix_gates
+from kernels.reference import mix_gates
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 hc_mix_reference = mix_gates  # the math of ``HyperConnection.forward`` after its ``F.linear``

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.model.moe import score
+from kernels.reference import score
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")

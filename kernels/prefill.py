@@ -84,7 +84,7 @@ def prefill_attention_reference(
     ``q (S, H, D)``, ``keys (W-1+S, D)`` → ``(S, H, D)``. With ``q_norm_eps``/``rope`` the raw ``q``
     goes through ``fused.norm_rope`` first (``fold_q > 0``) and the output through its inverse RoPE
     after (``rope_out``)."""
-    from engine.model.attend import attend_with_sinks, hide
+    from kernels.reference import attend_with_sinks, hide
     from kernels.fused import norm_rope_reference
 
     if q_norm_eps is not None or rope is not None:

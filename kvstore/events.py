@@ -2,7 +2,7 @@
 
 Every event gets a sequence number (1, 2, ...). Subscribers (callbacks) hear each event as it
 happens; a bounded ring keeps the last ``capacity`` events so a worker can answer
-``GET /kv_events?since=N`` (engine/protocol.py) with the events after ``N``. A poller that falls
+``GET /kv_events?since=N`` (deepserve/protocol/messages.py) with the events after ``N``. A poller that falls
 further behind than the ring gets ``complete=False`` and rebuilds its view of the worker from
 ``snapshot()`` (``GET /kv_events?snapshot=1``): the units held now, as ``stored`` events.
 
@@ -21,7 +21,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
-from engine.protocol import KVEvent
+from deepserve.protocol import KVEvent
 
 log = logging.getLogger(__name__)
 

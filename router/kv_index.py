@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import Any
 
-from engine.protocol import KV_REMOVED, KV_STORED, KVEvent
+from deepserve.protocol import KV_REMOVED, KV_STORED, KVEvent
 from router.policies.base import PrefixMatch, RankKey
 
 SHARED_TIERS = frozenset({"redis", "fs"})

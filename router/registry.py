@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 
 from deepserve.internal_auth import InternalAuth
-from engine.protocol import LoadReport, Role
+from deepserve.protocol import LoadReport, Role
 from router.circuit_breaker import CircuitBreaker
 from router.config import RouterConfig
 from router.errors import RegistrationRefused, RouterError, UnknownWorker, WorkerError

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from deepserve.internal_auth import InternalAuth
-from engine.protocol import GenerateRequest, LoadReport, RankLoad, TokenEvent
+from deepserve.protocol import GenerateRequest, LoadReport, RankLoad, TokenEvent
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, Overloaded, RequestRejected, WorkerError, WorkerUnavailable

@@ -1,6 +1,6 @@
 """``deepserve router``: the router as its own HTTP service, for several gateways to share.
 
-It speaks the worker protocol (``engine/protocol.py``), so a gateway points one client at either
+It speaks the worker protocol (``deepserve/protocol/messages.py``), so a gateway points one client at either
 a worker or a router: ``POST /internal/generate`` (NDJSON ``TokenEvent`` stream),
 ``POST /internal/abort``, ``GET /load`` (the whole cluster as one rank), ``GET /health``,
 ``GET /kv_events`` (always empty: a router holds no KV), ``GET /metrics``. Membership:
@@ -39,7 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from deepserve.internal_auth import InternalAuth
-from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from engine.validate import check_fields
 from kvstore.keys import TokenIdsText
 from router.config import RouterConfig

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from deepserve.internal_auth import InternalAuth
-from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, TokenEvent
+from deepserve.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, TokenEvent
 from router.errors import WorkerRejected, WorkerUnavailable
 from router.http1 import ConnectError, Http1Pool, HttpError, StatusError
 

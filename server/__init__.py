@@ -10,7 +10,7 @@ Module map (a request's path, top to bottom):
   encode, admit, stream or accumulate).
 - ``generation.py``: ``Run``: engine token events through a recipe ``StreamProcessor`` into
   protocol chunks; abort on stop sequence, error or disconnect.
-- ``convert.py``: converted request -> ``engine.protocol.GenerateRequest``.
+- ``convert.py``: converted request -> ``deepserve.protocol.GenerateRequest``.
 - ``limits.py``: API keys, token-bucket rate limits, admission queue, body-size limit.
 - ``errors.py``: the error hierarchy and its OpenAI / Anthropic JSON.
 - ``model.py``: served names, tokenizer, V4 / V4.1 encodings, special token ids.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from server.errors import ContextLengthExceeded, InvalidRequest, from_conversion_error
 from server.extensions import Extras
 from server.structured import recipe_constraint

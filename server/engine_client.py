@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol, runtime_checkable
 
 from deepserve.internal_auth import InternalAuth
-from engine.protocol import GenerateRequest, TokenEvent
+from deepserve.protocol import GenerateRequest, TokenEvent
 
 
 @runtime_checkable

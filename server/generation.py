@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import deepseek_recipe as dr
 
-from engine.protocol import GenerateRequest, TokenEvent
+from deepserve.protocol import GenerateRequest, TokenEvent
 from server.errors import EngineFailed, EngineTimeout, GatewayError, Overloaded, engine_failed, translate
 from server.metrics import _RouteMetrics
 from server.state import Gateway
@@ -57,6 +57,7 @@ class Run:
         *,
         started: float,
         skip_ids: frozenset[int] = frozenset(),
+        keep_ids: bool = False,
     ) -> None:
         self.gw, self.route, self.key, self.req, self.processor = gw, route, key, req, processor
         self.started = started
@@ -74,6 +75,12 @@ class Run:
         self._top_n = req.sampling.top_logprobs
         self._eos = gw.catalog.eos_token_id
         self._skip = skip_ids
+        # With ``keep_ids`` (include_stop_str_in_output): the ids pushed to the processor, and how
+        # many came before the batch that completed a stop-string match.
+        self._keep = keep_ids
+        self.output_ids: list[int] = []
+        self.ids_before_stop = 0
+        self.stopped_by_string = False
 
     # ---- the stream ---------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[list[Any]]:
@@ -122,6 +129,9 @@ class Run:
                             ids = [ids[i] for i in keep]
                             lps = [lps[i] for i in keep] if lps else lps
                     if ids:
+                        if self._keep:
+                            self.ids_before_stop = len(self.output_ids)
+                            self.output_ids += ids
                         if lps:
                             self.logprob_sum += sum(lp.logprob for lp in lps)
                             n = self._top_n
@@ -129,6 +139,7 @@ class Run:
                         else:
                             out += push(dr.InferenceChunk.tokens(ids))
                         if proc.finished:  # a stop sequence ended the answer: close() aborts the engine
+                            self.stopped_by_string = True
                             yield out
                             return
                 if ev.finish_reason is not None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
-from engine.protocol import Role
+from deepserve.protocol import Role
 from deepserve.internal_auth import ENV_TOKEN, InternalAuth, generate_token
 from server.config import GatewayConfig
 

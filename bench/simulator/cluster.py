@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.protocol import KVEvent
+from deepserve.protocol import KVEvent
 from router.policies.base import RankView, RouteRequest
 
 if TYPE_CHECKING:

@@ -122,7 +122,7 @@ def rows_from_bench(doc: dict, workers: int = 1) -> dict:
 def measure_engine(model_dir: str, prompt_lens=(64, 128, 256, 512, 1024), batches=(1, 2, 4, 8, 16), contexts=(128, 512),
                    decode_steps: int = 8, repeats: int = 5, device: str = "cpu") -> dict:
     """Time prefill steps and decode steps of ``engine.runtime`` on this machine."""
-    from engine.protocol import GenerateRequest, SamplingParams
+    from deepserve.protocol import GenerateRequest, SamplingParams
     from engine.runtime.builder import build_engine
     from engine.runtime.config import EngineConfig
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from bench.simulator.cluster import LRUUnits, SimRank, SimRequest, SimWorker, insert_units
 from bench.simulator.cost_model import CostModel
 from bench.workloads import BlockContent, TraceRow
-from engine.protocol import KVEvent
+from deepserve.protocol import KVEvent
 from kvstore.keys import ROOT_KEY, chain_keys, unit_key
 from router.config import RouterConfig
 from router.kv_index import KVIndex

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engine.model.attend import attend_with_sinks, hide
+from kernels.reference import attend_with_sinks, hide
 from engine.model.config import CSA, SLIDING, ModelConfig
 from engine.model.decode import attend_decode, decode_eligible
 from engine.model.layers import GroupedLinear, RMSNorm, unweighted_rms_norm

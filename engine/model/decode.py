@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.attend import attend_with_sinks, hide
+from kernels.reference import attend_with_sinks, hide
 from engine.model.rope import Rotary, apply_rope
 from engine.model.state import CompressorState
 

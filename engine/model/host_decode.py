@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from engine.model import cpu_fused, cpu_layer, cpu_slots
-from engine.model.attend import attend_with_sinks, hide
+from kernels.reference import attend_with_sinks, hide
 from engine.model.attention import Attention, Compressor, Indexer, Projected
 from engine.model.decode import pad_bias, pick_rows, pool_windows
 from engine.model.rope import Rotary

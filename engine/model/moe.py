@@ -15,6 +15,7 @@ from torch import nn
 from engine.model import cpu_fused
 from engine.model.config import ModelConfig
 from engine.model.layers import SharedMLP, swiglu
+from kernels.reference import score
 
 DENSE_MACS = 1 << 23  # CPU: run all experts densely while that costs at most this many MACs
 FUSED_TOKENS = 64  # CPU: at most this many tokens go through the compiled experts loop
@@ -26,17 +27,6 @@ def _half_cuda(x: torch.Tensor) -> bool:
     from kernels._common import HAS_TRITON
 
     return HAS_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-
-
-def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    """Router scores from gate logits: sqrtsoftplus (V4), sigmoid or softmax."""
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if scoring_func == "sigmoid":
-        return torch.sigmoid(logits)
-    if scoring_func == "softmax":
-        return torch.softmax(logits, dim=-1)
-    raise ValueError(f"unknown scoring_func {scoring_func!r}")
 
 
 class Router(nn.Module):

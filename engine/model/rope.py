@@ -13,6 +13,7 @@ import torch
 
 from engine.model import cpu_fused
 from engine.model.config import RopeParams
+from kernels.reference import apply_rope_eager
 
 
 def inv_freq(params: RopeParams, rope_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -94,13 +95,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return apply_rope_eager(x, cos, sin)
 
 
-def apply_rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` in PyTorch ops (any device and dtype)."""
-    rope_dim = 2 * cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c = cos.float().reshape(shape)
-    s = sin.float().reshape(shape)
-    rope = x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.protocol import Role
+from deepserve.protocol import Role
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
-from engine.protocol import GenerateRequest, TokenEvent
+from deepserve.protocol import GenerateRequest, TokenEvent
 from engine.runtime.config import EngineConfig
 from engine.runtime.metrics import EngineMetrics
 from engine.runtime.scheduler import Scheduler, SchedulerOutput

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.model.state import SequenceState
-from engine.protocol import GenerateRequest
+from deepserve.protocol import GenerateRequest
 from engine.sampling import SamplingState
 
 

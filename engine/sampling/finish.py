@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from engine.protocol import FinishReason, SamplingParams
+from deepserve.protocol import FinishReason, SamplingParams
 
 
 def check_finish(

@@ -39,7 +39,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from engine.protocol import FinishReason, SamplingParams, TokenLogprob
+from deepserve.protocol import FinishReason, SamplingParams, TokenLogprob
 from engine.sampling.distribution import (
     NEG_INF,
     apply_min_p,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.protocol import FinishReason, SamplingParams
+from deepserve.protocol import FinishReason, SamplingParams
 from engine.sampling.structured import GrammarState
 
 _M64 = (1 << 64) - 1

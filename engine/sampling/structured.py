@@ -10,7 +10,7 @@ than ``max_spec_bytes`` is refused before any work. Failed compiles are cached l
 same spec fails the same way); a compile still running when its request gave up keeps going and is
 cached, so a retry finds it ready.
 
-Kinds (``engine.protocol.OutputConstraint``):
+Kinds (``deepserve.protocol.OutputConstraint``):
 - ``json``: ``spec`` is a JSON schema (compact JSON), or ``""`` for free JSON: xgrammar's builtin
   grammar, an object or an array (what a ``json_object`` response format asks for). Schemas pass
   ``engine.json_schema``'s audit first (keywords xgrammar would not enforce are refused), so every
@@ -50,7 +50,7 @@ import torch
 import xgrammar as xgr
 
 from engine.json_schema import SchemaError, enforceable_schema
-from engine.protocol import OutputConstraint
+from deepserve.protocol import OutputConstraint
 from engine.sampling.dsml import DsmlVersion, parse_tools, tool_call_structural_tag
 from engine.sampling.errors import InvalidConstraintError
 

@@ -1,4 +1,4 @@
-"""The engine thread: steps every DP rank's ``EngineCore`` and hands events to asyncio.
+"""The engine thread: steps every DP rank's engine backend and hands events to asyncio.
 
 HTTP handlers never touch an engine directly. They post commands (add, abort) to an inbox; this
 thread applies them between steps, steps each rank that has work, and delivers each
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import EngineError
-from engine.protocol import GenerateRequest, RankLoad, TokenEvent
-from engine.runtime.engine_core import EngineCore
+from deepserve.protocol import GenerateRequest, RankLoad, TokenEvent
+from engine.backends.base import EngineBackend
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,17 @@ class _Abort:
 
 
 class EngineLoop:
-    """Owns the engine cores (one per DP rank) and the thread that steps them."""
+    """Owns the engine backends (the DP ranks this process serves) and the thread that steps them.
 
-    def __init__(self, cores: list[EngineCore], worker_id: str, on_death: Callable[[], None] | None = None) -> None:
+    ``lockstep``: the ranks are processes stepping together (``engine.backends.base``): each rank's
+    ``step`` is called on every turn, work or not, so an idle rank joins the group's step.
+    """
+
+    def __init__(
+        self, cores: list[EngineBackend], worker_id: str, on_death: Callable[[], None] | None = None, lockstep: bool = False
+    ) -> None:
         self.cores = cores
+        self.lockstep = lockstep
         self.worker_id = worker_id
         self.on_death = on_death  # called (on the engine thread) if the thread dies
         self.death: BaseException | None = None
@@ -68,10 +75,12 @@ class EngineLoop:
 
     # ---- called from the event loop ---------------------------------------------------
     def pick_rank(self, requested: int | None) -> int:
-        """The requested DP rank if valid, else the least loaded one."""
-        if requested is not None and 0 <= requested < len(self.cores):
-            return requested
-        return min(range(len(self.cores)), key=lambda r: (self.cores[r].num_running + self.cores[r].num_waiting, self.cores[r].queued_tokens))
+        """Index of the requested DP rank if this process serves it, else of the least loaded one."""
+        loads = self.rank_loads()
+        for i, load in enumerate(loads):
+            if load.dp_rank == requested:
+                return i
+        return min(range(len(loads)), key=lambda i: (loads[i].running + loads[i].waiting, loads[i].queued_tokens))
 
     def submit(self, request: GenerateRequest, sink: asyncio.Queue) -> None:
         rank = self.pick_rank(request.dp_rank)
@@ -95,10 +104,7 @@ class EngineLoop:
         return time.monotonic() - self.beat > after_s and any(c.has_work() for c in self.cores)
 
     def rank_loads(self) -> list[RankLoad]:
-        return [
-            RankLoad(dp_rank=r, running=c.num_running, waiting=c.num_waiting, queued_tokens=c.queued_tokens, state_usage=c.pool.usage)
-            for r, c in enumerate(self.cores)
-        ]
+        return [c.load() for c in self.cores]
 
     # ---- the thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -118,9 +124,10 @@ class EngineLoop:
             self._drain_inbox()
             busy = False
             for core in self.cores:
-                if not core.has_work():
+                local = core.has_work()
+                if not (local or self.lockstep):
                     continue
-                busy = True
+                busy = busy or local
                 try:
                     events = core.step()
                 except Exception as exc:  # a bug or device fault: fail the rank's requests, keep serving
@@ -175,9 +182,9 @@ class EngineLoop:
         except RuntimeError:  # event loop closed during shutdown
             pass
 
-    def _fail_all(self, core: EngineCore, message: str) -> list[TokenEvent]:
+    def _fail_all(self, core: EngineBackend, message: str) -> list[TokenEvent]:
         events = []
-        for rid in list(core.seqs):
+        for rid in core.request_ids():
             core.abort_request(rid)
             events.append(TokenEvent(rid, finish_reason="error", error=message))
         core.step()  # flush the abort events of the failed sequences

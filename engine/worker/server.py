@@ -1,4 +1,4 @@
-"""The engine worker's HTTP surface (engine/protocol.py), served with aiohttp.
+"""The engine worker's HTTP surface (deepserve/protocol/messages.py), served with aiohttp.
 
 One process serves one replica group: ``dp`` engine cores over one loaded model. Routes:
 ``POST /internal/generate`` (NDJSON token events), ``POST /internal/abort``, ``GET /load``,
@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.kv_connector import KVConnector
-from engine.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
+from deepserve.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
 from engine.runtime.builder import (
     build_sampler,
     configure_cpu_allocator,

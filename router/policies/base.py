@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
 
-from engine.protocol import Role
+from deepserve.protocol import Role
 from router.config import PolicyConfig
 
 RankKey = tuple[str, int]  # (worker_id, dp_rank)

@@ -28,8 +28,9 @@ import deepseek_recipe as dr
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from server.convert import session_key
+from server.decode import decode_tokens, matched_stop, text_processor
 from server.structured import completion_constraint
 from server.extensions import Extras, parse_extras
 from server.fields import check_fields
@@ -166,29 +167,6 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
         best_of=best_of,
         extras=extras,
     )
-
-
-# ---- decoding through a plain-text StreamProcessor -------------------------------------------------
-def text_processor(catalog: ModelCatalog, stop: list[str], rid: str) -> Any:
-    conv = dr.ConversationRequest(dr.Conversation([], thinking_mode=False), dr.ModelVersion.DeepseekV4Pro)
-    options = dr.ParsingOptions(parse_tool_calls=False, stop_sequences=stop)
-    return dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(conv, rid, ""), options, catalog.tokenizer)
-
-
-def decode_tokens(catalog: ModelCatalog, ids: list[int]) -> tuple[str, list[str]]:
-    """(text, one string per token) of ``ids``."""
-    proc = text_processor(catalog, [], "decode")
-    chunks = proc.push(dr.InferenceChunk.ready())
-    chunks += proc.push(dr.InferenceChunk.tokens(ids, [(0.0, ())] * len(ids)))
-    chunks += proc.finish()
-    text: list[str] = []
-    tokens: list[str] = []
-    for c in chunks:
-        choice = json.loads(c.to_json())["choices"][0]
-        text.append(choice["delta"].get("content") or "")
-        for entry in (choice.get("logprobs") or {}).get("content") or ():
-            tokens.append(entry["token"])
-    return "".join(text), tokens
 
 
 @dataclass
@@ -356,13 +334,13 @@ async def create_completion(request: Request) -> Response:
                 route.prompt.inc(len(greq.prompt_token_ids))
                 proc = text_processor(catalog, p.stop, greq.request_id)
                 proc.push(dr.InferenceChunk.ready())
-                run = Run(gw, route, key, greq, proc, started=started, skip_ids=skip)
+                run = Run(gw, route, key, greq, proc, started=started, skip_ids=skip, keep_ids=p.extras.include_stop_str)
             subs.append(Sub(Choice(len(subs), p.logprobs is not None), run, len(p.prompts[k][0]), k))
         heads = [_echo(s, p, catalog) for s in subs]
         if p.stream:
             response = await _stream(request, gw, subs, heads, p, rid, model)
         else:
-            response = await _complete(request, subs, p, rid, model)
+            response = await _complete(request, subs, p, rid, model, catalog)
         return response
     except ClientDisconnected:
         gw.metrics.reject("client_disconnect")
@@ -424,11 +402,23 @@ def _chunk(
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-async def _complete(request: Request, subs: list[Sub], p: CompletionParams, rid: str, model: str) -> Response:
+def _with_stop(sub: Sub, delta: dict[str, Any], p: CompletionParams, catalog: ModelCatalog) -> dict[str, Any]:
+    """``include_stop_str_in_output``: the finishing delta (and the choice) get the matched stop."""
+    run = sub.run
+    if delta["finish_reason"] and p.extras.include_stop_str and run is not None and run.stopped_by_string:
+        stop = matched_stop(catalog, p.stop, run.output_ids, run.ids_before_stop)
+        sub.choice.text.append(stop)
+        delta["text"] += stop
+    return delta
+
+
+async def _complete(
+    request: Request, subs: list[Sub], p: CompletionParams, rid: str, model: str, catalog: ModelCatalog
+) -> Response:
     async def one(sub: Sub) -> None:
         if sub.run is not None:
             async for chunks in sub.run.chunks():
-                sub.choice.feed(chunks)
+                _with_stop(sub, sub.choice.feed(chunks), p, catalog)
 
     deadline = min((s.run.deadline for s in subs if s.run), default=time.perf_counter() + 600)
     await race_disconnect(asyncio.gather(*(one(s) for s in subs)), request.receive, deadline)
@@ -454,7 +444,7 @@ async def _stream(
         assert sub.run is not None
         try:
             async for chunks in sub.run.chunks():
-                await queue.put((sub, sub.choice.feed(chunks), None))
+                await queue.put((sub, _with_stop(sub, sub.choice.feed(chunks), p, gw.catalog), None))
         except GatewayError as exc:
             await queue.put((sub, None, exc))
             return

@@ -5,7 +5,7 @@ import asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from bench.fake_openai_worker import FakeWorker, FakeWorkerConfig, build_app
-from engine.protocol import KVEvent
+from deepserve.protocol import KVEvent
 from router.kv_index import KVIndex
 
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.kv_connector import KVConnector, snapshot_key
 from engine.model.loader import load_model
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from engine.runtime.sequence import Sequence

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from router.config import RouterConfig
 from router.router import Router
 from tests.integration.workers import AUTH, TOKEN, WorkerProcess, start_workers
@@ -222,7 +222,7 @@ def test_kv_events_rows_equal_events(cluster) -> None:
     import json
     import urllib.request
 
-    from engine.protocol import KVEvent
+    from deepserve.protocol import KVEvent
 
     mixed = cluster["mixed"]
     asyncio.run(_run_all(_config(policy="cache_aware", worker=(mixed.url,)), _requests(2, seed=31, max_tokens=2, lengths=(300,))))

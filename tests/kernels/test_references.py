@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.attend import attend_with_sinks
+from kernels.reference import attend_with_sinks
 from engine.model.attention import Attention, Compressor, Indexer
 from engine.model.config import CSA, HCA, ModelConfig
 from engine.model.moe import Experts, Router

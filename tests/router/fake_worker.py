@@ -1,4 +1,4 @@
-"""FAKE engine worker for router tests: speaks engine/protocol.py's HTTP surface, runs no model.
+"""FAKE engine worker for router tests: speaks deepserve/protocol/messages.py's HTTP surface, runs no model.
 
 Its output is a pure function of (prompt, position): ``fake_token(prompt, i)``, so the exact
 stream an undisturbed request must produce is known (``expected_tokens``), and a request

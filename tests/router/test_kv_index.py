@@ -1,6 +1,6 @@
 import pytest
 
-from engine.protocol import KVEvent
+from deepserve.protocol import KVEvent
 from kvstore.keys import chain_keys
 from router.kv_index import KVIndex
 

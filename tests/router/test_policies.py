@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from engine.protocol import KVEvent
+from deepserve.protocol import KVEvent
 from router.config import PolicyConfig
 from router.kv_index import KVIndex
 from router.placement import Lease

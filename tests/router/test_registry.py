@@ -83,7 +83,7 @@ def test_deregister_with_drain_waits_for_in_flight(spawn):
 def test_router_rehashes_when_a_worker_reports_a_new_fingerprint():
     """The router reads the fingerprint only when the registry's version moves; a changed
     fingerprint in a load report must move it."""
-    from engine.protocol import GenerateRequest, SamplingParams
+    from deepserve.protocol import GenerateRequest, SamplingParams
     from kvstore.keys import chain_keys
     from router.circuit_breaker import CircuitBreaker
     from router.policies.base import RankView

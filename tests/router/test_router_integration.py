@@ -9,7 +9,7 @@ import socket
 import aiohttp
 import pytest
 
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, Overloaded
 from router.router import Router

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from router.service import forward_head, parse_generate
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams, TokenEvent
+from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams, TokenEvent
 from router.errors import WorkerRejected, WorkerUnavailable
 from router.worker_client import WorkerClient, encode_request, event_from_dict
 

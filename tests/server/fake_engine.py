@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable
 
-from engine.protocol import GenerateRequest, TokenEvent, TokenLogprob
+from deepserve.protocol import GenerateRequest, TokenEvent, TokenLogprob
 
 EOS = 1
 

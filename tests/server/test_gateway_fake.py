@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from engine.protocol import GenerateRequest
+from deepserve.protocol import GenerateRequest
 from tests.server.conftest import MODEL
 from tests.server.fake_engine import EOS, FakeEngine, text_script
 

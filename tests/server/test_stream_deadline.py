@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from engine.protocol import TokenEvent
+from deepserve.protocol import TokenEvent
 from tests.server.conftest import MODEL
 from tests.server.fake_engine import FakeEngine
 

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from engine.model.attention import SeqSlice
 from engine.model.decode import _indexer_rows, decode_eligible
-from engine.model.layers import PackedLinear, sinkhorn
+from engine.model.layers import PackedLinear
+from kernels.reference import sinkhorn
 from engine.model.loader import load_model
 from engine.model.state import SequenceState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.runtime.engine_core import EngineCore
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.errors import InvalidRequestError
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from engine.runtime.state_pool import state_bytes

@@ -6,7 +6,7 @@ import json
 import time
 
 from engine.errors import InvalidRequestError
-from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from tests.engine.runtime.helpers import prompt

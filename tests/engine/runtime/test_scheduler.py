@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.model.config import ModelConfig
-from engine.protocol import GenerateRequest
+from deepserve.protocol import GenerateRequest
 from engine.runtime.config import EngineConfig
 from engine.runtime.scheduler import Scheduler, SchedulerOutput
 from engine.runtime.sequence import Sequence, Status

@@ -7,7 +7,7 @@ import re
 
 import jsonschema
 
-from engine.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from tests.engine.runtime.helpers import prompt, run

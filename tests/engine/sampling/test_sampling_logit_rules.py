@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
+from deepserve.protocol import SamplingParams
 from engine.sampling import Sampler, SamplerConfig
 from engine.sampling.sampler import DeviceLogits
 

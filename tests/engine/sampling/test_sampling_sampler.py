@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
+from deepserve.protocol import SamplingParams
 from engine.sampling import Sampler, SamplerConfig, SamplingState, check_finish, request_uniform
 from engine.sampling.penalties import apply_penalties
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from sampling_helpers import EOS, THINK_END, TOKENIZER_JSON, V4_VOCAB, run_to_end
 
-from engine.protocol import OutputConstraint, SamplingParams
+from deepserve.protocol import OutputConstraint, SamplingParams
 from engine.sampling import GrammarCompilerCache, InvalidConstraintError, Sampler, SamplerConfig
 from engine.sampling.structured import allocate_bitmask, apply_bitmask
 

@@ -25,7 +25,7 @@ import torch
 from sampling_helpers import EOS, V4_VOCAB, run_to_end
 
 from engine.json_schema import SchemaError, enforceable_schema
-from engine.protocol import OutputConstraint, SamplingParams
+from deepserve.protocol import OutputConstraint, SamplingParams
 from engine.sampling import InvalidConstraintError
 
 PATTERNS = ["^[a-z]{1,6}$", "^[0-9]{2,4}-[A-Z]$", "^(?:ab|cd)$", "[xyz]", "^\\d+\\.?\\d{0,2}$", "^[a-f0-9]{8}$"]

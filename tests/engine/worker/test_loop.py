@@ -1,4 +1,4 @@
-"""EngineLoop failure containment over a real tiny EngineCore (CPU, fp32).
+"""EngineLoop failure containment over a real tiny EngineCore behind the reference backend (CPU, fp32).
 
 A request whose admission raises anything fails alone; should the thread die (here: a step
 that raises and an abort that raises while its requests are failed), every open request gets an
@@ -13,8 +13,9 @@ import threading
 import pytest
 
 from engine.model.loader import load_model
-from engine.protocol import GenerateRequest, SamplingParams
+from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.runtime.builder import build_engine
+from engine.backends.reference.backend import ReferenceBackend
 from engine.runtime.config import EngineConfig
 from engine.worker.loop import EngineLoop
 
@@ -28,7 +29,8 @@ def model(tiny_model_dir):
 
 @pytest.fixture()
 def core(tiny_model_dir, model):
-    return build_engine(tiny_model_dir, EngineConfig(static_decode=False), model=model)
+    """One rank of the reference backend (what the worker's loop steps)."""
+    return ReferenceBackend(build_engine(tiny_model_dir, EngineConfig(static_decode=False), model=model))
 
 
 def _req(rid: str, n: int = 8) -> GenerateRequest:

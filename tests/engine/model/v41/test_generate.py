@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from engine.generate import generate
-from engine.protocol import SamplingParams
+from deepserve.protocol import SamplingParams
 from tests.engine.model.v41.conftest import fixture_case
 
 

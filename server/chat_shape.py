@@ -9,6 +9,7 @@ asked. This module reshapes its JSON:
   ``continuous_usage_stats`` too, every chunk carries the usage so far;
 - ``parallel_tool_calls: false``: only the first tool call of a choice is kept;
 - vLLM's chat ``echo``: the last message's text, when it is the assistant's, starts the answer;
+- vLLM's ``include_stop_str_in_output``: the matched stop string ends the content;
 - ``reasoning_tokens`` at most ``completion_tokens`` (deepseek-recipe 0.2.0 at times counts one
   reasoning token more than were generated, on answers cut off inside the reasoning).
 Chunks that need none of this are passed on as the recipe wrote them (no JSON round trip).
@@ -80,9 +81,11 @@ def _reasoning_overcounted(text: str) -> bool:
     return c is not None and r is not None and int(r[1]) > int(c[1])
 
 
-def merge_answers(texts: list[str], extras: Extras, echo: str) -> str:
-    """The whole answer from each choice's recipe response JSON (one per choice)."""
-    if len(texts) == 1 and not echo and extras.parallel_tool_calls and not _reasoning_overcounted(texts[0]):
+def merge_answers(texts: list[str], extras: Extras, echo: str, stops: list[str] | None = None) -> str:
+    """The whole answer from each choice's recipe response JSON (one per choice); ``stops[i]``:
+    the stop string choice ``i`` matched, kept in its content (include_stop_str_in_output)."""
+    stops = stops or [""] * len(texts)
+    if len(texts) == 1 and not echo and extras.parallel_tool_calls and not stops[0] and not _reasoning_overcounted(texts[0]):
         return texts[0]
     answers = [json.loads(t) for t in texts]
     out = answers[0]
@@ -91,8 +94,8 @@ def merge_answers(texts: list[str], extras: Extras, echo: str) -> str:
         for choice in answer.get("choices") or ():
             choice["index"] = i
             message = choice.get("message") or {}
-            if echo:
-                message["content"] = echo + (message.get("content") or "")
+            if echo or stops[i]:
+                message["content"] = echo + (message.get("content") or "") + stops[i]
             if not extras.parallel_tool_calls:
                 _first_tool_only(message)
             choices.append(choice)
@@ -108,12 +111,14 @@ class ChatStreamShaper:
     """Reshapes streamed chunk JSON choice by choice; ``final()`` is the usage chunk, if asked.
 
     ``usage_now(i)``: (prompt tokens, completion tokens so far) of choice ``i``, for
-    ``continuous_usage_stats``.
+    ``continuous_usage_stats``; ``stop_text(i)``: the stop string choice ``i`` matched (or ""),
+    added to its finishing delta.
     """
 
     extras: Extras
     echo: str = ""
     usage_now: Callable[[int], tuple[int, int]] | None = None
+    stop_text: Callable[[int], str] | None = None
     _usages: dict[int, dict[str, Any]] = field(default_factory=dict)
     _started: set[int] = field(default_factory=set)
     _last: dict[str, Any] | None = None  # id / created / model of the last finish chunk
@@ -126,6 +131,7 @@ class ChatStreamShaper:
         needs = (
             ex.n > 1 or (ex.include_usage and ex.continuous_usage) or (first and bool(self.echo))
             or '"usage":{' in text or (not ex.parallel_tool_calls and '"tool_calls"' in text)
+            or (self.stop_text is not None and '"finish_reason":"stop"' in text)
         )
         if not needs:
             return text
@@ -143,6 +149,10 @@ class ChatStreamShaper:
             delta = choice.get("delta") or {}
             if first and self.echo:
                 delta["content"] = self.echo + (delta.get("content") or "")
+            if self.stop_text is not None and choice.get("finish_reason") == "stop":
+                stop = self.stop_text(i)
+                if stop:
+                    delta["content"] = (delta.get("content") or "") + stop
             if not ex.parallel_tool_calls:
                 calls = delta.get("tool_calls")
                 if isinstance(calls, list):

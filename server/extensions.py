@@ -37,6 +37,7 @@ class Extras:
     skip_special_tokens: bool = True
     parallel_tool_calls: bool = True
     echo: bool = False
+    include_stop_str: bool = False  # include_stop_str_in_output
     include_usage: bool = False
     continuous_usage: bool = False
 
@@ -141,6 +142,7 @@ def parse_extras(body: dict[str, Any], vocab: int, *, chat: bool = True) -> Extr
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
         echo=_bool(body, "echo", False) if chat else False,
+        include_stop_str=_bool(body, "include_stop_str_in_output", False),
         include_usage=include,
         continuous_usage=continuous,
     )

@@ -40,6 +40,7 @@ SAMPLING: Table = {
     "stop_token_ids": "vLLM: more token ids that end the answer (the id stays in the output unless special)",
     "ignore_eos": "vLLM: keep generating past EOS (until max_tokens or a stop)",
     "skip_special_tokens": "vLLM: drop special tokens (BOS, EOS, pad, placeholders) from the text; default true",
+    "include_stop_str_in_output": "vLLM: the matched stop string stays at the end of the text",
     "priority": "vLLM: scheduling priority, lower first (router and engine queues)",
     "stream": "server-sent events",
     "stream_options": "include_usage (final chunk with choices: [] and usage), continuous_usage_stats (usage on every chunk)",
@@ -77,7 +78,6 @@ VLLM_OFF: OffValues = {
     "return_hidden_states": (False,),
     "no_stop_trim": (False,),
     "separate_reasoning": (True,),
-    "include_stop_str_in_output": (False,),
     "stream_reasoning": (True,),
 }
 OPENAI_OFF: OffValues = {

@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 
 from server.chat_shape import ChatStreamShaper, echo_text, merge_answers
 from server.convert import build_generate_request
+from server.decode import matched_stop
 from server.errors import GatewayError, InvalidRequest, ModelNotFound, from_conversion_error
 from server.extensions import parse_extras
 from server.fields import check_fields
@@ -99,6 +100,7 @@ class Answer:
     model: str
     shaper: ChatStreamShaper | None  # Chat Completions only
     echo: str = ""
+    stop_text: Callable[[int], str] = lambda i: ""  # the stop string choice i matched (include_stop_str_in_output)
 
     def close(self) -> None:
         for run in self.runs:
@@ -143,8 +145,15 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
     skip = catalog.special_ids if extras.skip_special_tokens else frozenset()
     runs: list[Run] = []
     answer = Answer(rid, runs, proto, model, None, echo_text(body) if extras.echo else "")
+    stops = list(conv.parsing_options.stop_sequences) if extras.include_stop_str else []
+    answer.stop_text = lambda i: (
+        matched_stop(catalog, stops, runs[i].output_ids, runs[i].ids_before_stop) if stops and runs[i].stopped_by_string else ""
+    )
     if proto.chat:
-        answer.shaper = ChatStreamShaper(extras, answer.echo, lambda i: (runs[i].prompt_tokens, runs[i].completion_tokens))
+        answer.shaper = ChatStreamShaper(
+            extras, answer.echo, lambda i: (runs[i].prompt_tokens, runs[i].completion_tokens),
+            answer.stop_text if stops else None,
+        )
     response: Response | None = None
     try:
         for greq in greqs:
@@ -156,7 +165,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
                 raise
             gw.limiter.charge(key, len(prompt))
             route.prompt.inc(len(prompt))
-            runs.append(Run(gw, route, key, greq, processor, started=started, skip_ids=skip))
+            runs.append(Run(gw, route, key, greq, processor, started=started, skip_ids=skip, keep_ids=bool(stops)))
         if conv.stream:
             response = await _stream(request, answer)
         else:
@@ -253,7 +262,7 @@ async def _complete(request: Request, answer: Answer) -> Response:
         texts = [r.to_json() for r in resps]
         if answer.shaper is None:
             return texts[0]
-        return merge_answers(texts, answer.shaper.extras, answer.echo)
+        return merge_answers(texts, answer.shaper.extras, answer.echo, [answer.stop_text(i) for i in range(len(runs))])
 
     text = await race_disconnect(collect(), request.receive, min(r.deadline for r in runs))
     return Response(text, media_type="application/json")
@@ -331,3 +340,4 @@ class SSEResponse(StreamingResponse):
             # mid-write); that ``finally`` does not await, so a cancelled scope cannot interrupt it.
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             self._on_close()
+

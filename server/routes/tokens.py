@@ -15,12 +15,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from server.decode import decode_tokens
 from server.errors import InvalidRequest
 from server.fields import check_fields
 from server.handler import check_model, convert_and_encode, parse_object
 from server.inputs import prepare_messages
 from server.routes.chat import CHAT
-from server.routes.completions import decode_tokens
 from server.routes.messages import MESSAGES_PROTOCOL
 from server.schemas import ERROR_RESPONSES
 from server.state import Gateway

@@ -213,7 +213,7 @@ def test_completions_n_and_best_of(make_gateway):
 
 def text_of(gw, ids: list[int]) -> str:
     tok = gw.state.catalog.tokenizer
-    from server.routes.completions import decode_tokens
+    from server.decode import decode_tokens
 
     return decode_tokens(gw.state.catalog, [t for t in ids if t != EOS])[0] if tok else ""
 
@@ -311,3 +311,19 @@ def test_n_beyond_the_concurrency_limit_refused(make_gateway):
     gw = make_gateway(max_concurrent_requests=2)
     error_of(chat(gw, n=3), "n")
     assert chat(gw, n=2, **NO_THINK).status_code == 200
+
+
+def test_include_stop_str_in_output(gateway):
+    plain = chat(gateway, stop=["wor"], **NO_THINK).json()["choices"][0]
+    assert plain["message"]["content"] == "Hello " and plain["finish_reason"] == "stop"
+    kept = chat(gateway, stop=["xyz", "wor"], include_stop_str_in_output=True, **NO_THINK).json()["choices"][0]
+    assert kept["message"]["content"] == "Hello wor" and kept["finish_reason"] == "stop"
+    streamed = chunks_of(chat(gateway, stop=["wor"], include_stop_str_in_output=True, stream=True, **NO_THINK))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed) == "Hello wor"
+    url = gateway.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "hi", "stop": ["wor"], "include_stop_str_in_output": True}
+    assert httpx.post(url, json=body).json()["choices"][0]["text"] == "Hello wor"
+    streamed = chunks_of(httpx.post(url, json={**body, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in streamed) == "Hello wor"
+    eos = chat(gateway, stop=["nowhere"], include_stop_str_in_output=True, **NO_THINK).json()["choices"][0]
+    assert eos["message"]["content"] == "Hello world!"  # ended by EOS: nothing added

@@ -27,11 +27,11 @@ from torch import nn
 
 from engine.model.layers import GroupedLinear
 from engine.model.rope import Rotary
-from engine.model.rope import apply_rope_eager as apply_rope
 from engine.model.v41.config import V41Config
 from engine.model.v41.layers import RMSNorm
 from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
+from kernels.reference import apply_rope_eager as apply_rope
 
 QUERY_TILE = 256  # queries per attention / indexer tile: bounds the (nh, tile, L) logits of long prefills
 

@@ -5,7 +5,7 @@ can move a value across a rounding boundary (or break an exact top-k tie differe
 change the output by far more than the bit. The reference path therefore computes norms, the
 mHC collapse/expand and the MoE with the same operations, shapes and order as the
 ``transformers`` reference, instead of V4's fused CPU kernels (same math, other roundings).
-The mHC gates themselves are V4's ``mix_gates`` (elementwise the same, Sinkhorn bitwise so).
+The mHC gates and the router scores are the shared ``kernels.reference`` math V4 uses.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import mix_gates
-from engine.model.moe import score
 from engine.model.v41.config import V41Config
+from kernels.reference import mix_gates, score
 
 
 class RMSNorm(nn.Module):

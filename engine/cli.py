@@ -87,6 +87,9 @@ def _engine(args: argparse.Namespace) -> int:
             auth=internal_auth.from_args(args),
             open_metrics=args.open_metrics,
             stall_timeout_s=args.stall_timeout,
+            backend=args.backend,
+            dp_rank=args.dp_rank,
+            expert_parallel=args.ep,
         )
     )
     return 0
@@ -118,6 +121,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--output")
     g.set_defaults(func=_generate)
 
+    from engine.backends.registry import names as backend_names
+
     e = sub.add_parser("engine", help="run one engine worker process (one DP replica group)")
     env = os.environ.get
     e.add_argument("--model", required=True)
@@ -125,6 +130,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--host", default=env("DEEPSERVE_ENGINE_HOST", "127.0.0.1"))
     e.add_argument("--port", type=int, default=int(env("DEEPSERVE_ENGINE_PORT", "8200")))
     e.add_argument("--dp", type=int, default=1)
+    e.add_argument("--backend", default=env("DEEPSERVE_ENGINE_BACKEND", "reference"), choices=backend_names(),
+                   help="reference: deepserve's engine, every DP rank in this process; deepinfer: DeepInfer (SM100), one DP rank per process")  # fmt: skip
+    e.add_argument("--dp-rank", type=int, default=None, help="deepinfer: the DP rank (0 .. dp-1) this process serves")
+    e.add_argument("--ep", type=int, default=0, help="deepinfer: expert-parallel size (default: --dp)")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--device", default="cpu")
     e.add_argument("--served-model-name", default="deepseek-v4")

@@ -1,6 +1,8 @@
 """The engine worker's HTTP surface (deepserve/protocol/messages.py), served with aiohttp.
 
-One process serves one replica group: ``dp`` engine cores over one loaded model. Routes:
+One process serves the DP ranks its engine backend gives it (``--backend``, ``engine.backends``):
+all ``dp`` ranks over one loaded model (reference), or one rank of a lockstep group (deepinfer:
+each rank its own worker process and port). Routes:
 ``POST /internal/generate`` (NDJSON token events), ``POST /internal/abort``, ``GET /load``,
 ``GET /health``, ``GET /kv_events``, ``GET /metrics``. SIGTERM drains: ``/health`` turns 503, new
 requests are refused with 503, running ones finish (up to ``drain_timeout``), then the process
@@ -23,19 +25,10 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.kv_connector import KVConnector
 from deepserve.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
-from engine.runtime.builder import (
-    build_sampler,
-    configure_cpu_allocator,
-    configure_cpu_threads,
-    default_state_budget,
-    family_engine_config,
-    load_any_model,
-)
+from engine.backends.base import BackendContext
+from engine.backends.registry import build_backend
 from engine.runtime.config import EngineConfig
-from engine.runtime.engine_core import EngineCore
-from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
 from engine.validate import check_generate
 from deepserve.internal_auth import InternalAuth
 from engine.worker.loop import EngineLoop
@@ -63,10 +56,13 @@ class WorkerConfig:
     advertise_url: str = ""  # the URL routers should use; default http://host:port
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
     open_metrics: bool = False  # serve /metrics without the token (scrapers on a trusted network)
+    backend: str = "reference"  # engine.backends.registry name
+    dp_rank: int | None = None  # lockstep backends (deepinfer): the one DP rank this process serves
+    expert_parallel: int = 0  # deepinfer: EP size (0 = dp)
 
 
 class Worker:
-    """A loaded model, its engine loop and KV connector, and the aiohttp app around them."""
+    """The backend's ranks (``engine.backends``), their engine loop, and the aiohttp app around them."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -74,41 +70,21 @@ class Worker:
         self.registry = CollectorRegistry()
         self.draining = False
         self.ready = False
-        if config.device == "cpu":
-            configure_cpu_threads()
-            configure_cpu_allocator()
-        model = load_any_model(config.model_dir, dtype=config.dtype, device=config.device)
-        self.model = model
-        families = EngineMetricFamilies(self.registry)
-        engine_cfg = family_engine_config(model, config.engine)
-        budget = default_state_budget(model, engine_cfg) // max(config.dp, 1)
-        from dataclasses import replace
-
-        engine_cfg = replace(engine_cfg, state_memory_bytes=budget, role=config.role)
-        self.store = None
-        kv = None
-        if engine_cfg.kv_cache != "off":
-            from kvstore import KVStoreConfig, build_store
-
-            self.store = build_store(KVStoreConfig.from_env(), registry=self.registry)
-        cores = []
-        for rank in range(config.dp):
-            metrics = EngineMetrics(families, config.served_model_name, rank)
-            if self.store is not None:
-                kv = KVConnector(
-                    self.store,
-                    model,
-                    read=engine_cfg.kv_cache in ("read", "readwrite"),
-                    write=engine_cfg.kv_cache in ("write", "readwrite"),
-                    snapshot_interval_units=engine_cfg.snapshot_interval_units,
-                    metrics=metrics,
-                    dp_rank=rank,
-                )
-            cores.append(EngineCore(model, build_sampler(model, config.model_dir), engine_cfg, kv=kv, metrics=metrics, dp_rank=rank))
-        if cores[0].static is not None:  # compile the CPU step's kernels before /health answers 200
-            cores[0].static.warm_up()
-        self.fingerprint = cores[0].kv.fingerprint if cores[0].kv is not None else ""
-        self.loop = EngineLoop(cores, self.worker_id)
+        ctx = BackendContext(
+            model_dir=config.model_dir,
+            role=config.role,
+            dp=config.dp,
+            dp_rank=config.dp_rank,
+            expert_parallel=config.expert_parallel,
+            dtype=config.dtype,
+            device=config.device,
+            served_model_name=config.served_model_name,
+            engine=config.engine,
+        )
+        self.backend = build_backend(config.backend, ctx, self.registry)
+        self.store = self.backend.store
+        self.fingerprint = self.backend.fingerprint
+        self.loop = EngineLoop(list(self.backend.ranks), self.worker_id, lockstep=self.backend.lockstep)
 
     # ---- handlers ---------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -166,7 +142,7 @@ class Worker:
             role=self.config.role,
             ranks=self.loop.rank_loads(),
             draining=self.draining,
-            block_size=self.model.config.unit_tokens,
+            block_size=self.backend.unit_tokens,
             model=self.config.served_model_name,
             fingerprint=self.fingerprint,
         ).to_dict()
@@ -260,8 +236,7 @@ class Worker:
             await asyncio.sleep(0.05)
         await runner.cleanup()
         self.loop.stop()
-        if self.store is not None:
-            self.store.close()
+        self.backend.close()
         if not self.loop.alive:
             log.critical("worker %s exits: its engine thread died", self.worker_id)
             return 1

@@ -34,7 +34,7 @@ from engine.backends.deepinfer.bridge import save_point
 from engine.backends.deepinfer.engines import Hooks, RawOutput
 from engine.backends.deepinfer.sampling import to_deepinfer
 from engine.errors import CapacityError, EngineError, InvalidRequestError
-from engine.protocol import FinishReason, GenerateRequest, RankLoad, Role, TokenEvent, TokenLogprob
+from deepserve.protocol import FinishReason, GenerateRequest, RankLoad, Role, TokenEvent, TokenLogprob
 from engine.runtime.metrics import EngineMetrics
 
 _FINISH: dict[str, FinishReason] = {

@@ -36,7 +36,7 @@ import torch
 from engine.backends.base import Handoff, keep_recent
 from engine.backends.deepinfer.bridge import CacheAccess, KVBridge, save_point
 from engine.backends.deepinfer.layout import KVSTORE_GRAIN
-from engine.protocol import RankLoad, Role
+from deepserve.protocol import RankLoad, Role
 
 ENGINE_TYPES: dict[Role, str] = {"mixed": "NORMAL", "prefill": "PROMPT", "decode": "COMPLETION"}
 

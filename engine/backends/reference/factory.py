@@ -1,4 +1,4 @@
-"""The reference backend's factory: one loaded model, one ``EngineCore`` per DP rank, all in this
+"""The reference backend's factory (what the worker built itself before backends): one loaded model, one ``EngineCore`` per DP rank, all in this
 process (the worker's engine thread steps them one after another)."""
 
 from __future__ import annotations
@@ -9,8 +9,14 @@ from typing import TYPE_CHECKING
 from engine.backends.base import BackendContext, BackendGroup
 from engine.backends.reference.backend import ReferenceBackend
 from engine.kv_connector import KVConnector
-from engine.model.loader import load_model
-from engine.runtime.builder import build_sampler, configure_cpu_allocator, configure_cpu_threads, default_state_budget
+from engine.runtime.builder import (
+    build_sampler,
+    configure_cpu_allocator,
+    configure_cpu_threads,
+    default_state_budget,
+    family_engine_config,
+    load_any_model,
+)
 from engine.runtime.engine_core import EngineCore
 from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
 
@@ -23,10 +29,11 @@ def build_reference(ctx: BackendContext, registry: CollectorRegistry) -> Backend
     if ctx.device == "cpu":
         configure_cpu_threads()
         configure_cpu_allocator()
-    model = load_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, progress=True)
+    model = load_any_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device)
     families = EngineMetricFamilies(registry)
-    budget = default_state_budget(model, ctx.engine) // max(ctx.dp, 1)
-    engine_cfg = replace(ctx.engine, state_memory_bytes=budget, role=ctx.role)
+    engine_cfg = family_engine_config(model, ctx.engine)
+    budget = default_state_budget(model, engine_cfg) // max(ctx.dp, 1)
+    engine_cfg = replace(engine_cfg, state_memory_bytes=budget, role=ctx.role)
     store = None
     if engine_cfg.kv_cache != "off":
         from kvstore import KVStoreConfig, build_store

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-ConstraintKind = Literal["json", "regex", "ebnf", "tool_call", "tool_call_required"]
+ConstraintKind = Literal["json", "regex", "ebnf", "tool_call", "tool_call_required", "tool_call_forced"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 Role = Literal["prefill", "decode", "mixed"]
 
@@ -37,7 +37,8 @@ class OutputConstraint:
     ``regex``, the grammar for ``ebnf``, the Chat Completions tool list (JSON array) for the
     ``tool_call*`` kinds. ``trigger_token_ids``: when non-empty, generation is free until one of
     these tokens is sampled (the thinking-end token) and the grammar applies from then on.
-    ``compact``: JSON (``json`` kind, tool arguments) without free whitespace, as OpenAI writes it.
+    ``compact``: ``json`` output without whitespace outside strings, as OpenAI writes it (tool
+    arguments keep their capped whitespace: xgrammar's tool formats cannot forbid it).
     """
 
     kind: ConstraintKind

@@ -6,6 +6,7 @@ Module map:
 - ``penalties.py``, ``distribution.py``: the batched logit transforms and the draw;
 - ``finish.py``: the stop rule;
 - ``structured.py``: xgrammar grammars, their cache and per-request ``GrammarState``;
+- ``compile_pool.py``: the compiles, in child processes with a deadline (off the engine thread);
 - ``dsml.py``: DeepSeek V4 / V4.1 tool-call (DSML) grammars.
 
 Engine wiring, once per worker::

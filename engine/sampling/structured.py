@@ -3,12 +3,11 @@
 One ``GrammarCompilerCache`` per tokenizer (per engine worker) turns an ``OutputConstraint`` into a
 compiled grammar, cached by ``(kind, spec, compact)``; one ``GrammarState`` per request walks it.
 
-Compilation runs on the cache's own thread pool, never on the engine thread: ``submit`` returns a
-future at once (xgrammar releases the GIL while it compiles, so sequences keep stepping), and the
-engine admits the request once its future is done (``engine.runtime.engine_core``). A spec longer
-than ``max_spec_bytes`` is refused before any work. Failed compiles are cached like successes (the
-same spec fails the same way); a compile still running when its request gave up keeps going and is
-cached, so a retry finds it ready.
+Compilation runs in the cache's ``CompilePool`` (``compile_pool.py``: child processes, a compile
+past ``compile_timeout_s`` killed), never on the engine thread: ``submit`` returns a future at once
+and the engine admits the request once its future is done (``engine.runtime.engine_core``). A spec
+longer than ``max_spec_bytes`` is refused before any work. Failed compiles (timeouts included) are
+cached like successes, so the same hostile spec costs its compile time once.
 
 Kinds (``deepserve.protocol.OutputConstraint``):
 - ``json``: ``spec`` is a JSON schema (compact JSON), or ``""`` for free JSON: xgrammar's builtin
@@ -39,19 +38,18 @@ EOS; ``is_terminated()`` turns true when that EOS is accepted.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import xgrammar as xgr
 
-from engine.json_schema import SchemaError, enforceable_schema
 from deepserve.protocol import OutputConstraint
-from engine.sampling.dsml import DsmlVersion, parse_tools, tool_call_structural_tag
+from engine.sampling.compile_pool import CompilePool, CompileSettings
+from engine.sampling.dsml import DsmlVersion
 from engine.sampling.errors import InvalidConstraintError
 
 GrammarKey = tuple[str, str, bool]  # (kind, spec, compact)
@@ -140,7 +138,7 @@ class GrammarState:
 
 
 class GrammarCompilerCache:
-    """Compiles ``OutputConstraint``s for one tokenizer on a thread pool and caches them by
+    """Compiles ``OutputConstraint``s for one tokenizer on a ``CompilePool`` and caches them by
     ``(kind, spec, compact)``.
 
     Thread-safe: ``submit`` / ``compile`` may be called from any thread; a grammar is compiled at
@@ -148,9 +146,9 @@ class GrammarCompilerCache:
     ``json_max_whitespace`` caps runs of whitespace between JSON tokens (models under a grammar
     sometimes emit whitespace forever; 16 characters still allow indented output); None means
     unbounded. An empty ``json`` spec (any JSON object or array) uses the same cap.
-    ``compile_threads``: the pool's threads, run at ``compile_nice`` (Linux thread niceness,
-    inherited by xgrammar's own worker threads) so a long compile yields the CPU to the engine
-    thread; ``max_spec_bytes``: the longest spec compiled.
+    ``compile_processes`` child processes compile, at ``compile_nice`` so a long compile yields the
+    CPU to the engine thread, each compile killed after ``compile_timeout_s``; ``max_spec_bytes``:
+    the longest spec compiled.
     """
 
     def __init__(
@@ -161,8 +159,9 @@ class GrammarCompilerCache:
         max_threads: int = 2,
         max_entries: int = 256,
         json_max_whitespace: int | None = 16,
-        compile_threads: int = 2,
+        compile_processes: int = 1,
         compile_nice: int = 10,
+        compile_timeout_s: float = 10.0,
         max_spec_bytes: int = 1 << 20,
     ) -> None:
         self.tokenizer_info = tokenizer_info
@@ -170,9 +169,9 @@ class GrammarCompilerCache:
         self.dsml_version = dsml_version
         self.json_max_whitespace = json_max_whitespace
         self.max_spec_bytes = max_spec_bytes
-        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads)
-        self._pool = ThreadPoolExecutor(
-            max_workers=compile_threads, thread_name_prefix="grammar-compile", initializer=_nice_thread, initargs=(compile_nice,)
+        settings = CompileSettings(dsml_version, json_max_whitespace, max_threads)
+        self._pool = CompilePool(
+            tokenizer_info, settings, processes=compile_processes, timeout_s=compile_timeout_s, nice=compile_nice
         )
         self._cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._max_entries = max_entries
@@ -200,7 +199,7 @@ class GrammarCompilerCache:
                 fut: Future[xgr.CompiledGrammar] = Future()
                 fut.set_exception(InvalidConstraintError(f"the {constraint.kind} constraint is longer than {self.max_spec_bytes} bytes"))
                 return fut
-            fut = self._pool.submit(self._compile, *key)
+            fut = self._pool.submit(key)
             self._cache[key] = fut
             if len(self._cache) > self._max_entries:
                 self._cache.popitem(last=False)  # a running compile goes on for its holders
@@ -235,49 +234,6 @@ class GrammarCompilerCache:
                     mask[i // 32] &= ~(1 << (i % 32))
                 self._dsml_allowed = mask
             return self._dsml_allowed
-
-    def _compile(self, kind: str, spec: str, compact: bool) -> xgr.CompiledGrammar:
-        c = self._compiler
-        try:
-            if kind == "json":
-                spec = enforceable_schema(json.loads(spec), strict=False) if spec else '{"type": ["object", "array"]}'
-                if compact:
-                    return c.compile_json_schema(spec, any_whitespace=False, separators=(",", ":"))
-                return c.compile_json_schema(spec, max_whitespace_cnt=self.json_max_whitespace)
-            if kind == "regex":
-                return c.compile_regex(spec)
-            if kind == "ebnf":
-                return c.compile_grammar(spec)
-            if kind in ("tool_call", "tool_call_required", "tool_call_forced"):
-                tag = tool_call_structural_tag(
-                    _audited_tools(spec), required=kind != "tool_call", version=self.dsml_version,
-                    max_whitespace=self.json_max_whitespace, open_block=kind == "tool_call_forced",
-                )
-                return c.compile_structural_tag(tag)
-        except InvalidConstraintError:
-            raise
-        except SchemaError as e:
-            raise InvalidConstraintError(f"invalid {kind} constraint: {e} (at {e.location or 'the top level'})") from e
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse/compile errors
-            raise InvalidConstraintError(f"invalid {kind} constraint: {e}") from e
-        raise InvalidConstraintError(f"unknown constraint kind {kind!r}")
-
-
-def _nice_thread(nice: int) -> None:
-    """Lower the calling thread's CPU priority (Linux: niceness is per thread); a no-op elsewhere."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (AttributeError, OSError):
-        pass
-
-
-def _audited_tools(spec: str) -> str:
-    """The tool list with each tool's parameters through the schema audit (``SchemaError``)."""
-    tools = [
-        {"type": "function", "function": {"name": name, "parameters": json.loads(enforceable_schema(params, strict=False))}}
-        for name, params in parse_tools(spec)
-    ]
-    return json.dumps(tools)
 
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:

@@ -113,6 +113,8 @@ class DeepInferBackend:
         self._live[rid] = _Live(req, cached)
         h.tokens[rid] = list(req.prompt_token_ids) + list(req.output_token_ids)
         h.prompt_len[rid] = len(req.prompt_token_ids)
+        if self.role == "decode":
+            h.prompt_saved.add(rid)  # stored by the prefill side
         if self.metrics is not None:
             self.metrics.on_arrival(len(req.prompt_token_ids))
             self.metrics.on_prefix_lookup(len(req.prompt_token_ids), cached)
@@ -203,7 +205,6 @@ class DeepInferBackend:
         ev = TokenEvent(out.request_id, [out.token_id], lp)
         if not live.first_sent:
             live.first_sent = True
-            self.hooks.prompt_done.add(out.request_id)
             ev.num_prompt_tokens, ev.num_cached_tokens = len(req.prompt_token_ids), live.num_cached
         reason: FinishReason | None = None
         if out.finished:

@@ -8,21 +8,24 @@ What each hook does (called by DeepInfer 0.1.0's ``LLMEngine.step`` / worker cal
 
 - ``init_pd_split`` (PROMPT/COMPLETION, during ``__init__``): bind the cache to the bridge and
   allocate ``copy_state`` (a copy of the state slots) and its event; NORMAL does it after init.
-- ``post_schedule``: NORMAL: store the prompt units of sequences whose prompt finished (their
-  first token came back), reading the windows at the last whole unit through the extra-state ring.
+- ``post_schedule``: NORMAL, decode steps: store the prompt units of sequences whose prompt is
+  computed (``num_cached_tokens`` reached its length) and not stored yet, reading the windows at
+  its last whole unit through the extra-state ring.
 - ``should_copy_state`` / ``do_copy_state`` (decode steps): a sequence standing on a unit
   boundary due for a decode snapshot gets its slot copied (DeepInfer's own ``do_copy_state``).
 - ``do_save_kvcache`` (decode steps, after the copy's event): store those units + snapshots.
-- ``pe_prepare_save_kvcache`` / ``pe_do_save_kvcache`` (prompt steps): drop the bookkeeping of
-  prompts that ended in the step; the prompt's units are stored once the prompt is complete (above,
-  and ``send_processed_prompts``), so no mid-prefill staging is needed.
-- ``finalize_seq`` (NORMAL/COMPLETION): a still pending prompt save is done, then freed.
+- ``pe_prepare_save_kvcache`` (prompt steps): a sequence that ended in its prompt step (its first
+  token ended it) has its prompt stored before it is freed; ``pe_do_save_kvcache`` (PROMPT): drops
+  the bookkeeping of those. Prompt units are stored once a prompt is complete, so no mid-prefill
+  staging is needed.
+- ``finalize_seq`` (NORMAL/COMPLETION): a prompt not stored yet is stored, then the sequence freed.
+  (A sequence that finishes while its engine then goes idle is finalised at the next step.)
 - ``process_output``: each ``RequestOutput`` pointer read into a ``RawOutput`` (pointers die at
   the next step); ``step`` calls it, as ``flush_inflight_reqs`` does.
 - ``send_processed_prompts`` (PROMPT): each finished prompt in ``scheduler.running``: prompt units
   stored, the hand-off record shipped, the sequence taken out of ``running`` and freed.
 - ``post_process_model_outputs``: refresh the rank's ``RankLoad`` (read on the engine thread only).
-- ``get_num_pendings`` / ``build_extra_metrics_log``: pending prompt saves; the bridge's counters.
+- ``get_num_pendings`` / ``build_extra_metrics_log``: + prompts not stored yet; the bridge's counters.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class Hooks:
     """What the engine subclass shares with its backend (one engine thread touches it).
 
     ``tokens``: each live request's prompt + output tokens (the backend appends outputs).
-    ``prompt_done``: requests whose prompt completed and whose prompt units are not stored yet.
+    ``prompt_saved``: requests whose prompt units are stored (or not theirs to store: decode).
     """
 
     dp_rank: int
@@ -69,7 +72,7 @@ class Hooks:
     snapshot_interval_units: int = 1  # decode snapshots every N units (0: none)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     prompt_len: dict[str, int] = field(default_factory=dict)
-    prompt_done: set[str] = field(default_factory=set)
+    prompt_saved: set[str] = field(default_factory=set)
     outputs: list[RawOutput] = field(default_factory=list)
     shipped: dict[str, Handoff] = field(default_factory=dict)
     load: RankLoad = field(default_factory=lambda: RankLoad(dp_rank=0))
@@ -77,7 +80,7 @@ class Hooks:
     def forget(self, request_id: str) -> None:
         for d in (self.tokens, self.prompt_len):
             d.pop(request_id, None)
-        self.prompt_done.discard(request_id)
+        self.prompt_saved.discard(request_id)
         if self.bridge is not None:
             self.bridge.forget(request_id)
 
@@ -103,12 +106,15 @@ def engine_classes(base: type) -> dict[Role, type]:
             self.copy_state_event = h.new_event()
 
         def _save_prompt(self, seq: Any) -> None:
-            """Store the prompt's whole units and the snapshot at its last unit before the end."""
+            """Once ``seq``'s prompt is computed: store its whole units and the snapshot at its last
+            unit before the end (windows read through the extra-state ring)."""
             h = self.deepserve
             rid = seq.request_id
-            if h.bridge is not None and rid in h.prompt_len:
+            if rid in h.prompt_saved or rid not in h.prompt_len or seq.num_cached_tokens < h.prompt_len[rid]:
+                return
+            if h.bridge is not None:
                 h.bridge.save(seq, h.tokens[rid], save_point(h.prompt_len[rid]))
-            h.prompt_done.discard(rid)
+            h.prompt_saved.add(rid)
 
         # ---- the hooks ------------------------------------------------------------------
         def init_pd_split(self) -> None:
@@ -131,12 +137,11 @@ def engine_classes(base: type) -> dict[Role, type]:
                     h.bridge.save(seq, h.tokens[seq.request_id], at, self.copy_state)
 
         def pe_prepare_save_kvcache(self, scheduled: list[Any], finished: list[Any]) -> None:
-            for seq in finished:  # ended in its prompt step (stopped on its first token, failed)
-                self.deepserve.prompt_done.discard(seq.request_id)
+            for seq in finished:  # ended in its prompt step: store its prompt before it is freed
+                self._save_prompt(seq)
 
         def finalize_seq(self, seq: Any) -> None:
-            if seq.request_id in self.deepserve.prompt_done:
-                self._save_prompt(seq)
+            self._save_prompt(seq)
             self.deepserve.forget(seq.request_id)
             super().finalize_seq(seq)
 
@@ -151,7 +156,8 @@ def engine_classes(base: type) -> dict[Role, type]:
             self.deepserve.load = RankLoad(self.deepserve.dp_rank, len(s.running), len(s.waiting), int(queued), usage)
 
         def get_num_pendings(self) -> int:
-            return super().get_num_pendings() + len(self.deepserve.prompt_done)
+            h = self.deepserve
+            return super().get_num_pendings() + len(h.prompt_len.keys() - h.prompt_saved)
 
         def build_extra_metrics_log(self) -> str | None:
             b = self.deepserve.bridge
@@ -166,11 +172,10 @@ def engine_classes(base: type) -> dict[Role, type]:
         """NORMAL: prefill and decode in one engine; prompt units stored once the prompt is done."""
 
         def post_schedule(self, scheduler_outputs: Any) -> None:
-            if not self.deepserve.prompt_done:
+            if scheduler_outputs.prompt_run:
                 return
-            for seq in scheduler_outputs.scheduled_seqs:
-                if seq.request_id in self.deepserve.prompt_done:
-                    self._save_prompt(seq)
+            for seq in scheduler_outputs.scheduled_seqs:  # decoding: its prompt is done
+                self._save_prompt(seq)
 
     class PrefillEngine(DeepserveEngine):
         """PROMPT: prefill only; each finished prompt leaves as a hand-off record."""
@@ -189,10 +194,11 @@ def engine_classes(base: type) -> dict[Role, type]:
             for seq in done:
                 rid = seq.request_id
                 prompt = h.tokens[rid][: h.prompt_len[rid]]
+                self._save_prompt(seq)
                 if h.bridge is not None:
-                    h.bridge.save(seq, prompt, save_point(len(prompt)))
                     keep_recent(h.shipped, rid, h.bridge.ship(seq, prompt, seq.last_output_token))
                 self.scheduler.free_seq(seq)
+            self.post_process_model_outputs()  # the load without the shipped prompts
 
     class DecodeEngine(DeepserveEngine):
         """COMPLETION: decode only (``stop_preempted_request``: it cannot recompute); its requests

@@ -3,7 +3,7 @@
 Sampling extensions (vLLM / SGLang / OpenAI) become ``SamplingParams`` keywords: ``top_k``,
 ``min_p``, the three penalties, ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``.
 Gateway-side settings: ``n`` choices, ``priority``, ``skip_special_tokens``, ``parallel_tool_calls``,
-chat ``echo`` and the ``stream_options`` usage switches. Every bad value is a 400 naming the field.
+chat ``echo``, ``truncate_prompt_tokens`` and the ``stream_options`` usage switches. Every bad value is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ class Extras:
     include_stop_str: bool = False  # include_stop_str_in_output
     include_usage: bool = False
     continuous_usage: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: the context length
+
+
+def truncated(ids: list[int], keep: int | None, context_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``keep`` ids (-1: the context length)."""
+    if keep is None:
+        return ids
+    keep = context_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def _int(body: dict[str, Any], key: str, low: int, high: int, default: int) -> int:
@@ -145,4 +154,14 @@ def parse_extras(body: dict[str, Any], vocab: int, *, chat: bool = True) -> Extr
         include_stop_str=_bool(body, "include_stop_str_in_output", False),
         include_usage=include,
         continuous_usage=continuous,
+        truncate_prompt_tokens=_truncation(body),
     )
+
+
+def _truncation(body: dict[str, Any]) -> int | None:
+    value = body.get("truncate_prompt_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
+        raise InvalidRequest("Invalid truncate_prompt_tokens value: -1 or an integer >= 1.", param="truncate_prompt_tokens")
+    return value

@@ -26,7 +26,7 @@ from server.chat_shape import ChatStreamShaper, echo_text, merge_answers
 from server.convert import build_generate_request
 from server.decode import matched_stop
 from server.errors import GatewayError, InvalidRequest, ModelNotFound, from_conversion_error
-from server.extensions import parse_extras
+from server.extensions import parse_extras, truncated
 from server.fields import check_fields
 from server.generation import ClientDisconnected, Run, race_disconnect
 from server.request_id import ids
@@ -129,6 +129,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
         conv, make_generator, prompt = convert_and_encode(gw, proto, raw if recipe_body is body else recipe_body)
     except GatewayError as refused:
         conv, make_generator, prompt = convert_forcing_tools(gw, proto, recipe_body, refused)
+    prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
     rid, engine_rid = ids(request, proto.id_prefix)
     greqs = []
     for i in range(extras.n):

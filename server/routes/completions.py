@@ -32,7 +32,7 @@ from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from server.convert import session_key
 from server.decode import decode_tokens, matched_stop, text_processor
 from server.structured import completion_constraint
-from server.extensions import Extras, parse_extras
+from server.extensions import Extras, parse_extras, truncated
 from server.fields import check_fields
 from server.request_id import ids as request_ids
 from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest
@@ -151,6 +151,12 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
     if add_bos is not None and not isinstance(add_bos, bool):
         raise InvalidRequest("Invalid type for 'add_special_tokens': expected a boolean.", param="add_special_tokens")
     prompts = _prompts(body["prompt"], catalog, add_bos is not False)
+    if extras.truncate_prompt_tokens is not None:  # a cut text prompt echoes as its kept tokens
+        prompts = [
+            (cut, text if len(cut) == len(ids) else None)
+            for ids, text in prompts
+            for cut in [truncated(ids, extras.truncate_prompt_tokens, catalog.context_len)]
+        ]
     if len(prompts) * best_of > MAX_CHOICES:
         raise InvalidRequest(f"At most {MAX_CHOICES} choices (prompts x best_of) per request.", param="best_of" if best_of > 1 else "n")
     return CompletionParams(

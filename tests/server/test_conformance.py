@@ -327,3 +327,13 @@ def test_include_stop_str_in_output(gateway):
     assert "".join(c["choices"][0]["text"] for c in streamed) == "Hello wor"
     eos = chat(gateway, stop=["nowhere"], include_stop_str_in_output=True, **NO_THINK).json()["choices"][0]
     assert eos["message"]["content"] == "Hello world!"  # ended by EOS: nothing added
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(gateway):
+    r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": list(range(10, 30)), "truncate_prompt_tokens": 5})
+    assert r.status_code == 200 and gateway.engine.requests[-1].prompt_token_ids == list(range(25, 30))
+    chat(gateway, **NO_THINK)
+    whole = gateway.engine.requests[-1].prompt_token_ids
+    chat(gateway, truncate_prompt_tokens=7, **NO_THINK)
+    assert gateway.engine.requests[-1].prompt_token_ids == whole[-7:]
+    error_of(chat(gateway, truncate_prompt_tokens=0), "truncate_prompt_tokens")

@@ -23,7 +23,7 @@ With an internal token (``deepserve.internal_auth``) every route but ``/health``
 ``/metrics`` with ``open_metrics``) needs it, and ``/register`` is taken only for the caller's
 own address (``register_check_address``) and never for a worker id a live worker holds; without
 one the router listens on loopback only. Sampling settings are type-checked
-(``engine.validate``) before they are memoised.
+(``deepserve.protocol.validate``) before they are memoised.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 from deepserve.internal_auth import InternalAuth
 from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
-from engine.validate import check_fields
+from deepserve.protocol.validate import check_fields
 from kvstore.keys import TokenIdsText
 from router.config import RouterConfig
 from router.errors import Overloaded, RegistrationRefused, RouterError

@@ -114,7 +114,10 @@ class EngineLoop:
             log.critical("engine thread died", exc_info=True)
             self.death = exc
             for rid in list(self._sinks):
-                self._deliver(TokenEvent(rid, finish_reason="error", error="the engine stopped"))
+                try:
+                    self._deliver(TokenEvent(rid, finish_reason="error", error="the engine stopped"))
+                except Exception:  # noqa: BLE001 (tell every other request, whatever this one does)
+                    log.exception("could not fail request %s", rid)
             if self.on_death is not None:
                 self.on_death()
 

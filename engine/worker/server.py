@@ -29,7 +29,7 @@ from deepserve.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
 from engine.backends.base import BackendContext
 from engine.backends.registry import build_backend
 from engine.runtime.config import EngineConfig
-from engine.validate import check_generate
+from deepserve.protocol.validate import check_generate
 from deepserve.internal_auth import InternalAuth
 from engine.worker.loop import EngineLoop
 
@@ -231,15 +231,16 @@ class Worker:
         await stop.wait()
         self.draining = True  # refuse new work, let running requests finish
         await self._announce("deregister", {"url": self.url, "drain": self.loop.alive})
+        if not self.loop.alive:  # nothing in flight can finish: no drain, no wait for handlers
+            log.critical("worker %s exits: its engine thread died", self.worker_id)
+            self.backend.close()
+            return 1
         deadline = aloop.time() + self.config.drain_timeout
         while self.loop.alive and self.loop.in_flight() and aloop.time() < deadline:
             await asyncio.sleep(0.05)
         await runner.cleanup()
         self.loop.stop()
         self.backend.close()
-        if not self.loop.alive:
-            log.critical("worker %s exits: its engine thread died", self.worker_id)
-            return 1
         return 0
 
 

@@ -117,4 +117,4 @@ def keep_recent(table: dict[str, Handoff], key: str, value: Handoff, limit: int 
         del table[next(iter(table))]
 
 
-BackendFactory = Callable[[BackendContext, "CollectorRegistry"], BackendGroup]
+BackendFactory = Callable[[BackendContext, "CollectorRegistry | None"], BackendGroup]

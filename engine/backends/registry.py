@@ -7,9 +7,13 @@ dependencies (DeepInfer's ``_C`` extension needs CUDA on SM100).
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from engine.backends.base import BackendContext, BackendFactory, BackendGroup
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 # name -> "module:function" of its factory
 _FACTORIES: dict[str, str] = {
@@ -33,6 +37,6 @@ def factory(name: str) -> BackendFactory:
     return getattr(import_module(module), func)
 
 
-def build_backend(name: str, ctx: BackendContext, registry) -> BackendGroup:  # noqa: ANN001 (prometheus CollectorRegistry)
-    """Build the ranks a worker serves with the backend ``name``."""
+def build_backend(name: str, ctx: BackendContext, registry: CollectorRegistry | None) -> BackendGroup:
+    """Build the ranks a worker serves with the backend ``name`` (metrics into ``registry``)."""
     return factory(name)(ctx, registry)

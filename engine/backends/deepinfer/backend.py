@@ -94,8 +94,10 @@ class DeepInferBackend:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         if not req.prompt_token_ids:
             raise InvalidRequestError("prompt is empty")
-        if req.prefill_only != (self.role == "prefill"):
-            raise InvalidRequestError(f"a {self.role} deepinfer engine {'only takes' if self.role == 'prefill' else 'does not take'} prefill_only requests")
+        if self.role == "prefill" and not req.prefill_only:
+            raise InvalidRequestError("a prefill deepinfer engine only takes prefill_only requests")
+        if self.role != "prefill" and req.prefill_only:
+            raise InvalidRequestError("prefill_only requests go to a prefill deepinfer engine (--role prefill)")
         if self.role == "decode" and len(req.output_token_ids) != 1:
             raise InvalidRequestError("a decode deepinfer engine continues a prefill: output_token_ids must hold its first token only")
         if self.role != "decode" and req.output_token_ids:

@@ -87,7 +87,7 @@ def _fp4_kv(model_dir: str) -> bool:
     return bool((raw.get("text_config") or raw).get("use_fp4_sparse_kv", True))
 
 
-def build_deepinfer(ctx: BackendContext, registry: CollectorRegistry) -> BackendGroup:
+def build_deepinfer(ctx: BackendContext, registry: CollectorRegistry | None) -> BackendGroup:
     """Build this process's DeepInfer engine for ``ctx.role`` and DP rank ``ctx.dp_rank``."""
     if ctx.dp > 1 and ctx.dp_rank is None:
         raise EngineError("the deepinfer backend runs one process per DP rank: give --dp-rank (0 .. dp-1)")

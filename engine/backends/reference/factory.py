@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 
-def build_reference(ctx: BackendContext, registry: CollectorRegistry) -> BackendGroup:
+def build_reference(ctx: BackendContext, registry: CollectorRegistry | None) -> BackendGroup:
     """Load the checkpoint once and build ``ctx.dp`` cores over it (state budget split evenly)."""
     if ctx.device == "cpu":
         configure_cpu_threads()

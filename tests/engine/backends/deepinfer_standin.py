@@ -21,7 +21,8 @@ from the sdist (``engine/llm_engine.py``, ``worker/worker.py``, ``worker/cache_e
   PROMPT engines return their own. ``init_pd_split`` runs inside ``__init__`` for PROMPT and
   COMPLETION. A PROMPT engine's finished prompts stay in ``scheduler.running`` until
   ``send_processed_prompts`` takes them.
-- ``Sequence``: ``request_id``, ``state_id``, ``num_cached_tokens`` (tokens whose KV is ready),
+- ``Sequence``: ``request_id``, ``state_id``, ``num_cached_tokens`` (tokens whose KV is ready;
+  advanced after the forward here, where DeepInfer advances it optimistically at schedule time),
   ``cached_hit_tokens``, ``last_copy_state_token_idx``, ``last_output_token``, ``status``,
   ``chunk_checkpoints``, and ``block_table`` — which the 0.1.0 release does NOT expose; the
   stand-in has it as the optional patch in docs/DEEPINFER.md would.

@@ -353,8 +353,10 @@ class RouterService:
         return _json_ok(self.router.load_report().to_dict())
 
     async def health(self, request: Request) -> Response:
-        ok = self.router.healthy()
-        return _json_ok({"status": "ok" if ok else "no_worker"}, 200 if ok else 503)
+        """200 while the router can serve (a worker is available), with how many of its workers are."""
+        workers = self.router.registry.workers()
+        up = sum(w.available for w in workers)
+        return _json_ok({"status": "ok" if up else "no_worker", "available": up, "workers": len(workers)}, 200 if up else 503)
 
     async def kv_events(self, request: Request) -> Response:
         return _json_ok({"seq": 0, "events": []})

@@ -45,7 +45,7 @@ def test_every_route_but_health_needs_the_token_and_the_router_sends_it_on(spawn
                             assert resp.status == 401, (path, headers)
                             assert (await resp.json())["error"]["code"] == "unauthorized"
                 async with s.get(base + "/health") as resp:
-                    assert resp.status == 200
+                    assert resp.status == 200 and await resp.json() == {"status": "ok", "available": 1, "workers": 1}
             client = WorkerClient(base, auth=AUTH)  # what the gateway uses
             q = request(2, max_tokens=6)
             assert [t async for ev in client.generate(q) for t in ev.token_ids] == expected(q)  # the worker required the token too

@@ -111,3 +111,14 @@ def test_internal_routes_need_the_token_but_health_does_not(worker) -> None:
                 assert resp.status == 200
 
     asyncio.run(main())
+
+
+def test_a_worker_beyond_loopback_refuses_to_start_without_a_token(tiny_model_dir) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPSERVE_INTERNAL_TOKEN")}
+    done = subprocess.run([sys.executable, "-m", "deepserve.cli", "engine", "--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", "0"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "without an internal token" in done.stderr

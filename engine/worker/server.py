@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from deepserve.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
 from engine.backends.base import BackendContext
 from engine.backends.registry import build_backend
+from engine.errors import EngineError
 from engine.runtime.config import EngineConfig
 from deepserve.protocol.validate import check_generate
 from deepserve.internal_auth import InternalAuth
@@ -256,6 +257,10 @@ def run_worker(config: WorkerConfig) -> None:
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    status = run(Worker(config).serve())
+    try:
+        worker = Worker(config)
+    except EngineError as exc:  # a backend that cannot start here, a bad checkpoint: say so, no traceback
+        raise SystemExit(f"deepserve engine: {exc}") from exc
+    status = run(worker.serve())
     if status:
         raise SystemExit(status)

@@ -1,0 +1,36 @@
+"""The typed messages every deepserve package shares (a leaf: it imports no other package of
+the project). ``messages`` holds the dataclasses that cross process boundaries as NDJSON."""
+
+from deepserve.protocol.messages import (
+    KV_REMOVED,
+    KV_ROWS_FORMAT,
+    KV_STORED,
+    ConstraintKind,
+    FinishReason,
+    GenerateRequest,
+    KVEvent,
+    LoadReport,
+    OutputConstraint,
+    RankLoad,
+    Role,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+)
+
+__all__ = [
+    "KV_REMOVED",
+    "KV_ROWS_FORMAT",
+    "KV_STORED",
+    "ConstraintKind",
+    "FinishReason",
+    "GenerateRequest",
+    "KVEvent",
+    "LoadReport",
+    "OutputConstraint",
+    "RankLoad",
+    "Role",
+    "SamplingParams",
+    "TokenEvent",
+    "TokenLogprob",
+]

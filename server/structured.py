@@ -6,7 +6,7 @@ Sources, at most one per request (a second one is a 400 naming it):
   schemas come from the client's body, not from the recipe's strict normalisation (which drops
   keywords: an integer ``enum``, ``minLength`` / ``maxLength``, ``minItems`` / ``maxItems``,
   ``uniqueItems``, ``minProperties``, ``patternProperties``, and top-level ``$defs`` while
-  keeping the ``$ref``s into them). Each schema goes through ``engine.json_schema``: OpenAI's
+  keeping the ``$ref``s into them). Each schema goes through ``deepserve.protocol.json_schema``: OpenAI's
   strict translation when ``strict: true``, and the audit that refuses what the grammar cannot
   enforce, so the answer always validates against what the client sent.
 - vLLM: ``structured_outputs`` {``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.json_schema import SchemaError, enforceable_schema
+from deepserve.protocol.json_schema import SchemaError, enforceable_schema
 from deepserve.protocol import ConstraintKind, OutputConstraint
 from server.errors import InvalidRequest
 
@@ -182,7 +182,7 @@ def with_auto_tool_choice(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def schema_spec(schema: Any, *, strict: bool, param: str) -> str:
-    """``engine.json_schema.enforceable_schema`` with its error as a 400 naming the keyword."""
+    """``deepserve.protocol.json_schema.enforceable_schema`` with its error as a 400 naming the keyword."""
     try:
         return enforceable_schema(schema, strict=strict)
     except SchemaError as exc:

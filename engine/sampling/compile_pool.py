@@ -28,7 +28,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from engine.json_schema import SchemaError, enforceable_schema
+from deepserve.protocol.json_schema import SchemaError, enforceable_schema
 from engine.sampling.dsml import DsmlVersion, parse_tools, tool_call_structural_tag
 from engine.sampling.errors import InvalidConstraintError
 

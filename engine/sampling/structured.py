@@ -12,7 +12,7 @@ cached like successes, so the same hostile spec costs its compile time once.
 Kinds (``deepserve.protocol.OutputConstraint``):
 - ``json``: ``spec`` is a JSON schema (compact JSON), or ``""`` for free JSON: xgrammar's builtin
   grammar, an object or an array (what a ``json_object`` response format asks for). Schemas pass
-  ``engine.json_schema``'s audit first (keywords xgrammar would not enforce are refused), so every
+  ``deepserve.protocol.json_schema``'s audit first (keywords xgrammar would not enforce are refused), so every
   output validates against the schema. ``compact``: no whitespace outside strings, ``,``/``:``
   separators.
 - ``regex``: ``spec`` is the pattern (the whole output matches it).

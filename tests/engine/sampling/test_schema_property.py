@@ -1,6 +1,6 @@
 """Property test: random JSON schemas, constrained outputs, every output validated by ``jsonschema``.
 
-Each random schema is drawn over the keyword set ``engine.json_schema`` supports, sometimes with
+Each random schema is drawn over the keyword set ``deepserve.protocol.json_schema`` supports, sometimes with
 one keyword it refuses planted in it. For strict and non-strict mode: the schema is translated and
 audited as the gateway does (a planted keyword must be refused, and only then), compiled with
 xgrammar for the real DeepSeek V4 tokenizer, and sampled with random logits through the real
@@ -24,7 +24,7 @@ import pytest
 import torch
 from sampling_helpers import EOS, V4_VOCAB, run_to_end
 
-from engine.json_schema import SchemaError, enforceable_schema
+from deepserve.protocol.json_schema import SchemaError, enforceable_schema
 from deepserve.protocol import OutputConstraint, SamplingParams
 from engine.sampling import InvalidConstraintError
 

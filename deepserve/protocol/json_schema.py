@@ -1,6 +1,7 @@
 """JSON schemas as xgrammar can enforce them: OpenAI strict-mode translation and a keyword audit.
 
-Pure Python (no torch, no xgrammar), so the gateway refuses a schema with a 400 naming the keyword
+Part of the protocol: it defines which ``OutputConstraint(kind="json")`` specs are valid. Pure
+Python (no torch, no xgrammar, no other package of the project), so the gateway refuses a schema with a 400 naming the keyword
 before any engine sees it, and the engine's compiler runs the same audit on what reaches it.
 
 The rule: every output the grammar allows validates against the client's schema. So the grammar is
@@ -42,7 +43,6 @@ import math
 import re
 from typing import Any
 
-from engine.errors import InvalidRequestError
 
 Path = tuple[str | int, ...]
 
@@ -86,7 +86,7 @@ _UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|[*+?}][+]")
 JSON_TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
 
 
-class SchemaError(InvalidRequestError):
+class SchemaError(ValueError):
     """A schema the grammar cannot enforce exactly. ``path`` locates the offending keyword inside
     the schema (``("properties", "count", "uniqueItems")``)."""
 

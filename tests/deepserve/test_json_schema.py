@@ -1,4 +1,4 @@
-"""engine.json_schema: OpenAI strict translation and the audit of what xgrammar enforces."""
+"""deepserve.protocol.json_schema: OpenAI strict translation and the audit of what xgrammar enforces."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine.json_schema import SchemaError, enforceable_schema
+from deepserve.protocol.json_schema import SchemaError, enforceable_schema
 
 
 def spec(schema, strict=False):

@@ -11,7 +11,7 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from engine.json_schema import SchemaError, enforceable_schema
+from deepserve.protocol.json_schema import SchemaError, enforceable_schema
 
 ATOMS = ["a", "b", "S", "1", "-", "[a-z]", "[A-Z]", "[0-9]", "[A-Za-z]", "\\d", ".", "[abc]", "[^a]", "\\."]
 ALPHABET = "abS1zZ9-."

@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from engine.errors import CheckpointError
 
@@ -22,6 +22,7 @@ HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 MLP_TYPES = ("hash_moe", "moe")
+_C = TypeVar("_C")
 # config.json model_type -> model family (V4.1: engine/model/v41, flat text or composite config)
 FAMILIES = {"deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v41", "deepseek_v41_text": "deepseek_v41"}
 
@@ -120,17 +121,7 @@ class ModelConfig:
     # ---- parsing -------------------------------------------------------------------------
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing config.json")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
-        try:
-            return cls.from_dict(raw)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{path}: {exc}") from exc
+        return read_config(model_dir, cls.from_dict)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -171,14 +162,13 @@ class ModelConfig:
             rope_dim = head_dim // 8
         rope_main, rope_compress = _parse_rope(raw)
 
-        eos = raw.get("eos_token_id", 1)
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        eos_ids = eos_token_ids(raw.get("eos_token_id", 1))
         qc = raw.get("quantization_config")
         if isinstance(qc, dict) and raw.get("expert_dtype") and "expert_dtype" not in qc:
             qc = {**qc, "expert_dtype": raw["expert_dtype"]}
 
         def get(key: str, cast: Any) -> Any:
-            return cast(raw[key]) if raw.get(key) is not None else getattr(d, key)
+            return config_value(raw, ModelConfig, key, cast)
 
         return cls(
             vocab_size=get("vocab_size", int),
@@ -215,7 +205,7 @@ class ModelConfig:
             hidden_act=get("hidden_act", str),
             bos_token_id=raw.get("bos_token_id", d.bos_token_id),
             eos_token_ids=eos_ids,
-            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or d.torch_dtype).replace("torch.", ""),
+            torch_dtype=dtype_name(raw, default=d.torch_dtype),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             quantization=qc if isinstance(qc, dict) else None,
         )
@@ -235,12 +225,51 @@ def model_type_of(model_dir: str | Path) -> str:
     return model_type
 
 
+def read_config(model_dir: str | Path, parse: Callable[[dict[str, Any]], _C]) -> _C:
+    """``parse`` applied to a checkpoint's ``config.json``; errors name the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
+    try:
+        return parse(raw)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name`` (its factory called)."""
+    f = cls.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def config_value(src: dict[str, Any], cls: type, key: str, cast: Callable[[Any], Any]) -> Any:
+    """``cast(src[key])``, or ``cls``'s field default where the key is missing or null."""
+    return cast(src[key]) if src.get(key) is not None else field_default(cls, key)
+
+
+def eos_token_ids(eos: int | list[int] | None) -> tuple[int, ...]:
+    """A config's ``eos_token_id`` (one id, a list or null) as a tuple of ids."""
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+
+
+def dtype_name(*sources: dict[str, Any], default: str) -> str:
+    """The first ``dtype`` / ``torch_dtype`` set in ``sources`` (in order), without ``torch.``."""
+    for src in sources:
+        value = src.get("dtype") or src.get("torch_dtype")
+        if value:
+            return str(value).replace("torch.", "")
+    return default
+
+
 class _Defaults:
     """Attribute access to ModelConfig's field defaults (a default instance would not validate)."""
 
     def __getattr__(self, name: str) -> Any:
-        f = ModelConfig.__dataclass_fields__[name]
-        return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        return field_default(ModelConfig, name)
 
 
 def _rope_from_dict(p: dict[str, Any], theta: float) -> RopeParams:

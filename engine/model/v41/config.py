@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError
-from engine.model.config import RopeParams, _parse_rope
+from engine.model.config import RopeParams, _parse_rope, config_value, dtype_name, eos_token_ids, read_config
 
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 # The released schedule, used when a 40-layer config gives no explicit one.
@@ -141,17 +141,7 @@ class V41Config:
     # ---- parsing -------------------------------------------------------------------------
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> V41Config:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing config.json")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
-        try:
-            return cls.from_dict(raw)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{path}: {exc}") from exc
+        return read_config(model_dir, cls.from_dict)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> V41Config:
@@ -164,13 +154,9 @@ class V41Config:
             text = raw.get("text_config") or {}
             if not isinstance(text, dict):
                 raise CheckpointError("text_config must be an object")
-        d = cls.__dataclass_fields__
 
         def get(key: str, cast: Any) -> Any:
-            if text.get(key) is not None:
-                return cast(text[key])
-            f = d[key]
-            return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+            return config_value(text, cls, key, cast)
 
         n = get("num_hidden_layers", int)
         head_dim = get("head_dim", int)
@@ -188,8 +174,7 @@ class V41Config:
             candidate = kv_sources[-1] if kv_sources else -1
         rope_dim = get("qk_rope_head_dim", int)
         rope_main, rope_compress = _parse_rope(text)
-        eos = text.get("eos_token_id", raw.get("eos_token_id", 1))
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        eos_ids = eos_token_ids(text.get("eos_token_id", raw.get("eos_token_id", 1)))
         qc = raw.get("quantization_config") or text.get("quantization_config")
         engram_ids = tuple(int(i) for i in text.get("engram_layer_ids") or ())
         engram_rows = text.get("engram_num_embeddings")
@@ -241,7 +226,7 @@ class V41Config:
             hidden_act=get("hidden_act", str),
             bos_token_id=text.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            torch_dtype=str(text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16").replace("torch.", ""),
+            torch_dtype=dtype_name(text, raw, default="bfloat16"),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
             quantization=qc if isinstance(qc, dict) else None,
         )

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import HAS_TRITON, dot_precision, mma, next_pow2, tl, triton, use_triton
+from kernels._common import HAS_TRITON, dot_precision, mma, tl, triton, use_triton
+from kernels.moe_fp8 import default_block_m, grouped_linear_reference, quantized_moe_experts
 
 BLOCK = 128  # K per step; every 32-wide scale group lies inside one step
 GROUP = 32  # inputs per e8m0 scale
@@ -42,16 +43,11 @@ def fp4_grouped_linear(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, off
     assert xs.is_contiguous() and wq.is_contiguous() and ws.is_contiguous()
     out = torch.empty(m, n, dtype=xs.dtype, device=xs.device)
     if not use_triton(xs):
-        start = 0
-        for g, end in enumerate(offs.tolist()):
-            if end > start:
-                out[start:end] = xs[start:end] @ dequantize_fp4(wq[g], ws[g], xs.dtype).t()
-            start = end
-        return out
+        return grouped_linear_reference(xs, wq, ws, offs, dequantize_fp4, out)
     if m == 0:
         return out
-    if block_m is None:  # rows per expert on average: decode ~1-3, prefill many
-        block_m = min(64, max(16, next_pow2(triton.cdiv(m, e))))
+    if block_m is None:
+        block_m = default_block_m(m, e)
     _fp4_grouped_kernel[(e, n // BLOCK)](
         xs, wq.view(torch.uint8), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=BLOCK, BK=BLOCK, G=GROUP,
         PRECISION=dot_precision(xs.dtype), num_warps=4, num_stages=3,
@@ -73,17 +69,8 @@ def moe_experts_fp4(
     """``kernels.moe.moe_experts`` with the checkpoint's FP4 expert weights (module docstring):
     ``gate_up_q (E, 2I, H/2)`` (gate rows, then up rows), ``down_q (E, H, I/2)``, scales ``/32``;
     ``add`` (e.g. the shared expert's output) joins the sum."""
-    from kernels.moe import grouped_experts, moe_experts_reference
-
-    if not use_triton(x):
-        gu = dequantize_fp4(gate_up_q, gate_up_s, x.dtype)
-        dn = dequantize_fp4(down_q, down_s, x.dtype)
-        out = moe_experts_reference(x, weights, indices, gu, dn, limit)
-        return out if add is None else out + add
-    return grouped_experts(
-        x, weights, indices, gate_up_q.shape[0], gate_up_q.shape[1] // 2, limit,
-        lambda xs, offs, _counts: fp4_grouped_linear(xs, gate_up_q, gate_up_s, offs),
-        lambda act, offs, _counts: fp4_grouped_linear(act, down_q, down_s, offs), add=add,
+    return quantized_moe_experts(
+        x, weights, indices, gate_up_q, gate_up_s, down_q, down_s, limit, dequantize_fp4, fp4_grouped_linear, add=add,
     )  # fmt: skip
 
 

@@ -16,6 +16,8 @@ The rest (sorting, SwiGLU, weighted combine) is ``kernels.moe``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels._common import (
@@ -59,16 +61,11 @@ def fp8_grouped_linear(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, off
     assert k == k2 and n % BLOCK == 0 and k % BLOCK == 0 and xs.is_contiguous() and wq.is_contiguous()
     out = torch.empty(m, n, dtype=xs.dtype, device=xs.device)
     if not use_triton(xs):
-        start = 0
-        for g, end in enumerate(offs.tolist()):
-            if end > start:
-                out[start:end] = xs[start:end] @ dequantize_blocks(wq[g], ws[g], xs.dtype).t()
-            start = end
-        return out
+        return grouped_linear_reference(xs, wq, ws, offs, dequantize_blocks, out)
     if m == 0:
         return out
-    if block_m is None:  # rows per expert on average: decode ~1-3, prefill many
-        block_m = min(64, max(16, next_pow2(triton.cdiv(m, e))))
+    if block_m is None:
+        block_m = default_block_m(m, e)
     _fp8_grouped_kernel[(e, n // BLOCK)](
         xs, wq, ws, offs, out, n, k, BM=block_m, BN=BLOCK, BK=BLOCK, PRECISION=dot_precision(xs.dtype),
         num_warps=4, num_stages=4,
@@ -87,16 +84,58 @@ def moe_experts_fp8(
     limit: float,
 ) -> torch.Tensor:
     """``kernels.moe.moe_experts`` with FP8 block-scaled expert weights (module docstring)."""
+    return quantized_moe_experts(
+        x, weights, indices, gate_up_q, gate_up_s, down_q, down_s, limit, dequantize_blocks, fp8_grouped_linear,
+    )  # fmt: skip
+
+
+Dequant = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grouped_linear_reference(
+    xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, dequant: Dequant, out: torch.Tensor
+) -> torch.Tensor:
+    """The grouped GEMM without Triton: each non-empty group's rows times ``dequant(wq[g], ws[g])ᵀ``, into ``out``."""
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = xs[start:end] @ dequant(wq[g], ws[g], xs.dtype).t()
+        start = end
+    return out
+
+
+def default_block_m(m: int, e: int) -> int:
+    """Row tile of the grouped kernels from the rows per expert on average (decode ~1-3, prefill many)."""
+    return min(64, max(16, next_pow2(triton.cdiv(m, e))))
+
+
+def quantized_moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    gate_up_q: torch.Tensor,
+    gate_up_s: torch.Tensor,
+    down_q: torch.Tensor,
+    down_s: torch.Tensor,
+    limit: float,
+    dequant: Dequant,
+    linear: GroupedLinear,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``kernels.moe.moe_experts`` with quantised expert weights: the dequantised reference
+    without Triton, else ``grouped_experts`` over ``linear``; ``add`` joins the sum."""
     from kernels.moe import grouped_experts, moe_experts_reference
 
     if not use_triton(x):
-        gu = dequantize_blocks(gate_up_q, gate_up_s, x.dtype)
-        dn = dequantize_blocks(down_q, down_s, x.dtype)
-        return moe_experts_reference(x, weights, indices, gu, dn, limit)
+        gu = dequant(gate_up_q, gate_up_s, x.dtype)
+        dn = dequant(down_q, down_s, x.dtype)
+        out = moe_experts_reference(x, weights, indices, gu, dn, limit)
+        return out if add is None else out + add
     return grouped_experts(
         x, weights, indices, gate_up_q.shape[0], gate_up_q.shape[1] // 2, limit,
-        lambda xs, offs, _counts: fp8_grouped_linear(xs, gate_up_q, gate_up_s, offs),
-        lambda act, offs, _counts: fp8_grouped_linear(act, down_q, down_s, offs),
+        lambda xs, offs, _counts: linear(xs, gate_up_q, gate_up_s, offs),
+        lambda act, offs, _counts: linear(act, down_q, down_s, offs), add=add,
     )  # fmt: skip
 
 

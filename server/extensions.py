@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from server.errors import InvalidRequest
+
+_D = TypeVar("_D", bound="int | None")
 
 MAX_CHOICES = 128  # n (or best_of) per prompt
 MAX_LOGIT_BIAS = 1024  # entries
@@ -51,7 +53,8 @@ def truncated(ids: list[int], keep: int | None, context_len: int) -> list[int]:
     return ids[-keep:] if len(ids) > keep else ids
 
 
-def _int(body: dict[str, Any], key: str, low: int, high: int, default: int) -> int:
+def int_field(body: dict[str, Any], key: str, low: int, high: int, default: _D) -> int | _D:
+    """``body[key]``, an integer in ``[low, high]`` (not a bool), or ``default`` if missing or null."""
     value = body.get(key)
     if value is None:
         return default
@@ -60,7 +63,8 @@ def _int(body: dict[str, Any], key: str, low: int, high: int, default: int) -> i
     return value
 
 
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+def bool_field(body: dict[str, Any], key: str, default: bool = False) -> bool:
+    """``body[key]``, a boolean, or ``default`` if missing or null."""
     value = body.get(key)
     if value is None:
         return default
@@ -105,13 +109,13 @@ def sampling_extensions(body: dict[str, Any], vocab: int) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not low <= value <= high:
             raise InvalidRequest(f"Invalid {key} value, the valid range of {key} is [{low:g}, {high:g}]", param=key)
         out[key] = float(value)
-    top_k = _int(body, "top_k", -1, 1 << 30, 0)
+    top_k = int_field(body, "top_k", -1, 1 << 30, 0)
     if top_k > 0:
         out["top_k"] = top_k  # 0 and -1 (vLLM's spelling) are "off"
     bias = logit_bias(body, vocab)
     if bias:
         out["logit_bias"] = bias
-    min_tokens = _int(body, "min_tokens", 0, 1 << 30, 0)
+    min_tokens = int_field(body, "min_tokens", 0, 1 << 30, 0)
     if min_tokens:
         out["min_tokens"] = min_tokens
     stop_ids = body.get("stop_token_ids")
@@ -119,7 +123,7 @@ def sampling_extensions(body: dict[str, Any], vocab: int) -> dict[str, Any]:
         if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids.", param="stop_token_ids")
         out["stop_token_ids"] = tuple(_token_id(t, vocab, "stop_token_ids") for t in stop_ids)
-    if _bool(body, "ignore_eos", False):
+    if bool_field(body, "ignore_eos", False):
         out["ignore_eos"] = True
     return out
 
@@ -136,8 +140,8 @@ def stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
             raise InvalidRequest(f"Unrecognized stream option: {key}", param=f"stream_options.{key}")
-    include = _bool(options, "include_usage", False)
-    continuous = _bool(options, "continuous_usage_stats", False)
+    include = bool_field(options, "include_usage", False)
+    continuous = bool_field(options, "continuous_usage_stats", False)
     return include, continuous
 
 
@@ -146,12 +150,12 @@ def parse_extras(body: dict[str, Any], vocab: int, *, chat: bool = True) -> Extr
     include, continuous = stream_usage(body)
     return Extras(
         sampling=sampling_extensions(body, vocab),
-        n=_int(body, "n", 1, MAX_CHOICES, 1),
-        priority=_int(body, "priority", -(1 << 31), (1 << 31) - 1, 0),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
-        echo=_bool(body, "echo", False) if chat else False,
-        include_stop_str=_bool(body, "include_stop_str_in_output", False),
+        n=int_field(body, "n", 1, MAX_CHOICES, 1),
+        priority=int_field(body, "priority", -(1 << 31), (1 << 31) - 1, 0),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
+        parallel_tool_calls=bool_field(body, "parallel_tool_calls", True),
+        echo=bool_field(body, "echo", False) if chat else False,
+        include_stop_str=bool_field(body, "include_stop_str_in_output", False),
         include_usage=include,
         continuous_usage=continuous,
         truncate_prompt_tokens=_truncation(body),

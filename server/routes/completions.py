@@ -32,7 +32,7 @@ from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
 from server.convert import session_key
 from server.decode import decode_tokens, matched_stop, text_processor
 from server.structured import completion_constraint
-from server.extensions import Extras, parse_extras, truncated
+from server.extensions import Extras, bool_field, int_field, parse_extras, truncated
 from server.fields import check_fields
 from server.request_id import ids as request_ids
 from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest
@@ -76,24 +76,6 @@ def _number(body: dict[str, Any], key: str, low: float, high: float, default: fl
     return float(value)
 
 
-def _integer(body: dict[str, Any], key: str, low: int, high: int, default: int | None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InvalidRequest(f"Invalid {key} value, {key} must be an integer in [{low}, {high}]", param=key)
-    return value
-
-
-def _boolean(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"Invalid type for '{key}': expected a boolean.", param=key)
-    return value
-
-
 def _token_list(value: list[Any], vocab: int) -> list[int]:
     if not value:
         raise InvalidRequest("The prompt must not be empty.", param="prompt")
@@ -132,8 +114,8 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
     if "prompt" not in body:
         raise InvalidRequest("You must provide a prompt parameter.", param="prompt", code="missing_required_parameter")
     extras = parse_extras(body, catalog.vocab_size, chat=False)
-    stream = _boolean(body, "stream")
-    best_of = int(_integer(body, "best_of", 1, MAX_CHOICES, extras.n) or 1)
+    stream = bool_field(body, "stream")
+    best_of = int(int_field(body, "best_of", 1, MAX_CHOICES, extras.n) or 1)
     if best_of < extras.n:
         raise InvalidRequest(f"best_of ({best_of}) must be at least n ({extras.n}).", param="best_of")
     if best_of > extras.n and stream:
@@ -161,12 +143,12 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
         raise InvalidRequest(f"At most {MAX_CHOICES} choices (prompts x best_of) per request.", param="best_of" if best_of > 1 else "n")
     return CompletionParams(
         prompts=prompts,
-        max_tokens=int(_integer(body, "max_tokens", 0, 1 << 30, 16) or 0),
+        max_tokens=int(int_field(body, "max_tokens", 0, 1 << 30, 16) or 0),
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-        seed=_integer(body, "seed", 0, (1 << 63) - 1, None),
-        logprobs=_integer(body, "logprobs", 0, 20, None),
-        echo=_boolean(body, "echo"),
+        seed=int_field(body, "seed", 0, (1 << 63) - 1, None),
+        logprobs=int_field(body, "logprobs", 0, 20, None),
+        echo=bool_field(body, "echo"),
         stop=stops,
         stream=stream,
         n=extras.n,

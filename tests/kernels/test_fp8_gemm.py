@@ -8,14 +8,10 @@ kernel's dequantised math must equal the fp32 reference bit for bit, scale extre
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 from kernels.fp8_gemm import (
     BLOCK,
     FP8,
@@ -30,9 +26,6 @@ from kernels.fp8_gemm import (
     ue8m0_scale,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-ON_GPU = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEV = "cuda" if ON_GPU else "cpu"
 SMALL = not ON_GPU
 # both tilings (and both activation paths) at every size: the streaming one with split K, the tile one
@@ -146,10 +139,4 @@ def test_random_bf16_against_reference(shape, config) -> None:
 def test_fp8_gemm_under_interpreter() -> None:
     """The GPU tests above on CPU through Triton's interpreter (a child pytest: the interpreter is
     chosen when Triton kernels are defined)."""
-    pytest.importorskip("triton")
-    if ON_GPU or INTERPRETED:
-        pytest.skip("the GPU tests run directly here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_gpu_tests_interpreted(__file__)

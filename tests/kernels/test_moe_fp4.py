@@ -7,21 +7,14 @@ so in fp32 the kernel must match the reference up to summation order.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.model.loader import dequantize
+from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 from kernels.moe import moe_experts_reference
 from kernels.moe_fp4 import dequantize_fp4, fp4_grouped_linear, moe_experts_fp4
 
-ROOT = Path(__file__).resolve().parents[2]
-ON_GPU = torch.cuda.is_available()
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEV = "cuda" if ON_GPU else "cpu"
 SMALL = not ON_GPU
 
@@ -83,10 +76,4 @@ def test_moe_experts_fp4(n_tokens) -> None:
 
 def test_moe_fp4_under_interpreter() -> None:
     """The kernel tests above on CPU through Triton's interpreter (a child pytest)."""
-    pytest.importorskip("triton")
-    if ON_GPU or INTERPRETED:
-        pytest.skip("the GPU tests run directly here")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_gpu_tests_interpreted(__file__)

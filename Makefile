@@ -24,7 +24,7 @@ serve: install
 	$(BIN)/deepserve up
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-all: install
 	$(BIN)/python -m pytest -q -m 'not gpu'

@@ -190,8 +190,8 @@ print("ok", worst)
 @pytest.mark.parametrize(
     "lens,steps",
     [
-        # default run: a fresh slot; 7→11 closes CSA (4) and HCA (8) windows; 40→44 wraps the 16-token ring with the indexer selecting
-        ("0,7,40", 4),
+        # default run: a fresh slot; 6→9 closes CSA (4) and HCA (8) windows; 42→45 closes a CSA window past the wrapped 16-token ring, the indexer selecting
+        ("0,6,42", 3),
         pytest.param("0,3,4,7,9,17,40", 6, marks=pytest.mark.slow),  # every boundary case, longer
     ],
 )

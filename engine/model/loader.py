@@ -134,6 +134,24 @@ def _shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def copy_checked(target: torch.Tensor, tensor: torch.Tensor, file: Path, key: str) -> None:
+    """Copy checkpoint tensor ``key`` of ``file`` into a parameter or buffer (cast to its dtype);
+    a shape mismatch is one ``CheckpointError`` naming file and tensor."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor.to(target.dtype))
+
+
+def shard_key_files(files: list[Path]) -> dict[str, Path]:
+    """The shard that holds each tensor key of a checkpoint."""
+    key_file: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            key_file.update({k: file for k in f.keys()})
+    return key_file
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -167,17 +185,10 @@ def load_model(
     def assign(name: str, tensor: torch.Tensor, file: Path) -> None:
         if name not in params:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}")
-        target = params[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+        copy_checked(params[name], tensor, file, name)
         loaded.add(name)
 
-    key_file: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            key_file.update({k: file for k in f.keys()})
+    key_file = shard_key_files(files)
     all_keys = set(key_file)
     scale_keys = {k for k in all_keys if k.endswith(_SCALE_SUFFIXES) and _is_scale_of_some(k, all_keys)}
 

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
-from engine.model.loader import DTYPES, _is_scale_of_some, _scale_name, _shard_files, dequantize
+from engine.model.loader import DTYPES, _is_scale_of_some, _scale_name, _shard_files, copy_checked, dequantize, shard_key_files
 from engine.model.v41.config import V41Config
 from engine.model.v41.engram import NgramHasher
 from engine.model.v41.model import DeepseekV41ForCausalLM
@@ -83,17 +83,10 @@ def load_v41_model(
     def assign(name: str, tensor: torch.Tensor, file: Path, key: str) -> None:
         if name not in params or name in loaded:
             raise CheckpointError(f"{file}: unexpected tensor {key!r}")
-        target = params[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+        copy_checked(params[name], tensor, file, key)
         loaded.add(name)
 
-    key_file: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            key_file.update({k: file for k in f.keys()})
+    key_file = shard_key_files(files)
     all_keys = set(key_file)
     scale_keys = {k for k in all_keys if _is_scale_of_some(k, all_keys)}
     for file in files:

@@ -65,7 +65,7 @@ class KVEventsAnswer(NamedTuple):
 
 def event_from_dict(d: dict[str, Any]) -> TokenEvent:
     """``TokenEvent.from_dict`` with a fast path for the per-token case (no logprobs)."""
-    if "logprobs" in d:
+    if "logprobs" in d or "prompt_logprobs" in d:
         return TokenEvent.from_dict(d)
     return TokenEvent(
         d["request_id"],

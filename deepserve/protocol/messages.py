@@ -78,6 +78,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # vLLM's ``prompt_logprobs``: each prompt token's log probability (the first has none) with
+    # this many best alternatives; None: off. Computed over the whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
@@ -98,6 +101,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError("top_logprobs must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -171,10 +176,21 @@ class GenerateRequest:
 
 @dataclass
 class TokenLogprob:
-    """Log probability of one sampled token and its top alternatives ``[(token_id, logprob)]``."""
+    """Log probability of one sampled token and its top alternatives ``[(token_id, logprob)]``;
+    ``rank``: the token's 1-based rank in the distribution (prompt logprobs; 0 = not computed)."""
 
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 0
+
+    def to_row(self) -> list[Any]:
+        """The wire form of a prompt logprob: ``[logprob, rank, [[token_id, logprob], ...]]``."""
+        return [self.logprob, self.rank, self.top]
+
+    @classmethod
+    def from_row(cls, row: list[Any]) -> TokenLogprob:
+        lp, rank, top = row
+        return cls(float(lp), [(int(t), float(v)) for t, v in top], int(rank))
 
 
 @dataclass
@@ -191,6 +207,9 @@ class TokenEvent:
     worker_id: str | None = None
     # on the finishing event: seconds spent queued, to the first token, end to end, in the engine
     timing: dict[str, float] | None = None
+    # on the first token's event, when ``sampling.prompt_logprobs`` asked: one entry per prompt
+    # token, the first None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -212,11 +231,14 @@ class TokenEvent:
             d["worker_id"] = self.worker_id
         if self.timing is not None:
             d["timing"] = self.timing
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = [None if lp is None else lp.to_row() for lp in self.prompt_logprobs]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TokenEvent:
         lps = d.get("logprobs")
+        plps = d.get("prompt_logprobs")
         return cls(
             request_id=d["request_id"],
             token_ids=list(d.get("token_ids", [])),
@@ -227,6 +249,7 @@ class TokenEvent:
             error=d.get("error"),
             worker_id=d.get("worker_id"),
             timing=d.get("timing"),
+            prompt_logprobs=None if plps is None else [None if r is None else TokenLogprob.from_row(r) for r in plps],
         )
 
 

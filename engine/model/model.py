@@ -147,13 +147,16 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(
         self,
         chunks: Sequence[tuple[SequenceState, Sequence[int]]],
-        logits: Literal["last", "all", "hidden"] = "last",
+        logits: Literal["last", "all", "hidden", "hidden_all", "streams"] = "last",
     ) -> torch.Tensor:
         """Run every chunk's new tokens through the model, updating each state.
 
         Returns float32 logits: ``(B, V)`` of each chunk's last token, or ``(N, V)`` of every
         token (chunks concatenated in order) with ``logits="all"``; with ``logits="hidden"`` the
-        last tokens' final hidden states ``(B, H)``, for ``self.head`` (``logits``/``argmax``).
+        last tokens' final hidden states ``(B, H)``, for ``self.head`` (``logits``/``argmax``),
+        with ``"hidden_all"`` every token's ``(N, H)`` (prompt logprobs, scored in slices); with
+        ``"streams"`` every token's final residual streams ``(N, hc, H)`` before the hyper-head
+        (the MTP layer's input; ``final_hidden`` turns rows of them into the head's input).
         """
         device = self.device
         cfg = self.config
@@ -183,11 +186,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         for state, new_ids in chunks:
             state.num_tokens += len(new_ids)
             state.token_ids.extend(new_ids)
-        if logits != "all" and len(chunks) == 1:
+        if logits == "streams":  # every token's final residual streams (N, hc, H): the MTP layer's input
+            return streams
+        every = logits in ("all", "hidden_all")
+        if not every and len(chunks) == 1:
             streams = streams[n - 1 :]  # a view: no index copy
-        elif logits != "all":
+        elif not every:
             # non_blocking: a blocking copy would wait for every layer's kernels before the head's
             # small kernels are queued (~1 ms of idle GPU at the end of an 8K prefill, run 9)
             streams = streams[torch.tensor([b - 1 for _, _, b in seq_slices]).to(device, non_blocking=True)]
-        hidden = self.model.norm(self.model.hc_head(streams))  # (B or N, H)
-        return hidden if logits == "hidden" else self.head.logits(hidden)
+        hidden = self.final_hidden(streams)  # (B or N, H)
+        return hidden if logits in ("hidden", "hidden_all") else self.head.logits(hidden)
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The head's input ``(N, H)`` from final streams ``(N, hc, H)``: the hyper-head, then the norm."""
+        return self.model.norm(self.model.hc_head(streams))

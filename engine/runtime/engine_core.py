@@ -14,16 +14,18 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
 from engine.errors import InvalidRequestError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
+from engine.model.state import SequenceState
 from deepserve.protocol import GenerateRequest, TokenEvent
 from engine.runtime.config import EngineConfig
 from engine.runtime.metrics import EngineMetrics
+from engine.runtime.prompt_logprobs import record as record_prompt_logprobs
 from engine.runtime.scheduler import Scheduler, SchedulerOutput
 from engine.runtime.sequence import Sequence
 from engine.runtime.state_pool import StatePool
@@ -114,6 +116,8 @@ class EngineCore:
             seq = Sequence(req, self.sampler.new_state(req.sampling, req.prompt_token_ids, req.output_token_ids), tokens, len(req.prompt_token_ids))
             if self._done_at_start(seq):
                 return
+        if req.sampling.prompt_logprobs is not None and not req.output_token_ids:
+            seq.prompt_logprobs = [None] * seq.num_prompt
         self.seqs[req.request_id] = seq
         self.scheduler.add(seq)
         if self.metrics:
@@ -211,6 +215,10 @@ class EngineCore:
         for seq in self.scheduler.waiting:
             if seq.kv_checked or seq.kv_load is not None:
                 continue
+            if seq.prompt_logprobs is not None:  # every prompt position must run to be scored: no hit
+                seq.kv_checked = True
+                seq.snapshot_at = self.kv.snapshot_stop(seq)
+                continue
             seq.kv_load = self._kv_pool.submit(self.kv.restore, seq, self.model)
             self._kv_loading.add(seq.kv_load)
         for seq in self.scheduler.waiting:
@@ -245,17 +253,34 @@ class EngineCore:
                 seq.state = self.model.new_state()
             general.append(i)
             chunks.append((seq.state, seq.tokens[seq.num_computed : seq.num_computed + n]))
+        seqs = [out.scheduled[i][0] for i in general]
         if not static:
-            return HeadRows(self.model.head, self.model(chunks, logits="hidden"))  # (B, H)
+            return HeadRows(self.model.head, self._forward(seqs, chunks, "hidden"))  # (B, H)
         assert self.static is not None
         slotted = self.static.step([out.scheduled[i][0] for i in static])  # logits or hidden states
         hidden = self.static.output == "hidden"
         if general:
             rows = slotted.new_empty(len(out.scheduled), slotted.shape[1])
             rows[static] = slotted
-            rows[general] = self.model(chunks, logits="hidden" if hidden else "last")
+            rows[general] = self._forward(seqs, chunks, "hidden" if hidden else "last")
             slotted = rows
         return HeadRows(self.model.head, slotted) if hidden else slotted
+
+    def _forward(self, seqs: list[Sequence], chunks: list[tuple[SequenceState, list[int]]], logits: Literal["hidden", "last"]) -> torch.Tensor:
+        """The general path's model call: each chunk's last hidden state ``(B, H)`` or logits
+        ``(B, V)``; chunks that score prompt tokens get every row's hidden state, scored here."""
+        scoring = [k for k, seq in enumerate(seqs) if seq.prompt_logprobs is not None and seq.num_computed + 1 < seq.num_prompt]
+        if not scoring:
+            return self.model(chunks, logits=logits)
+        every = self.model(chunks, logits="hidden_all")  # (N, H)
+        ends = torch.tensor([len(ids) for _, ids in chunks]).cumsum(0)  # (B,)
+        for k in scoring:
+            seq, a = seqs[k], int(ends[k]) - len(chunks[k][1])
+            assert seq.prompt_logprobs is not None
+            top = seq.request.sampling.prompt_logprobs or 0
+            record_prompt_logprobs(seq.prompt_logprobs, seq.tokens, seq.num_computed, every[a : int(ends[k])], self.model.head, top)
+        last = every[(ends - 1).to(every.device)]  # (B, H)
+        return last if logits == "hidden" else self.model.head.logits(last)
 
     def _make_output(self, out: SchedulerOutput, result: HeadRows | torch.Tensor) -> list[TokenEvent]:
         rows, ready = [], []
@@ -286,6 +311,7 @@ class EngineCore:
                 seq.first_token = now
                 ev.num_prompt_tokens = seq.num_prompt
                 ev.num_cached_tokens = seq.num_cached
+                ev.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
             seq.last_token = now
             if reason is not None:
                 ev.finish_reason = reason

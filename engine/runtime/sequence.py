@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.model.state import SequenceState
-from deepserve.protocol import GenerateRequest
+from deepserve.protocol import GenerateRequest, TokenLogprob
 from engine.sampling import SamplingState
 
 
@@ -47,6 +47,9 @@ class Sequence:
     grammar_deadline: float = 0.0  # monotonic time by which the grammar must be ready
     snapshot_at: int | None = None  # a prefill chunk must end here (the prompt's last whole unit)
     saved_upto: int = 0  # tokens whose units are already in the KV store
+    # one slot per prompt token while ``sampling.prompt_logprobs`` asks and the first token is not
+    # out yet (``engine/runtime/prompt_logprobs.py``); handed to that token's event, then None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def request_id(self) -> str:

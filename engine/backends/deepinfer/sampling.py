@@ -2,8 +2,8 @@
 
 DeepInfer 0.1.0's ``SamplingParams(temperature, top_p, top_k, ignore_eos, max_tokens, logprobs,
 prompt_logprobs, top_logprobs, first_n_token_no_eos, eos_id, so_args, golden_token_ids,
-seq_seed)`` has no min_p, no penalties, no stop_token_ids, no min_tokens and no logit_bias: a
-request that sets any of them is refused (``UnsupportedSampling``, a 400 naming them) rather
+seq_seed)`` has no min_p, no penalties, no stop_token_ids, no min_tokens and no logit_bias (its
+``prompt_logprobs`` output is not read back here): a request that sets any of them is refused (``UnsupportedSampling``, a 400 naming them) rather
 than served differently from what it asked. Mapped: ``seed`` → ``seq_seed`` (uint64; None lets
 DeepInfer draw one), ``top_k`` 0 → -1 (its "off"), ``constraint`` → ``so_args`` (``schema_type``
 regex / json / ebnf, the JSON schema as a string, ``trigger_token_ids``: DeepInfer takes one
@@ -55,7 +55,10 @@ class DeepInferSampling:
 
 
 _DEFAULTS = SamplingParams()  # each field's "off" value; a request setting another is refused
-_UNSUPPORTED = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens", "logit_bias")
+_UNSUPPORTED = (
+    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens", "logit_bias",
+    "prompt_logprobs",  # DeepInfer's own prompt_logprobs output is not read back by this backend
+)
 _SCHEMA_TYPES = {"json": "json", "regex": "regex", "ebnf": "ebnf"}
 
 

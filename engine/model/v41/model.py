@@ -100,13 +100,14 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, chunks: Sequence[tuple[V41SequenceState, Sequence[int]]], logits: Literal["last", "all", "hidden"] = "last",
+        self, chunks: Sequence[tuple[V41SequenceState, Sequence[int]]],
+        logits: Literal["last", "all", "hidden", "hidden_all"] = "last",
     ) -> torch.Tensor:  # fmt: skip
         """Run every chunk's new tokens through the model, updating each state.
 
         Returns float32 logits ``(B, V)`` of each chunk's last token, ``(N, V)`` of every token
         with ``logits="all"``, or the last tokens' final hidden states ``(B, H)`` with
-        ``logits="hidden"`` (for ``self.head``).
+        ``logits="hidden"`` (for ``self.head``), every token's ``(N, H)`` with ``"hidden_all"``.
         """
         cfg, device = self.config, self.device
         spans, n = [], 0
@@ -136,8 +137,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             state.token_ids.extend(ids)
             if self.hasher is not None:
                 state.engram = self.hasher.history(state.token_ids)
-        if logits != "all":
+        if logits not in ("all", "hidden_all"):
             last = torch.tensor([b - 1 for _, b in spans], device=device)
             streams, pre = streams[last], pre[last]
         hidden = self.model.norm(collapse(pre, streams))  # (B or N, H)
-        return hidden if logits == "hidden" else self.head.logits(hidden)
+        return hidden if logits in ("hidden", "hidden_all") else self.head.logits(hidden)

@@ -23,7 +23,7 @@ DEFAULT_VOCAB_SIZE = 129280
 # deepseek-recipe's canonical request names per family (its default model table).
 CANONICAL_NAMES: dict[ModelFamily, str] = {"v4": "DeepSeek-V4-Pro", "v4.1": "DeepSeek-V4.1-Flash"}
 VERSIONS: dict[ModelFamily, Any] = {"v4": dr.ModelVersion.DeepseekV4Pro, "v4.1": dr.ModelVersion.DeepseekV41Flash}
-MODEL_TYPES: dict[str, ModelFamily] = {"deepseek_v4": "v4", "deepseek_v41": "v4.1"}
+MODEL_TYPES: dict[str, ModelFamily] = {"deepseek_v4": "v4", "deepseek_v41": "v4.1", "deepseek_v41_text": "v4.1"}
 
 
 def package_tokenizer_path() -> Path:

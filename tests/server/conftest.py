@@ -112,9 +112,9 @@ class LiveStack:
         self.url, self.proc = url, proc
 
 
-@pytest.fixture(scope="session")
-def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
-    """`deepserve up` as a subprocess on a free port; waits for /health; terminates at teardown."""
+@contextlib.contextmanager
+def run_up(args: list[str], log_dir: Any) -> Iterator[LiveStack]:
+    """`deepserve up ARGS` as a subprocess on a free port; waits for /health; terminates at exit."""
     import os
     import signal
     import subprocess
@@ -122,19 +122,9 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
 
     import httpx
 
-    reason = engine_missing_reason()
-    if reason:
-        pytest.skip(reason)
-    keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text(f"{E2E_KEY}\n{E2E_LIMITED_KEY} rpm=2\n")
     port = free_port()
-    log = open(tmp_path_factory.mktemp("up") / "up.log", "w+b")
-    cmd = [
-        sys.executable, "-m", "deepserve.cli", "up", "--port", str(port), "--api-keys-file", str(keys),
-        "--max-model-len", str(E2E_CONTEXT), "--max-body-bytes", str(E2E_MAX_BODY),
-        "--max-concurrent-requests", str(E2E_MAX_CONCURRENT), "--max-queued-requests", "0",
-        "--log-level", "warning",
-    ]
+    log = open(log_dir / "up.log", "w+b")
+    cmd = [sys.executable, "-m", "deepserve.cli", "up", "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + float(os.environ.get("DEEPSERVE_E2E_STARTUP_S", "900"))
@@ -161,3 +151,19 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+    """The default embedded stack (tiny V4 checkpoint made by `deepserve up`) with API keys and limits."""
+    reason = engine_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text(f"{E2E_KEY}\n{E2E_LIMITED_KEY} rpm=2\n")
+    args = [
+        "--api-keys-file", str(keys), "--max-model-len", str(E2E_CONTEXT), "--max-body-bytes", str(E2E_MAX_BODY),
+        "--max-concurrent-requests", str(E2E_MAX_CONCURRENT), "--max-queued-requests", "0",
+    ]
+    with run_up(args, tmp_path_factory.mktemp("up")) as stack:
+        yield stack

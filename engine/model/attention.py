@@ -82,6 +82,8 @@ class Compressor(nn.Module):
         """Append the rows of every window closed by the new tokens' ``kv, gate (S, proj)``.
         ``fast`` (the Triton prefill path): pooling, norm and RoPE in two kernels (``_rows_fast``)."""
         r = self.rate
+        if st.journal is not None:
+            st.journal.append((kv, gate))
         done = st.rows.shape[0] if st.windows is None else st.windows
         first_pos = done * r
         if st.buf_kv.shape[0] or not fast:  # fast: no copy of the projections when nothing is buffered

@@ -33,6 +33,9 @@ class CompressorState:
     # from KV blocks without a snapshot) recomputes windows whose rows are already present;
     # those are not appended again. ``None`` = ``len(rows)`` (the normal case).
     windows: int | None = None
+    # While a speculative verify runs: the ``(kv, gate)`` projections of each ``update`` call, so a
+    # rewind can replay the accepted tokens' share (``engine/model/rewind.py``); None otherwise.
+    journal: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def nbytes(self) -> int:
         tensors = [self.rows, self.buf_kv, self.buf_gate, self.overlap_kv, self.overlap_gate]

@@ -2,7 +2,8 @@
 
 ``text_processor`` is the processor ``/v1/completions`` streams through (no thinking, no tool
 parsing, the client's stop strings); ``decode_tokens`` the text and per-token strings of ids
-(``/detokenize``, echo, ``token_strs``); ``matched_stop`` which stop string ended an answer, for
+(``/detokenize``, echo, ``token_strs``), ``scored_entries`` the same with each token's logprob and
+its alternatives' strings (prompt logprobs); ``matched_stop`` which stop string ended an answer, for
 ``include_stop_str_in_output`` (the processor drops the string it matched).
 """
 
@@ -24,18 +25,26 @@ def text_processor(catalog: ModelCatalog, stop: list[str], rid: str) -> Any:
 
 def decode_tokens(catalog: ModelCatalog, ids: list[int]) -> tuple[str, list[str]]:
     """(text, one string per token) of ``ids``."""
+    text, entries = scored_entries(catalog, ids, [(0.0, ())] * len(ids))
+    return text, [e["token"] for e in entries]
+
+
+def scored_entries(catalog: ModelCatalog, ids: list[int], scores: list[tuple[float, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """(text, one Chat Completions logprobs entry per token) of ``ids`` with ``scores[i]`` =
+    (logprob, [(token id, logprob), ...] alternatives): each entry has ``token``, ``logprob`` and
+    ``top_logprobs`` (``[{token, logprob, bytes}]``, the alternatives' strings in their order);
+    ids that end inside a UTF-8 character get no entry."""
     proc = text_processor(catalog, [], "decode")
     chunks = proc.push(dr.InferenceChunk.ready())
-    chunks += proc.push(dr.InferenceChunk.tokens(ids, [(0.0, ())] * len(ids)))
+    chunks += proc.push(dr.InferenceChunk.tokens(ids, scores))
     chunks += proc.finish()
     text: list[str] = []
-    tokens: list[str] = []
+    entries: list[dict[str, Any]] = []
     for c in chunks:
         choice = json.loads(c.to_json())["choices"][0]
         text.append(choice["delta"].get("content") or "")
-        for entry in (choice.get("logprobs") or {}).get("content") or ():
-            tokens.append(entry["token"])
-    return "".join(text), tokens
+        entries += (choice.get("logprobs") or {}).get("content") or ()
+    return "".join(text), entries
 
 
 def matched_stop(catalog: ModelCatalog, stops: list[str], ids: list[int], before: int) -> str:

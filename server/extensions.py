@@ -1,7 +1,8 @@
 """Request fields deepseek-recipe does not read, validated into what the gateway and engine use.
 
 Sampling extensions (vLLM / SGLang / OpenAI) become ``SamplingParams`` keywords: ``top_k``,
-``min_p``, the three penalties, ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``.
+``min_p``, the three penalties, ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``prompt_logprobs`` (rendered by ``server.prompt_logprobs``).
 Gateway-side settings: ``n`` choices, ``priority``, ``skip_special_tokens``, ``parallel_tool_calls``,
 chat ``echo``, ``truncate_prompt_tokens`` and the ``stream_options`` usage switches. Every bad value is a 400 naming the field.
 """
@@ -19,6 +20,7 @@ _D = TypeVar("_D", bound="int | None")
 MAX_CHOICES = 128  # n (or best_of) per prompt
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt token, as vLLM's default max_logprobs
 
 # body key -> (low, high); inclusive bounds.
 _FLOATS: dict[str, tuple[float, float]] = {
@@ -125,7 +127,26 @@ def sampling_extensions(body: dict[str, Any], vocab: int) -> dict[str, Any]:
         out["stop_token_ids"] = tuple(_token_id(t, vocab, "stop_token_ids") for t in stop_ids)
     if bool_field(body, "ignore_eos", False):
         out["ignore_eos"] = True
+    prompt_logprobs = _prompt_logprobs(body)
+    if prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
     return out
+
+
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's ``prompt_logprobs`` count (an int; ``true`` reads as 1 and ``false`` as off, as
+    vLLM's lax parsing has it); refused with ``stream``, as vLLM refuses it."""
+    value = body.get("prompt_logprobs")
+    if value is None or value is False:
+        return None
+    value = 1 if value is True else value
+    if not isinstance(value, int) or not 0 <= value <= MAX_PROMPT_LOGPROBS:
+        raise InvalidRequest(
+            f"Invalid prompt_logprobs value, prompt_logprobs must be an integer in [0, {MAX_PROMPT_LOGPROBS}]", param="prompt_logprobs"
+        )
+    if body.get("stream") is True:
+        raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+    return value
 
 
 def stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -43,6 +43,7 @@ SAMPLING: Table = {
     "include_stop_str_in_output": "vLLM: the matched stop string stays at the end of the text",
     "priority": "vLLM: scheduling priority, lower first (router and engine queues)",
     "truncate_prompt_tokens": "vLLM: only the last k prompt tokens are used (-1: the context length)",
+    "prompt_logprobs": "vLLM: 0-20 (true: 1): per prompt token its logprob and rank and the k best, the first null (chat: on the answer, completions: on each choice; not with stream; the whole prompt is computed: no prefix-cache hit)",
     "stream": "server-sent events",
     "stream_options": "include_usage (final chunk with choices: [] and usage), continuous_usage_stats (usage on every chunk)",
     "stop": "up to 16 stop strings, matched across token boundaries",
@@ -64,7 +65,6 @@ STRUCTURED: Table = {
 VLLM_OFF: OffValues = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
-    "prompt_logprobs": (0,),
     "spaces_between_special_tokens": (True,),
     "allowed_token_ids": (),
     "bad_words": ((), []),
@@ -124,9 +124,9 @@ CHAT_OFF: OffValues = {
 COMPLETIONS: Table = {
     "model": "a served model name",
     "prompt": "a text, a list of texts, a token-id list, or a list of token-id lists (one choice each)",
-    "max_tokens": "output token limit (default 16); 0 with echo returns the prompt only",
+    "max_tokens": "output token limit (default 16); 0 with echo returns the prompt only (scored when logprobs or prompt_logprobs ask)",
     "logprobs": "0-20: legacy logprobs (tokens, token_logprobs, top_logprobs, text_offset)",
-    "echo": "the prompt is prepended to each choice",
+    "echo": "the prompt is prepended to each choice; with logprobs its tokens come scored (the first null)",
     "best_of": "best_of candidates per prompt, the n with the highest summed logprob returned (not with stream)",
     "add_special_tokens": "vLLM: false sends text prompts without the BOS token",
     **SAMPLING,

@@ -10,6 +10,7 @@ cannot await).
 
 Event -> processor mapping:
 - first event: ``ready(PromptUsage(prompt_tokens, prompt_cache_hit_tokens=num_cached_tokens))``;
+  its ``prompt_logprobs`` (when the request asked) kept on the run for the answer;
 - tokens: ``tokens(ids, [(logprob, top)])``; a trailing EOS of a ``stop`` finish is dropped (the
   processor would render it as text), and so are the ``skip_ids`` (the special tokens, unless the
   client sent ``skip_special_tokens: false``; they still count as completion tokens);
@@ -30,7 +31,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import deepseek_recipe as dr
 
-from deepserve.protocol import GenerateRequest, TokenEvent
+from deepserve.protocol import GenerateRequest, TokenEvent, TokenLogprob
 from server.errors import EngineFailed, EngineTimeout, GatewayError, Overloaded, engine_failed, translate
 from server.metrics import _RouteMetrics
 from server.state import Gateway
@@ -66,6 +67,7 @@ class Run:
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.logprob_sum = 0.0  # of the sampled tokens, when the request computes logprobs (best_of)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # from the first event, when asked
         self.first_token_at: float | None = None
         self.engine_started = False  # generate() was called: an abort may be needed
         self.engine_done = False  # the engine reported the end (or we aborted it)
@@ -109,6 +111,7 @@ class Run:
                     if ev.num_prompt_tokens:
                         self.prompt_tokens = ev.num_prompt_tokens
                     self.cached_tokens = min(ev.num_cached_tokens, self.prompt_tokens)
+                    self.prompt_logprobs = ev.prompt_logprobs
                     usage = dr.PromptUsage(prompt_tokens=self.prompt_tokens, prompt_cache_hit_tokens=self.cached_tokens)
                     out = push(dr.InferenceChunk.ready(prompt_usage=usage))
                 if ev.error is not None or ev.finish_reason in ("abort", "error"):

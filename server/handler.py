@@ -29,6 +29,7 @@ from server.errors import GatewayError, InvalidRequest, ModelNotFound, from_conv
 from server.extensions import parse_extras, truncated
 from server.fields import check_fields
 from server.generation import ClientDisconnected, Run, race_disconnect
+from server.prompt_logprobs import with_chat_prompt_logprobs
 from server.request_id import ids
 from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
@@ -263,7 +264,8 @@ async def _complete(request: Request, answer: Answer) -> Response:
         texts = [r.to_json() for r in resps]
         if answer.shaper is None:
             return texts[0]
-        return merge_answers(texts, answer.shaper.extras, answer.echo, [answer.stop_text(i) for i in range(len(runs))])
+        text = merge_answers(texts, answer.shaper.extras, answer.echo, [answer.stop_text(i) for i in range(len(runs))])
+        return with_chat_prompt_logprobs(text, runs[0].gw.catalog, runs[0])
 
     text = await race_disconnect(collect(), request.receive, min(r.deadline for r in runs))
     return Response(text, media_type="application/json")

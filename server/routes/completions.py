@@ -8,8 +8,12 @@ candidates per prompt, of which the ``n`` with the highest summed logprob are re
 ``stream``); usage counts each prompt once and every candidate's completion. ``suffix`` is refused
 (400); the sampling extensions are ``server.extensions``'s.
 ``logprobs: k`` returns the legacy format (``tokens``, ``token_logprobs``, ``top_logprobs``,
-``text_offset``); with ``echo`` the prompt tokens appear with ``null`` log probabilities (the
-engine computes none for prompts). ``max_tokens: 0`` with ``echo`` answers the prompt only.
+``text_offset``); with ``echo`` the prompt tokens come first with their log probabilities (the
+first null, as OpenAI has it; the engine scores the whole prompt, ``server.prompt_logprobs``) and
+vLLM's ``prompt_logprobs: k`` adds each choice's ``prompt_logprobs``. ``max_tokens: 0`` with
+``echo`` answers the prompt only (scored by a one-token engine run whose token is dropped when
+log probabilities are asked; no engine run otherwise). The echoed prompt is a choice's first
+delta, sent once its run's first event brought the prompt's scores.
 
 Decoding and stop strings reuse deepseek-recipe's ``StreamProcessor`` in plain-text mode (no
 thinking, no tool parsing): it decodes incrementally, matches ``stop`` strings across token
@@ -35,10 +39,11 @@ from server.structured import completion_constraint
 from server.extensions import Extras, bool_field, int_field, parse_extras, truncated
 from server.fields import check_fields
 from server.request_id import ids as request_ids
-from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest
+from server.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
 from server.generation import ClientDisconnected, Run, race_disconnect
 from server.handler import SSEResponse, check_model, parse_object, stream_error
 from server.model import ModelCatalog
+from server.prompt_logprobs import legacy_echo, of_run
 from server.schemas import COMPLETIONS, ERROR_RESPONSES, json_body
 from server.sse import DONE
 from server.state import Gateway
@@ -171,14 +176,17 @@ class Choice:
     text_offset: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def add_echo(self, text: str, tokens: list[str]) -> dict[str, Any]:
+    def add_echo(
+        self, text: str, tokens: list[str], logprobs: list[float | None], tops: list[dict[str, float] | None]
+    ) -> dict[str, Any]:
+        """The echoed prompt as the first delta: its text and, with logprobs, its tokens."""
         delta = self._delta()
         self.text.append(text)
         if self.want_logprobs:
-            for tok in tokens:
+            for tok, lp, top in zip(tokens, logprobs, tops):
                 self.tokens.append(tok)
-                self.token_logprobs.append(None)
-                self.top_logprobs.append(None)
+                self.token_logprobs.append(lp)
+                self.top_logprobs.append(top)
                 self.text_offset.append(self.offset)
                 self.offset += len(tok)
         self.offset = len(text)
@@ -232,12 +240,15 @@ class Choice:
 
 @dataclass
 class Sub:
-    """One candidate of one prompt: its choice, and its engine run (None when max_tokens is 0)."""
+    """One candidate of one prompt: its choice, and its engine run (None when max_tokens is 0
+    and nothing scores the prompt; ``score_only``: max_tokens 0, the run only scores it)."""
 
     choice: Choice
     run: Run | None
     prompt_tokens: int
     prompt_index: int = 0
+    score_only: bool = False
+    echoed: bool = False  # the echo head was made (or echo is off)
 
     @property
     def cached_tokens(self) -> int:
@@ -245,7 +256,7 @@ class Sub:
 
     @property
     def completion_tokens(self) -> int:
-        return self.run.completion_tokens if self.run else 0
+        return self.run.completion_tokens if self.run and not self.score_only else 0
 
 
 def usage(subs: list[Sub]) -> dict[str, Any]:
@@ -306,7 +317,9 @@ async def create_completion(request: Request) -> Response:
                 param="prompt",
             )
         for j in range(p.best_of):
-            greq = None if p.max_tokens == 0 else _generate_request(f"{engine_rid}-{len(requests)}", ids, p, j, catalog, body, constraint)
+            greq = None if p.max_tokens == 0 and not _scores_prompt(p) else _generate_request(
+                f"{engine_rid}-{len(requests)}", ids, p, j, catalog, body, constraint
+            )
             requests.append((k, greq))
 
     subs: list[Sub] = []
@@ -323,8 +336,8 @@ async def create_completion(request: Request) -> Response:
                 proc = text_processor(catalog, p.stop, greq.request_id)
                 proc.push(dr.InferenceChunk.ready())
                 run = Run(gw, route, key, greq, proc, started=started, skip_ids=skip, keep_ids=p.extras.include_stop_str)
-            subs.append(Sub(Choice(len(subs), p.logprobs is not None), run, len(p.prompts[k][0]), k))
-        heads = [_echo(s, p, catalog) for s in subs]
+            subs.append(Sub(Choice(len(subs), p.logprobs is not None), run, len(p.prompts[k][0]), k, score_only=p.max_tokens == 0))
+        heads = [_echo(s, p, catalog) for s in subs if s.run is None]  # the others' come with their first event
         if p.stream:
             response = await _stream(request, gw, subs, heads, p, rid, model)
         else:
@@ -340,18 +353,26 @@ async def create_completion(request: Request) -> Response:
                     s.run.close()
 
 
+def _scores_prompt(p: CompletionParams) -> bool:
+    """Whether the engine must score the prompt: ``prompt_logprobs``, or ``echo`` with ``logprobs``."""
+    return "prompt_logprobs" in p.extras.sampling or (p.echo and p.logprobs is not None)
+
+
 def _generate_request(
     request_id: str, ids: list[int], p: CompletionParams, j: int, catalog: ModelCatalog, body: dict[str, Any],
     constraint: OutputConstraint | None,
 ) -> GenerateRequest:
-    """Candidate ``j`` of a prompt: seed + j when seeded; logprobs computed when best_of ranks."""
+    """Candidate ``j`` of a prompt: seed + j when seeded; logprobs computed when best_of ranks;
+    the prompt scored with the alternatives ``prompt_logprobs`` and an echo's ``logprobs`` ask."""
     extra = dict(p.extras.sampling)
     if extra.get("min_tokens", 0) > p.max_tokens:
         raise InvalidRequest(f"min_tokens ({extra['min_tokens']}) must be at most max_tokens ({p.max_tokens}).", param="min_tokens")
     eos = () if extra.get("ignore_eos") else (catalog.eos_token_id,)
     extra["stop_token_ids"] = eos + tuple(extra.get("stop_token_ids", ()))
+    if p.echo and p.logprobs is not None:
+        extra["prompt_logprobs"] = max(p.logprobs, extra.get("prompt_logprobs", 0))
     sampling = SamplingParams(
-        max_tokens=p.max_tokens,
+        max_tokens=max(1, p.max_tokens),  # 0: a one-token run that only scores the prompt
         temperature=p.temperature,
         top_p=max(1e-6, p.top_p),
         seed=None if p.seed is None else (p.seed + j) % (1 << 63),
@@ -366,18 +387,38 @@ def _generate_request(
 
 
 def _echo(sub: Sub, p: CompletionParams, catalog: ModelCatalog) -> dict[str, Any] | None:
-    """The echoed prompt as the choice's first delta (None without ``echo``)."""
+    """The echoed prompt as the choice's first delta (None without ``echo``); with ``logprobs``
+    the prompt's scores come from the run's first event."""
+    sub.echoed = True
+    if sub.run is None or sub.score_only:
+        sub.choice.finish_reason = "length"
     if not p.echo:
-        if sub.run is None:
-            sub.choice.finish_reason = "length"
         return None
     ids, text = p.prompts[sub.prompt_index]
-    decoded, tokens = decode_tokens(catalog, ids) if (text is None or p.logprobs is not None) else ("", [])
-    if text is not None and catalog.bos_token_id is not None and ids and ids[0] == catalog.bos_token_id:
-        tokens = tokens[1:]  # the BOS we prepended is not part of the client's text
-    if sub.run is None:
-        sub.choice.finish_reason = "length"
-    return sub.choice.add_echo(decoded if text is None else text, tokens)
+    skip = int(text is not None and catalog.bos_token_id is not None and bool(ids) and ids[0] == catalog.bos_token_id)
+    if p.logprobs is not None and sub.run is not None:
+        if sub.run.prompt_logprobs is None:
+            raise EngineFailed("The engine returned no prompt logprobs.")
+        tokens, logprobs, tops = legacy_echo(catalog, ids, sub.run.prompt_logprobs, p.logprobs, skip)
+        decoded = "".join(tokens) if text is None else text
+    else:
+        decoded, tokens = decode_tokens(catalog, ids) if (text is None or p.logprobs is not None) else ("", [])
+        tokens = tokens[skip:]  # the BOS we prepended is not part of the client's text
+        logprobs, tops = [None] * len(tokens), [None] * len(tokens)
+    return sub.choice.add_echo(decoded if text is None else text, tokens, logprobs, tops)
+
+
+def _deltas(sub: Sub, chunks: list[Any], p: CompletionParams, catalog: ModelCatalog) -> list[dict[str, Any]]:
+    """The deltas one batch of a run's chunks gives: the echo head first (once, at its first
+    event), then the batch's own (none for a run that only scores the prompt)."""
+    out = []
+    if not sub.echoed:
+        head = _echo(sub, p, catalog)
+        if head is not None:
+            out.append(head)
+    if not sub.score_only:
+        out.append(_with_stop(sub, sub.choice.feed(chunks), p, catalog))
+    return out
 
 
 def _chunk(
@@ -400,13 +441,22 @@ def _with_stop(sub: Sub, delta: dict[str, Any], p: CompletionParams, catalog: Mo
     return delta
 
 
+def _full(sub: Sub, p: CompletionParams, catalog: ModelCatalog) -> dict[str, Any]:
+    """A whole choice; with ``prompt_logprobs``, vLLM's per-choice ``prompt_logprobs`` too."""
+    choice = sub.choice.full()
+    top = p.extras.sampling.get("prompt_logprobs")
+    if top is not None and sub.run is not None:
+        choice["prompt_logprobs"] = of_run(catalog, sub.run, top)
+    return choice
+
+
 async def _complete(
     request: Request, subs: list[Sub], p: CompletionParams, rid: str, model: str, catalog: ModelCatalog
 ) -> Response:
     async def one(sub: Sub) -> None:
         if sub.run is not None:
             async for chunks in sub.run.chunks():
-                _with_stop(sub, sub.choice.feed(chunks), p, catalog)
+                _deltas(sub, chunks, p, catalog)
 
     deadline = min((s.run.deadline for s in subs if s.run), default=time.perf_counter() + 600)
     await race_disconnect(asyncio.gather(*(one(s) for s in subs)), request.receive, deadline)
@@ -415,7 +465,7 @@ async def _complete(
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [s.choice.full() for s in (best_of(subs, p.n) if p.best_of > p.n else subs)],
+        "choices": [_full(s, p, catalog) for s in (best_of(subs, p.n) if p.best_of > p.n else subs)],
         "usage": usage(subs),
     }
     return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
@@ -432,7 +482,8 @@ async def _stream(
         assert sub.run is not None
         try:
             async for chunks in sub.run.chunks():
-                await queue.put((sub, _with_stop(sub, sub.choice.feed(chunks), p, gw.catalog), None))
+                for delta in _deltas(sub, chunks, p, gw.catalog):
+                    await queue.put((sub, delta, None))
         except GatewayError as exc:
             await queue.put((sub, None, exc))
             return

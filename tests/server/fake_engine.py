@@ -3,7 +3,8 @@
 ``FakeEngine`` satisfies ``server.engine_client.EngineClient`` in-process. It answers each
 request with a scripted token sequence (by default the tokens of "Hello world!" then EOS), one
 token per event after ``delay_s``, honours ``max_tokens`` (finish ``length``), abort (the stream
-ends with finish ``abort``), and reports ``num_cached_tokens`` on its first event. It records
+ends with finish ``abort``), and reports ``num_cached_tokens`` (and scripted ``prompt_logprobs``
+when asked) on its first event. It records
 every request and abort so tests can assert what reached the engine.
 """
 
@@ -81,6 +82,7 @@ class FakeEngine:
                     finish_reason=finish_last if last else None,
                     num_prompt_tokens=len(req.prompt_token_ids) if first else 0,
                     num_cached_tokens=self.cached_tokens if first else 0,
+                    prompt_logprobs=_prompt_logprobs(req) if first else None,
                 )
                 first = False
             self.finished.append(rid)
@@ -93,6 +95,14 @@ class FakeEngine:
 
 def _logprobs(ids: list[int], top: int) -> list[TokenLogprob]:
     return [TokenLogprob(-0.25, [(t, -0.25)] + [(100 + k, -2.0 - k) for k in range(max(0, top - 1))]) for t in ids]
+
+
+def _prompt_logprobs(req: GenerateRequest) -> list[TokenLogprob | None] | None:
+    """Scripted prompt scores when asked: rank 1 at -0.5, the alternatives below it."""
+    top = req.sampling.prompt_logprobs
+    if top is None:
+        return None
+    return [None] + [TokenLogprob(-0.5, [(t, -0.5)] + [(100 + k, -3.0 - k) for k in range(max(0, top - 1))], 1) for t in req.prompt_token_ids[1:]]
 
 
 def text_script(tokenizer: Any, text: str) -> list[int]:

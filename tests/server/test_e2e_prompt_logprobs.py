@@ -1,0 +1,129 @@
+"""Prompt logprobs end to end: the real `openai` SDK against `deepserve up` over loopback (a real
+worker process), every value checked against a direct forward of the same tiny checkpoint.
+
+vLLM's ``prompt_logprobs`` (completions: per choice; chat: on the answer) and OpenAI's legacy
+``echo`` + ``logprobs`` (the first echoed token null), with ``max_tokens: 0`` (scoring only) and
+with the prompt's KV units already cached (the request computes the whole prompt anyway).
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.server.conftest import engine_missing_reason, run_up
+
+pytestmark = pytest.mark.skipif(engine_missing_reason() is not None, reason=engine_missing_reason() or "")
+
+MODEL = "tiny-v4"
+TOL = 2e-4  # fp32 on both sides; chunked prefill vs one forward
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    args = ["--model", str(tiny_model_dir), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
+            "--cache-dir", str(tmp_path_factory.mktemp("cache"))]
+    with run_up(args, tmp_path_factory.mktemp("up")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """``ids -> (N - 1, V)`` log-probabilities of ids[1:] from one forward of the checkpoint."""
+    from engine.model.loader import load_model
+
+    model = load_model(tiny_model_dir, dtype="float32", progress=False)
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        return torch.log_softmax(model([(model.new_state(), ids)], logits="all")[:-1].float(), dim=-1)
+
+    return logprobs
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 100000) for _ in range(n)]
+
+
+def _check_vllm(entries: list, ids: list[int], ref: torch.Tensor, k: int) -> None:
+    """vLLM's shape: None first; then {id: {logprob, rank, decoded_token}}, the prompt token first."""
+    assert len(entries) == len(ids) and entries[0] is None
+    for p, pos in enumerate(entries[1:], start=1):
+        row = ref[p - 1]
+        first, *alts = pos.items()
+        assert int(first[0]) == ids[p]
+        assert abs(first[1]["logprob"] - row[ids[p]].item()) < TOL
+        assert first[1]["rank"] >= 1 and isinstance(first[1]["decoded_token"], str)
+        best = row.topk(k)
+        assert {int(t) for t in pos} == {ids[p], *best.indices.tolist()}
+        for t, v in pos.items():
+            assert abs(v["logprob"] - row[int(t)].item()) < TOL
+
+
+def test_completions_prompt_logprobs_match_a_direct_forward(client, reference) -> None:
+    ids = _ids(40, 1)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 3})
+    _check_vllm(r.choices[0].model_extra["prompt_logprobs"], ids, reference(ids), 3)
+
+
+def test_echo_logprobs_score_the_prompt_with_max_tokens_zero(client, reference) -> None:
+    """OpenAI's loglikelihood idiom: echo + logprobs + max_tokens 0 -> the prompt's tokens and
+    logprobs (the first null), no completion tokens."""
+    ids = _ids(30, 2)
+    ref = reference(ids)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - ref[p - 1][ids[p]].item()) < TOL
+        assert sorted(lp.top_logprobs[p].values(), reverse=True) == pytest.approx(ref[p - 1].topk(2).values.tolist(), abs=TOL)
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+
+
+def test_echo_logprobs_stream_and_text_prompt(client, reference, stack) -> None:
+    """A streamed text prompt: the echo chunk carries the prompt's scores (BOS hidden, first null)."""
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]  # BOS first
+    ref = reference(ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True, logprobs=1, stream=True, temperature=0))
+    head = chunks[0].choices[0]
+    assert head.text == text
+    assert len(head.logprobs.tokens) == len(ids) - 1 and head.logprobs.token_logprobs[0] is None
+    for p in range(2, len(ids)):
+        assert abs(head.logprobs.token_logprobs[p - 1] - ref[p - 1][ids[p]].item()) < TOL
+
+
+def test_chat_prompt_logprobs_are_the_rendered_prompts(client, reference, stack) -> None:
+    messages = [{"role": "user", "content": "Score every token of this prompt."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    entries = r.model_extra["prompt_logprobs"]
+    ids = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    _check_vllm(entries, ids, reference(ids), 0)
+
+
+def test_prefix_cache_hit_does_not_lose_prompt_logprobs(client, reference) -> None:
+    """The prompt's units are cached (a plain repeat hits them); a prompt_logprobs request still
+    scores every token, with no cached tokens."""
+    ids = _ids(300, 3)
+    client.completions.create(model=MODEL, prompt=ids, max_tokens=1)
+    hit = client.completions.create(model=MODEL, prompt=ids, max_tokens=1)
+    assert hit.usage.prompt_tokens_details.cached_tokens >= 256
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    _check_vllm(r.choices[0].model_extra["prompt_logprobs"], ids, reference(ids), 1)
+
+
+@pytest.mark.parametrize("body", [{"prompt_logprobs": 2, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": "2"}])
+def test_bad_prompt_logprobs_are_400_naming_the_field(client, body) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body=body)
+    assert err.value.body["param"] == "prompt_logprobs"

@@ -82,6 +82,9 @@ class SamplingParams:
     # this many best alternatives; None: off. Computed over the whole prompt (no prefix-cache hit).
     prompt_logprobs: int | None = None
     constraint: OutputConstraint | None = None
+    # False: never draft-and-verify this request on an engine with speculative decoding on
+    # (the output is the same either way; this opts out of the extra work per step)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
 from deepserve.protocol import Role
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` keys): ``method`` "mtp" drafts with the
+    checkpoint's own MTP layer, ``num_speculative_tokens`` drafts per step, verified in one forward."""
+
+    method: Literal["mtp"] = "mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method != "mtp":
+            raise ValueError(f"speculative method {self.method!r} is not supported (only 'mtp')")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """From the flag's JSON object, e.g. ``{"method": "mtp", "num_speculative_tokens": 3}``."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
+        if not isinstance(raw, dict) or set(raw) - {"method", "num_speculative_tokens"}:
+            raise ValueError("--speculative-config takes an object with 'method' and 'num_speculative_tokens'")
+        return cls(str(raw.get("method", "mtp")), int(raw.get("num_speculative_tokens", 1)))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -21,6 +48,8 @@ class EngineConfig:
     budget. None (default) = on, falling back to the general path if the pools cannot be built.
     ``grammar_timeout_s``: how long a request waits for its output constraint to compile (off the
     engine thread); past it the request fails as invalid.
+    ``speculative``: speculative decoding with the MTP layer (``engine/runtime/speculative.py``);
+    None = off.
     """
 
     max_num_batched_tokens: int = 2048
@@ -35,6 +64,7 @@ class EngineConfig:
     static_decode: bool | None = None  # decode through slot pools; None = on unless they cannot be built
     static_max_tokens: int = 8192  # tokens per static slot; longer sequences decode on the general path
     grammar_timeout_s: float = 10.0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

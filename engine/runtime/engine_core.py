@@ -22,12 +22,13 @@ from engine.errors import InvalidRequestError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import SequenceState
-from deepserve.protocol import GenerateRequest, TokenEvent
+from deepserve.protocol import FinishReason, GenerateRequest, TokenEvent
 from engine.runtime.config import EngineConfig
 from engine.runtime.metrics import EngineMetrics
 from engine.runtime.prompt_logprobs import record as record_prompt_logprobs
 from engine.runtime.scheduler import Scheduler, SchedulerOutput
 from engine.runtime.sequence import Sequence
+from engine.runtime.speculative import SpecDecoder, SpecResult
 from engine.runtime.state_pool import StatePool
 from engine.runtime.static_runner import StaticRunner
 from engine.sampling import Sampler
@@ -78,6 +79,9 @@ class EngineCore:
         self._pending: list[TokenEvent] = []
         self._kv_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
         self._kv_loading: set[Future] = set()
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:  # raises CheckpointError when the checkpoint has no MTP layer
+            self.spec = SpecDecoder(model, sampler, config.speculative, model.config.unit_tokens if kv is not None else None)
         self.static: StaticRunner | None = None
         if config.static_decode is not False:  # None (default): on, CUDA graphs on GPU, host slots on CPU
             try:
@@ -199,11 +203,15 @@ class EngineCore:
             if (self.kv is not None and self._kv_loading) or compiling:
                 wait(self._kv_loading | set(compiling), timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
             return events
+        self._note_scheduled(out)
         t0 = time.perf_counter()
-        result = self._run(out)
+        plain, spec = self._split(out)
+        if spec:
+            events.extend(self._spec_output(spec, self.spec.step(spec)))  # type: ignore[union-attr]
+        if plain.scheduled:
+            events.extend(self._make_output(plain, self._run(plain)))
         if self.kv is not None and out.num_tokens > 2 * len(out.scheduled):
             self.kv.observe_prefill(out.num_tokens, time.perf_counter() - t0)
-        events.extend(self._make_output(out, result))
         if self.metrics:
             self.metrics.on_step(self, out.num_tokens)
         return events
@@ -233,6 +241,23 @@ class EngineCore:
             seq.kv_checked = True
             seq.snapshot_at = self.kv.snapshot_stop(seq)
 
+    def _note_scheduled(self, out: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for seq, _ in out.scheduled:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+                if self.metrics:
+                    self.metrics.on_scheduled(now - seq.arrival)
+
+    def _split(self, out: SchedulerOutput) -> tuple[SchedulerOutput, list[tuple[Sequence, int]]]:
+        """The step's batch without and with the speculative sequences (``SpecDecoder.takes``)."""
+        if self.spec is None:
+            return out, []
+        spec = [(seq, n) for seq, n in out.scheduled if self.spec.takes(seq)]
+        if not spec:
+            return out, []
+        return SchedulerOutput([(seq, n) for seq, n in out.scheduled if not self.spec.takes(seq)], out.preempted), spec
+
     def _run(self, out: SchedulerOutput) -> HeadRows | torch.Tensor:
         """Run the step's batch; the result covers the scheduled sequences in order: last hidden
         states as a ``HeadRows`` source, or float32 logits ``(B, V)`` when some rows decoded
@@ -240,12 +265,7 @@ class EngineCore:
         general: list[int] = []
         static: list[int] = []
         chunks = []
-        now = time.monotonic()
         for i, (seq, n) in enumerate(out.scheduled):
-            if seq.first_scheduled is None:
-                seq.first_scheduled = now
-                if self.metrics:
-                    self.metrics.on_scheduled(now - seq.arrival)
             if self.static is not None and self.static.takes(seq, n):
                 static.append(i)
                 continue
@@ -304,27 +324,45 @@ class EngineCore:
             reason = sample.finish_reasons[j]
             if seq.request.prefill_only and reason is None:
                 reason = "length"  # hand off to a decode worker
-            if self.metrics:
-                self.metrics.on_token(seq, now)
-            ev = TokenEvent(seq.request_id, [token], None if sample.logprobs[j] is None else [sample.logprobs[j]])
-            if seq.first_token is None:
-                seq.first_token = now
-                ev.num_prompt_tokens = seq.num_prompt
-                ev.num_cached_tokens = seq.num_cached
-                ev.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
-            seq.last_token = now
-            if reason is not None:
-                ev.finish_reason = reason
-                ev.timing = {
-                    "queue_s": (seq.first_scheduled or now) - seq.arrival,
-                    "ttft_s": seq.first_token - seq.arrival,
-                    "e2e_s": now - seq.arrival,
-                }
-                ev.num_prompt_tokens = seq.num_prompt
-                ev.num_cached_tokens = seq.num_cached
-                self._finish(seq, reason, emit=False)
-            events.append(ev)
+            events.append(self._event(seq, [token], None if sample.logprobs[j] is None else [sample.logprobs[j]], reason, now))
         return events
+
+    def _spec_output(self, batch: list[tuple[Sequence, int]], results: list[SpecResult]) -> list[TokenEvent]:
+        """Events of a speculative step (``SpecDecoder.step`` appended the tokens already)."""
+        now = time.monotonic()
+        events = []
+        for (seq, _), res in zip(batch, results):
+            seq.num_computed += res.consumed
+            if self.metrics and res.drafted:
+                self.metrics.on_spec(res.drafted, res.accepted)
+            if self.kv is not None:
+                self._save(seq)  # after acceptance: the state holds accepted tokens only
+            if res.tokens:
+                events.append(self._event(seq, res.tokens, None, res.finish_reason, now))
+        return events
+
+    def _event(self, seq: Sequence, tokens: list[int], logprobs: list | None, reason: FinishReason | None, now: float) -> TokenEvent:
+        """The token event of ``seq``'s new ``tokens``; finishes it when ``reason`` is set."""
+        if self.metrics:
+            self.metrics.on_token(seq, now, len(tokens))
+        ev = TokenEvent(seq.request_id, tokens, logprobs)
+        if seq.first_token is None:
+            seq.first_token = now
+            ev.num_prompt_tokens = seq.num_prompt
+            ev.num_cached_tokens = seq.num_cached
+            ev.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+        seq.last_token = now
+        if reason is not None:
+            ev.finish_reason = reason
+            ev.timing = {
+                "queue_s": (seq.first_scheduled or now) - seq.arrival,
+                "ttft_s": seq.first_token - seq.arrival,
+                "e2e_s": now - seq.arrival,
+            }
+            ev.num_prompt_tokens = seq.num_prompt
+            ev.num_cached_tokens = seq.num_cached
+            self._finish(seq, reason, emit=False)
+        return ev
 
     def _save(self, seq: Sequence) -> None:
         """KV-store save; a sequence in a static slot lends its state for it."""

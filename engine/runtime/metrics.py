@@ -51,6 +51,15 @@ class EngineMetricFamilies:
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first token", labels, buckets=_LATENCY_BUCKETS, registry=registry)
         self.decode_time = Histogram("vllm:request_decode_time_seconds", "First token to last token", labels, buckets=_LATENCY_BUCKETS, registry=registry)
         self.inference_time = Histogram("vllm:request_inference_time_seconds", "First scheduled to finish", labels, buckets=_LATENCY_BUCKETS, registry=registry)
+        # speculative decoding (engine/runtime/speculative.py), vLLM's names: verify steps with
+        # drafts, drafts verified, drafts accepted, and accepted drafts by draft position
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative verify steps with drafts", labels, registry=registry)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", labels, registry=registry)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels, registry=registry)
+        self.spec_accepted_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0-based)",
+            labels + ["position"], registry=registry,
+        )
         self.cache_info = Gauge(
             "vllm:cache_config_info", "Cache settings (value 1)",
             ["model_name", "engine", "block_size", "enable_prefix_caching", "state_memory_bytes", "gpu_memory_utilization"],
@@ -77,13 +86,22 @@ class EngineMetrics:
         self._l(self.f.prefix_queries).inc(queried)
         self._l(self.f.prefix_hits).inc(hit)
 
-    def on_token(self, seq: Sequence, now: float) -> None:
-        self._l(self.f.generation_tokens).inc()
+    def on_token(self, seq: Sequence, now: float, num_tokens: int = 1) -> None:
+        """``num_tokens`` new output tokens of ``seq`` in one step (more than one: speculative)."""
+        self._l(self.f.generation_tokens).inc(num_tokens)
         if seq.first_token is None:
             self._l(self.f.ttft).observe(now - seq.arrival)
         elif seq.last_token is not None:
             self._l(self.f.itl).observe(now - seq.last_token)
             self._l(self.f.tpot).observe(now - seq.last_token)
+
+    def on_spec(self, drafted: int, accepted: int) -> None:
+        """One verify of ``drafted`` drafts of which the first ``accepted`` were accepted."""
+        self._l(self.f.spec_drafts).inc()
+        self._l(self.f.spec_draft_tokens).inc(drafted)
+        self._l(self.f.spec_accepted).inc(accepted)
+        for pos in range(accepted):
+            self.f.spec_accepted_pos.labels(**self.labels, position=str(pos)).inc()
 
     def on_finish(self, seq: Sequence, reason: str) -> None:
         now = time.monotonic()

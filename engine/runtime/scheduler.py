@@ -5,8 +5,9 @@ versus ``len(tokens)``. Every step has a token budget (``max_num_batched_tokens`
 sequence limit (``max_num_seqs``):
 
 1. Running sequences go first, in (priority, arrival) order. Each gets
-   ``min(remaining, budget)`` tokens: 1 when decoding, a chunk when its prefill is unfinished
-   (chunked prefill, mixed in the same batch as decodes).
+   ``min(remaining, budget)`` tokens: 1 when decoding (``1 + k`` with ``k`` speculative drafts to
+   verify), a chunk when its prefill is unfinished (chunked prefill, mixed in the same batch as
+   decodes).
 2. If state memory cannot grow for a running sequence, the lowest-ranked running sequence not yet
    scheduled this step is preempted (state dropped, back to the waiting queue front, to be
    recomputed from its tokens later); if there is none, the sequence itself waits this step.
@@ -107,8 +108,9 @@ class Scheduler:
 
     @staticmethod
     def _chunk(seq: Sequence, budget: int) -> int:
-        """Tokens to feed this step: all that remain, within budget, stopping at a snapshot point."""
-        n = min(seq.remaining, budget)
+        """Tokens to feed this step: all that remain (a decoding sequence: its next token and its
+        drafts), within budget, stopping at a snapshot point."""
+        n = min(seq.remaining + (len(seq.draft_ids) if seq.remaining == 1 else 0), budget)
         if seq.snapshot_at is not None and seq.num_computed < seq.snapshot_at:
             n = min(n, seq.snapshot_at - seq.num_computed)
         return n
@@ -129,6 +131,7 @@ class Scheduler:
         self.pool.free(seq.block_ids, seq.has_boundary)
         seq.has_boundary = False
         seq.state = None
+        seq.draft_ids, seq.draft = [], None
         seq.num_computed = 0
         seq.num_cached = 0
         seq.kv_checked = False

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.model.mtp import DraftState
 from engine.model.state import SequenceState
 from deepserve.protocol import GenerateRequest, TokenLogprob
 from engine.sampling import SamplingState
@@ -50,6 +51,10 @@ class Sequence:
     # one slot per prompt token while ``sampling.prompt_logprobs`` asks and the first token is not
     # out yet (``engine/runtime/prompt_logprobs.py``); handed to that token's event, then None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # speculative decoding (engine/runtime/speculative.py): drafts to verify after the next token
+    # (fed only while that token is the one remaining), and the MTP layer's window
+    draft_ids: list[int] = field(default_factory=list)
+    draft: DraftState | None = None
 
     @property
     def request_id(self) -> str:

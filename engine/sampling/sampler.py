@@ -256,19 +256,21 @@ class Sampler:
 
     def _record(self, tokens: torch.Tensor, states: Sequence[SamplingState]) -> list[FinishReason | None]:
         """Step 7: each state records its token and gets its finish reason."""
-        reasons: list[FinishReason | None] = []
-        for s, t in zip(states, tokens.tolist()):
-            accepted = s.record(t)
-            s.finish_reason = check_finish(
-                s.params,
-                t,
-                s.step,
-                self.eos,
-                grammar_terminated=s.grammar is not None and s.grammar.is_terminated(),
-                grammar_rejected=not accepted,
-            )
-            reasons.append(s.finish_reason)
-        return reasons
+        return [self.advance(s, t) for s, t in zip(states, tokens.tolist())]
+
+    def advance(self, state: SamplingState, token_id: int) -> FinishReason | None:
+        """Record one chosen token in ``state`` (output ids, grammar, step) and set its finish
+        reason: step 7 for one row, also what speculative decoding calls per accepted token."""
+        accepted = state.record(token_id)
+        state.finish_reason = check_finish(
+            state.params,
+            token_id,
+            state.step,
+            self.eos,
+            grammar_terminated=state.grammar is not None and state.grammar.is_terminated(),
+            grammar_rejected=not accepted,
+        )
+        return state.finish_reason
 
     def _pick(
         self,

@@ -50,12 +50,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace) -> int:
     from deepserve import internal_auth
-    from engine.runtime.config import EngineConfig
+    from engine.runtime.config import EngineConfig, SpeculativeConfig
     from engine.worker.server import WorkerConfig, run_worker
 
     if args.tensor_parallel_size != 1:
         print(f"error: --tensor-parallel-size {args.tensor_parallel_size} is not supported (tensor parallel size 1; "
               "GPUs are spanned by --dp and expert parallelism)", file=sys.stderr)
+        return 2
+    try:
+        speculative = None if args.speculative_config is None else SpeculativeConfig.from_json(args.speculative_config)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     engine_cfg = EngineConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -69,6 +74,7 @@ def _engine(args: argparse.Namespace) -> int:
         static_decode={"auto": None, "on": True, "off": False}[args.static_decode],
         static_max_tokens=args.static_max_tokens,
         grammar_timeout_s=args.grammar_timeout,
+        speculative=speculative,
     )
     run_worker(
         WorkerConfig(
@@ -154,6 +160,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--grammar-timeout", type=float, default=10.0, metavar="S",
         help="seconds a request waits for its structured-output grammar to compile (then it fails as invalid)",
     )
+    e.add_argument("--speculative-config", default=env("DEEPSERVE_SPECULATIVE_CONFIG"), metavar="JSON",
+                   help='speculative decoding with the checkpoint\'s MTP layer (vLLM spelling): \'{"method": "mtp", "num_speculative_tokens": 3}\'')  # fmt: skip
     e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
     e.add_argument("--register", action="append", default=[], metavar="ROUTER_URL", help="register with this router service (repeatable); deregister on drain")
     e.add_argument("--advertise-url", default=None, help="URL routers should use for this worker (default http://HOST:PORT)")

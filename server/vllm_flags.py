@@ -4,7 +4,7 @@ Gateway flags with a vLLM spelling live in ``server.config.add_gateway_flags`` (
 ``--max-model-len``, ``--api-key``, ``--uvicorn-log-level``, ``--root-path``, ``--ssl-*``,
 ``--allowed-origins``). This module adds the rest:
 - engine flags ``deepserve up`` passes to every worker: ``--max-num-seqs``,
-  ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--enable-prefix-caching`` /
+  ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--speculative-config``, ``--enable-prefix-caching`` /
   ``--no-enable-prefix-caching`` (the KV cache store on or off);
 - parser flags accepted with a note (tool-call and reasoning parsing are built in, from
   deepseek-recipe): ``--tool-call-parser``, ``--reasoning-parser``, ``--enable-auto-tool-choice``;
@@ -19,7 +19,7 @@ import logging
 
 log = logging.getLogger(__name__)
 
-_ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
+_ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "speculative_config")
 
 
 def add_vllm_flags(p: argparse.ArgumentParser, *, engine: bool) -> None:
@@ -32,6 +32,7 @@ def add_vllm_flags(p: argparse.ArgumentParser, *, engine: bool) -> None:
         p.add_argument("--max-num-seqs", type=int, help="passed to every engine worker")
         p.add_argument("--max-num-batched-tokens", type=int, help="passed to every engine worker")
         p.add_argument("--gpu-memory-utilization", type=float, help="passed to every engine worker")
+        p.add_argument("--speculative-config", metavar="JSON", help='passed to every engine worker, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
         p.add_argument(
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
             help="the workers' KV cache store (--no-enable-prefix-caching: --kv-cache off)",

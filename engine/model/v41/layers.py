@@ -19,7 +19,7 @@ from kernels.reference import mix_gates, score
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an fp32 weight: normalise in fp32, cast, then scale."""
+    """RMSNorm with an fp32 weight: normalise in fp32, cast, then scale in the input's dtype."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight.to(x.dtype) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class HyperSite(nn.Module):

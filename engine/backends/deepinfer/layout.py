@@ -13,6 +13,9 @@ padded to 32 bytes::
                                             or MXFP8 (512 e4m3 + 16 UE8M0 per 32) = 528
 
 then the whole block padded to lcm(128, ca row bytes). Layers that read a source's KV own nothing.
+The byte counts here are at the released head_dim 512 / index_head_dim 128; every row format
+scales with its width (``fp8_row_bytes``, ``fp4_row_bytes``), so tiny checkpoints get the same
+layout in small.
 
 **State slot** (one per sequence), from low to high address::
 
@@ -37,9 +40,20 @@ from typing import Literal
 from engine.model.v41.config import V41Config
 
 KVSTORE_GRAIN = 128  # DeepInfer persists KV only at multiples of this many tokens
-SWA_ROW_BYTES = 512 + 512 // 32  # FP8 e4m3 data + UE8M0 scale per 32 (V41_FORMAT)
-MXFP8_ROW_BYTES = 512 + 512 // 32
-FP4_ROW_BYTES = 512 // 2 + 512 // 16  # e2m1 data + e4m3 scale per 16 (V41_FP4_FORMAT)
+
+
+def fp8_row_bytes(d: int) -> int:
+    """A window (or MXFP8 main) KV row of ``d`` channels: e4m3 data + a UE8M0 scale per 32 (V41_FORMAT)."""
+    return d + d // 32
+
+
+def fp4_row_bytes(d: int, block: int) -> int:
+    """An FP4 row of ``d`` channels: e2m1 pairs + a scale byte per ``block`` (main KV: 16, e4m3,
+    V41_FP4_FORMAT; indexer keys: 32, UE8M0)."""
+    return d // 2 + d // block
+
+
+SWA_ROW_BYTES = fp8_row_bytes(512)  # 528 at the released head_dim
 BLOCK_ALIGN = 128  # ModelMetadata.kvcache_align_to
 YocoMode = Literal["off", "mask", "compact"]
 
@@ -108,6 +122,8 @@ class CacheLayout:
     regions: tuple[BlockRegion, ...]
     block_bytes: int  # one GPU block, padded
     ca_row_bytes: int
+    kv_format: Literal["fp4", "mxfp8"]  # the main (compressed) KV rows
+    swa_row_bytes: int  # one FP8 window row
     n_prefill_layer: int
     swa_layers: int  # every runtime layer (main + DFlash) has a SWA ring
     swa_stored_layers: int
@@ -127,10 +143,6 @@ class CacheLayout:
     def swa_dropped_layers(self) -> int:
         return self.swa_layers - self.swa_stored_layers
 
-    @property
-    def kv_format(self) -> str:
-        return "fp4" if self.ca_row_bytes == FP4_ROW_BYTES else "mxfp8"
-
     def fingerprint(self, model_fingerprint: str) -> str:
         """Key fingerprint: records are only interchangeable under the same layout."""
         return f"{model_fingerprint}-di-{self.kv_format}-w{self.ring_inference}-b{self.block_bytes}"
@@ -143,8 +155,10 @@ def n_prefill_layer(cfg: V41Config) -> int:
 
 def cache_layout(cfg: V41Config, env: DeepInferEnv = DeepInferEnv(), fp4_kv: bool = True) -> CacheLayout:
     """The layout DeepInfer allocates for ``cfg`` under ``env`` (``fp4_kv``: ``use_fp4_sparse_kv``)."""
-    ca_row = FP4_ROW_BYTES if fp4_kv else MXFP8_ROW_BYTES
-    ica_row = cfg.index_head_dim // 2 + cfg.index_head_dim // 32
+    d = cfg.head_dim
+    ca_row = fp4_row_bytes(d, 16) if fp4_kv else fp8_row_bytes(d)
+    ica_row = fp4_row_bytes(cfg.index_head_dim, 32)
+    swa_row = fp8_row_bytes(d)
     regions: list[BlockRegion] = []
     offset = 0
     for layer in sorted(cfg.kv_source_layer_ids):  # sources own both the indexer keys and the KV
@@ -164,14 +178,16 @@ def cache_layout(cfg: V41Config, env: DeepInferEnv = DeepInferEnv(), fp4_kv: boo
     for layer in cfg.kv_source_layer_ids:
         r = cfg.compress_ratios[layer]
         if r > 1:
-            compress += (r + max(0, env.backtracking - 1)) * 2 * cfg.head_dim * 4
-    slot_align = math.lcm(32, SWA_ROW_BYTES)
-    swa_kv = swa_layers * _pad(ring_kv * SWA_ROW_BYTES, 32)
-    swa_inf = swa_layers * _pad(ring_inf * SWA_ROW_BYTES, 32)
+            compress += (r + max(0, env.backtracking - 1)) * 2 * d * 4
+    slot_align = math.lcm(32, swa_row)
+    swa_kv = swa_layers * _pad(ring_kv * swa_row, 32)
+    swa_inf = swa_layers * _pad(ring_inf * swa_row, 32)
     return CacheLayout(
         regions=tuple(regions),
         block_bytes=block_bytes,
         ca_row_bytes=ca_row,
+        kv_format="fp4" if fp4_kv else "mxfp8",
+        swa_row_bytes=swa_row,
         n_prefill_layer=first_consumer,
         swa_layers=swa_layers,
         swa_stored_layers=stored,
@@ -179,6 +195,6 @@ def cache_layout(cfg: V41Config, env: DeepInferEnv = DeepInferEnv(), fp4_kv: boo
         ring_kvstore=ring_kv,
         compress_state_bytes=compress,
         state_slot_bytes=_pad(swa_kv + compress, slot_align),
-        state_size_to_disk=stored * _pad(ring_inf * SWA_ROW_BYTES, 32),
+        state_size_to_disk=stored * _pad(ring_inf * swa_row, 32),
         total_bytes_inference=_pad(swa_inf + compress, slot_align),
     )

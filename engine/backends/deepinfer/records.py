@@ -20,7 +20,7 @@ import hashlib
 
 import torch
 
-from engine.backends.deepinfer.layout import SWA_ROW_BYTES, CacheLayout
+from engine.backends.deepinfer.layout import CacheLayout
 from kvstore.keys import ROOT_KEY
 from kvstore.record import Record, RecordHeader
 
@@ -54,18 +54,18 @@ def snapshot_tensors(layout: CacheLayout, windows: torch.Tensor) -> dict[str, to
     """Stored windows ``(state_size_to_disk,)`` uint8 as ``swa`` ``(layers, ring, 528)``."""
     assert windows.numel() == layout.state_size_to_disk, f"stored windows are {layout.state_size_to_disk} bytes, got {windows.numel()}"
     per_layer = layout.state_size_to_disk // max(layout.swa_stored_layers, 1)
-    rows = windows.view(layout.swa_stored_layers, per_layer)[:, : layout.ring_inference * SWA_ROW_BYTES]
-    return {"swa": rows.reshape(layout.swa_stored_layers, layout.ring_inference, SWA_ROW_BYTES)}
+    rows = windows.view(layout.swa_stored_layers, per_layer)[:, : layout.ring_inference * layout.swa_row_bytes]
+    return {"swa": rows.reshape(layout.swa_stored_layers, layout.ring_inference, layout.swa_row_bytes)}
 
 
 def snapshot_windows(layout: CacheLayout, record: Record) -> torch.Tensor:
     """A snapshot record's windows back as the ``(state_size_to_disk,)`` buffer DeepInfer loads."""
     swa = record.tensors["swa"]
-    if tuple(swa.shape) != (layout.swa_stored_layers, layout.ring_inference, SWA_ROW_BYTES):
-        raise ValueError(f"snapshot swa has shape {tuple(swa.shape)}, layout wants {(layout.swa_stored_layers, layout.ring_inference, SWA_ROW_BYTES)}")
+    if tuple(swa.shape) != (layout.swa_stored_layers, layout.ring_inference, layout.swa_row_bytes):
+        raise ValueError(f"snapshot swa has shape {tuple(swa.shape)}, layout wants {(layout.swa_stored_layers, layout.ring_inference, layout.swa_row_bytes)}")
     per_layer = layout.state_size_to_disk // max(layout.swa_stored_layers, 1)
     out = torch.zeros(layout.swa_stored_layers, per_layer, dtype=torch.uint8)
-    out[:, : layout.ring_inference * SWA_ROW_BYTES] = swa.reshape(layout.swa_stored_layers, -1)
+    out[:, : layout.ring_inference * layout.swa_row_bytes] = swa.reshape(layout.swa_stored_layers, -1)
     return out.view(-1)
 
 

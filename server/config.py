@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from server.response_store import ResponseStoreConfig
+
 ModelFamily = Literal["v4", "v4.1"]
 
 # field name -> environment variable (the one typed place environment variables are read).
@@ -36,6 +38,9 @@ ENV_VARS: dict[str, str] = {
     "queue_timeout_s": "DEEPSERVE_QUEUE_TIMEOUT",
     "request_timeout_s": "DEEPSERVE_REQUEST_TIMEOUT",
     "body_timeout_s": "DEEPSERVE_BODY_TIMEOUT",
+    "responses_max_stored": "DEEPSERVE_RESPONSES_MAX_STORED",
+    "responses_max_stored_bytes": "DEEPSERVE_RESPONSES_MAX_STORED_BYTES",
+    "responses_ttl_s": "DEEPSERVE_RESPONSES_TTL",
     "log_level": "DEEPSERVE_LOG_LEVEL",
 }
 
@@ -79,6 +84,10 @@ class GatewayConfig:
     queue_timeout_s: float = 30.0  # waiting longer for a slot: 503 with Retry-After
     request_timeout_s: float = 600.0  # engine has not finished by then: 504 (an error event if streaming)
     body_timeout_s: float = 30.0  # client has not sent its whole body by then: 408
+    # Stored Responses (``store``, ``previous_response_id``, ``background``): the LRU's bounds.
+    responses_max_stored: int = 1024
+    responses_max_stored_bytes: int = 256 << 20
+    responses_ttl_s: float = 3600.0  # seconds an unchanged stored response is kept
     root_path: str = ""  # ASGI root path when served behind a path-prefixing proxy (vLLM's --root-path)
     ssl_keyfile: str | None = None  # with ssl_certfile: serve HTTPS
     ssl_certfile: str | None = None
@@ -99,6 +108,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together")
+        self.response_store()  # validates its bounds
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         for spec in self.served_model_names:
@@ -111,6 +121,10 @@ class GatewayConfig:
             "host": self.host, "port": self.port, "log_level": self.log_level, "root_path": self.root_path,
             "ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile,
         }
+
+    def response_store(self) -> ResponseStoreConfig:
+        """The Responses store's own config."""
+        return ResponseStoreConfig(self.responses_max_stored, self.responses_max_stored_bytes, self.responses_ttl_s)
 
     def all_api_keys(self) -> frozenset[str]:
         """Keys from ``api_keys`` and the keys file (read once, at startup)."""
@@ -238,6 +252,9 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", dest="queue_timeout_s", type=float, help="seconds a request may wait for a slot")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="seconds until 504")
     p.add_argument("--body-timeout", dest="body_timeout_s", type=float, help="seconds to receive the body until 408")
+    p.add_argument("--responses-max-stored", type=int, help="stored Responses kept at most (LRU; default 1024)")
+    p.add_argument("--responses-max-stored-bytes", type=int, help="bytes of stored Responses JSON at most (default 256 MiB)")
+    p.add_argument("--responses-ttl", dest="responses_ttl_s", type=float, help="seconds a stored Response is kept (default 3600)")
     p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", help="uvicorn log level (default info)")
     p.add_argument("--root-path", help="ASGI root path behind a path-prefixing proxy")
     p.add_argument("--ssl-keyfile", help="TLS private key file (with --ssl-certfile)")

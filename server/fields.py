@@ -147,12 +147,13 @@ RESPONSES: Table = {
     "tools": "function tools (and namespaces)",
     "tool_choice": "auto, none, required, or a named function",
     "text": "text.format: text, json_object, json_schema (structured output)",
+    "store": "default true: the response is kept (bounded LRU with a TTL) for GET/DELETE /v1/responses/{id} and previous_response_id",
+    "previous_response_id": "continue a stored response's conversation (its input and output items before this input; its instructions are not carried over); unknown: 404",
+    "background": "true (needs store; not with stream): answered at once with status queued; poll GET /v1/responses/{id}; POST /v1/responses/{id}/cancel",
     **METADATA,
 }
 RESPONSES_OFF: OffValues = {
-    **OPENAI_OFF,
-    "previous_response_id": (),
-    "background": (False,),
+    "service_tier": OPENAI_OFF["service_tier"],
     "include": ((), []),
     "truncation": ("disabled",),
     "max_tool_calls": (),

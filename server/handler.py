@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Any, AsyncIterator, Callable, Literal, Protocol
 
 import deepseek_recipe as dr
 from starlette.requests import Request
@@ -91,6 +91,24 @@ def body_error(exc: ValueError) -> InvalidRequest:
 
 
 # ---- the handler ----------------------------------------------------------------------------------
+class AnswerHooks(Protocol):
+    """What an endpoint adds around the shared path (Responses: the response store)."""
+
+    unique_id: bool  # the response id is unique even when the client sent its X-Request-Id
+
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body to convert (the same object when unchanged)."""
+
+    def detach(self, answer: Answer) -> Response | None:
+        """Take the answer over (a background run) and return the immediate reply; None: answer now."""
+
+    def finish(self, text: str) -> str:
+        """The whole answer's JSON as it is sent, from the one made (not streaming)."""
+
+    def event(self, name: str, text: str) -> str:
+        """A streamed named event's JSON as it is sent, from the one made."""
+
+
 @dataclass
 class Answer:
     """The runs of one request (one per choice) and how their chunks reach the client."""
@@ -102,13 +120,15 @@ class Answer:
     shaper: ChatStreamShaper | None  # Chat Completions only
     echo: str = ""
     stop_text: Callable[[int], str] = lambda i: ""  # the stop string choice i matched (include_stop_str_in_output)
+    hooks: AnswerHooks | None = None
 
     def close(self) -> None:
         for run in self.runs:
             run.close()
 
 
-async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
+async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Callable[[dict[str, Any], str], AnswerHooks] | None = None) -> Response:
+    """The shared path (module docstring); ``make_hooks(body, key)``: the endpoint's hooks."""
     gw: Gateway = request.app.state.gateway
     started = time.perf_counter()
     route = gw.metrics.by_route[proto.route]
@@ -120,7 +140,8 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
     if gw.limiter.enabled:
         gw.limiter.admit(key)
     catalog = gw.catalog
-    recipe_body = proto.prepare_body(body)
+    hooks = make_hooks(body, key) if make_hooks is not None else None
+    recipe_body = proto.prepare_body(hooks.body(body) if hooks is not None else body)
     extras = parse_extras(body, catalog.vocab_size, chat=proto.chat)
     if extras.n > gw.config.max_concurrent_requests:  # its choices could never all run at once
         raise InvalidRequest(
@@ -132,6 +153,8 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
         conv, make_generator, prompt = convert_forcing_tools(gw, proto, recipe_body, refused)
     prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
     rid, engine_rid = ids(request, proto.id_prefix)
+    if hooks is not None and hooks.unique_id:
+        rid = engine_rid
     greqs = []
     for i in range(extras.n):
         greq = build_generate_request(
@@ -146,7 +169,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
     gw.metrics.params_n.labels(model).observe(extras.n)
     skip = catalog.special_ids if extras.skip_special_tokens else frozenset()
     runs: list[Run] = []
-    answer = Answer(rid, runs, proto, model, None, echo_text(body) if extras.echo else "")
+    answer = Answer(rid, runs, proto, model, None, echo_text(body) if extras.echo else "", hooks=hooks)
     stops = list(conv.parsing_options.stop_sequences) if extras.include_stop_str else []
     answer.stop_text = lambda i: (
         matched_stop(catalog, stops, runs[i].output_ids, runs[i].ids_before_stop) if stops and runs[i].stopped_by_string else ""
@@ -157,6 +180,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
             answer.stop_text if stops else None,
         )
     response: Response | None = None
+    detached = False
     try:
         for greq in greqs:
             await gw.admission.acquire()
@@ -168,6 +192,11 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
             gw.limiter.charge(key, len(prompt))
             route.prompt.inc(len(prompt))
             runs.append(Run(gw, route, key, greq, processor, started=started, skip_ids=skip, keep_ids=bool(stops)))
+        if hooks is not None:
+            reply = hooks.detach(answer)
+            if reply is not None:
+                detached = True  # the background run owns the answer now
+                return reply
         if conv.stream:
             response = await _stream(request, answer)
         else:
@@ -177,7 +206,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol) -> Response:
         gw.metrics.reject("client_disconnect")
         return Response(status_code=499)
     finally:
-        if not isinstance(response, SSEResponse):  # a stream closes its runs when it ends
+        if not detached and not isinstance(response, SSEResponse):  # a stream closes its runs when it ends
             answer.close()
 
 
@@ -249,25 +278,28 @@ async def _choice_batches(runs: list[Run]) -> AsyncIterator[tuple[int, list[Any]
             t.cancel()
 
 
-async def _complete(request: Request, answer: Answer) -> Response:
+async def collect(answer: Answer) -> str:
+    """The whole answer's JSON, once every run finished (no deadline here: the caller's)."""
     proto, runs = answer.proto, answer.runs
-
-    async def collect() -> str:
-        resps: list[Any] = [None] * len(runs)
-        async for i, chunks in _choice_batches(runs):
-            if resps[i] is None:
-                run = runs[i]
-                resps[i] = proto.response_cls(answer.rid, answer.model, int(time.time()), run.prompt_tokens, run.cached_tokens)
-            for chunk in chunks:
-                resps[i].accumulate(chunk)
-        assert all(r is not None for r in resps), "a finished run produced no chunks"
-        texts = [r.to_json() for r in resps]
-        if answer.shaper is None:
-            return texts[0]
+    resps: list[Any] = [None] * len(runs)
+    async for i, chunks in _choice_batches(runs):
+        if resps[i] is None:
+            run = runs[i]
+            resps[i] = proto.response_cls(answer.rid, answer.model, int(time.time()), run.prompt_tokens, run.cached_tokens)
+        for chunk in chunks:
+            resps[i].accumulate(chunk)
+    assert all(r is not None for r in resps), "a finished run produced no chunks"
+    texts = [r.to_json() for r in resps]
+    if answer.shaper is None:
+        text = texts[0]
+    else:
         text = merge_answers(texts, answer.shaper.extras, answer.echo, [answer.stop_text(i) for i in range(len(runs))])
-        return with_chat_prompt_logprobs(text, runs[0].gw.catalog, runs[0])
+        text = with_chat_prompt_logprobs(text, runs[0].gw.catalog, runs[0])
+    return text if answer.hooks is None else answer.hooks.finish(text)
 
-    text = await race_disconnect(collect(), request.receive, min(r.deadline for r in runs))
+
+async def _complete(request: Request, answer: Answer) -> Response:
+    text = await race_disconnect(collect(answer), request.receive, min(r.deadline for r in answer.runs))
     return Response(text, media_type="application/json")
 
 
@@ -289,14 +321,15 @@ async def _frames(head: tuple[int, list[Any]], batches: AsyncIterator[tuple[int,
     proto, shaper = answer.proto, answer.shaper
     name = proto.response_cls.sse_event_name if proto.named_events else None
     route = answer.runs[0].route
+    hooks = answer.hooks
     route.active.inc()
     try:
         i, batch = head
         if batch:
-            yield _frame_all(batch, name, i, shaper).encode()
+            yield _frame_all(batch, name, i, shaper, hooks).encode()
         async for i, batch in batches:
             if batch:
-                yield _frame_all(batch, name, i, shaper).encode()
+                yield _frame_all(batch, name, i, shaper, hooks).encode()
         final = shaper.final() if shaper is not None else None
         tail = (data_frame(final) if final else "") + (proto.done or "")
         if tail:
@@ -310,11 +343,13 @@ async def _frames(head: tuple[int, list[Any]], batches: AsyncIterator[tuple[int,
         answer.close()
 
 
-def _frame_all(batch: list[Any], name: Any, i: int = 0, shaper: ChatStreamShaper | None = None) -> str:
+def _frame_all(batch: list[Any], name: Any, i: int = 0, shaper: ChatStreamShaper | None = None, hooks: AnswerHooks | None = None) -> str:
     if shaper is not None:
         return "".join([f"data: {shaper.shape(i, c.to_json())}\n\n" for c in batch])
     if name is None:
         return "".join([f"data: {c.to_json()}\n\n" for c in batch])
+    if hooks is not None:
+        return "".join([event_frame(n, hooks.event(n, c.to_json())) for c in batch for n in [name(c)]])
     return "".join([event_frame(name(c), c.to_json()) for c in batch])
 
 

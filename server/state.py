@@ -16,6 +16,7 @@ from server.engine_client import EngineClient
 from server.limits import Admission, RateLimiter, authenticate, read_body
 from server.metrics import GatewayMetrics
 from server.model import ModelCatalog
+from server.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Gateway:
     api_keys: frozenset[str]
     limiter: RateLimiter
     admission: Admission
+    responses: ResponseStore  # stored Responses (store, previous_response_id, background)
     health_probe: HealthProbe | None = None
     metrics_sources: list[tuple[str, str]] = field(default_factory=list)  # (worker name, /metrics URL)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -61,6 +63,7 @@ class Gateway:
             api_keys=config.all_api_keys(),
             limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm, per_key=config.key_limits()),
             admission=admission,
+            responses=ResponseStore(config.response_store()),
             health_probe=health_probe,
             metrics_sources=list(metrics_sources or []),
         )
@@ -78,11 +81,13 @@ class Gateway:
         return await read_body(request.headers, request.stream(), self.config.max_body_bytes, self.config.body_timeout_s)
 
     # ---- background work that must outlive a cancelled handler --------------------------------
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run ``coro`` detached (an engine abort after a disconnect); errors are logged, not raised."""
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` detached (an engine abort after a disconnect, a background response);
+        errors are logged, not raised."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

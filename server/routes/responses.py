@@ -1,16 +1,21 @@
-"""``POST /v1/responses`` (OpenAI Responses API; stateless: ``store`` is not supported)."""
+"""``/v1/responses`` (OpenAI Responses API): create, and the stored responses' ``GET``,
+``DELETE`` and ``cancel`` (``server/response_flow.py``: store, previous_response_id, background)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import deepseek_recipe as dr
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from server.errors import InvalidRequest
 from server.handler import MakeGenerator, RecipeProtocol, serve_recipe
 from server.inputs import prepare_responses
+from server.response_flow import ResponsesFlow, cancel, lookup
 from server.schemas import ERROR_RESPONSES, RESPONSES, json_body
+from server.state import Gateway
 
 router = APIRouter()
 
@@ -39,7 +44,38 @@ RESPONSES_PROTOCOL = RecipeProtocol(
 )
 
 
+def _json(obj: dict[str, Any]) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), media_type="application/json")
+
+
 @router.post("/v1/responses", openapi_extra=json_body(RESPONSES), responses=ERROR_RESPONSES)
 async def create_response(request: Request) -> Response:
     """A model response; ``stream: true`` answers named server-sent events (``response.*``)."""
-    return await serve_recipe(request, RESPONSES_PROTOCOL)
+    gw: Gateway = request.app.state.gateway
+    return await serve_recipe(request, RESPONSES_PROTOCOL, lambda body, key: ResponsesFlow.read(gw, body, key))
+
+
+@router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+async def get_response(request: Request, response_id: str) -> Response:
+    """A stored response (a background one: its status so far); 404 when unknown."""
+    gw: Gateway = request.app.state.gateway
+    owner = gw.authenticate(request)
+    if request.query_params.get("stream") in ("true", "1"):
+        raise InvalidRequest("Streaming a stored response is not supported; poll without 'stream'.", param="stream")
+    return _json(lookup(gw.responses, response_id, owner).response)
+
+
+@router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+async def delete_response(request: Request, response_id: str) -> Response:
+    """Delete a stored response (a running background one is cancelled); 404 when unknown."""
+    gw: Gateway = request.app.state.gateway
+    lookup(gw.responses, response_id, gw.authenticate(request))
+    gw.responses.delete(response_id)
+    return _json({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=ERROR_RESPONSES)
+async def cancel_response(request: Request, response_id: str) -> Response:
+    """Cancel a background response (``status: cancelled``); 404 when unknown."""
+    gw: Gateway = request.app.state.gateway
+    return _json(await cancel(lookup(gw.responses, response_id, gw.authenticate(request))))

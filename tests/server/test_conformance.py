@@ -121,9 +121,9 @@ def test_developer_role_is_system(gateway):
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
     ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
-    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ("/v1/responses", {"input": "x", "background": True}, "background"),
-    ("/v1/responses", {"input": "x", "store": True}, "store"),
+    ("/v1/responses", {"input": "x", "previous_response_id": 1}, "previous_response_id"),
+    ("/v1/responses", {"input": "x", "background": True, "store": False}, "background"),
+    ("/v1/responses", {"input": "x", "store": "yes"}, "store"),
 ])
 def test_unsupported_fields_refused_with_param(gateway, route, body, param):
     r = httpx.post(gateway.url + route, json={"model": MODEL, **body})

@@ -1,0 +1,185 @@
+"""Stateful Responses: ``store``, ``previous_response_id`` and ``background`` for one request.
+
+``ResponsesFlow`` is the ``AnswerHooks`` (``server/handler.py``) of a ``POST /v1/responses``:
+- ``store`` (default true, as OpenAI): the finished response is kept in ``Gateway.responses``
+  (``server/response_store.py``) with its conversation; ``store: false`` keeps nothing;
+- ``previous_response_id``: the stored conversation (that response's input items, then its output
+  items) goes before this request's ``input``; the previous ``instructions`` are not carried over
+  (OpenAI's rule). Unknown, expired, deleted or another API key's id: 404; one still running: 400;
+- ``background: true`` (needs ``store``; not with ``stream``): the reply is the response at once
+  with ``status: queued``; a gateway task runs it (``in_progress``, then ``completed`` /
+  ``incomplete`` / ``failed``, or ``cancelled`` by ``POST /v1/responses/{id}/cancel``), and
+  ``GET /v1/responses/{id}`` polls it. The run keeps its admission slot and ``request_timeout_s``.
+Stored ids are unique even when the client sent ``X-Request-Id`` (a random tail is added).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import deepseek_recipe as dr
+from starlette.responses import Response
+
+from server.errors import GatewayError, InvalidRequest, NotFound
+from server.handler import Answer, collect
+from server.response_store import ResponseStore, StoredResponse
+from server.state import Gateway
+
+FINAL = ("completed", "incomplete", "failed", "cancelled")
+_FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_WITH_RESPONSE = _FINAL_EVENTS | {"response.created", "response.in_progress", "response.queued"}
+
+
+def not_found(response_id: str, param: str | None = None) -> NotFound:
+    return NotFound(f"Response with id '{response_id}' not found.", param=param)
+
+
+def lookup(store: ResponseStore, response_id: str, owner: str, param: str | None = None) -> StoredResponse:
+    """The stored response ``owner`` (the API key) may see; 404 otherwise."""
+    entry = store.get(response_id)
+    if entry is None or entry.owner != owner:
+        raise not_found(response_id, param)
+    return entry
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"Invalid type for '{name}': expected a boolean.", param=name)
+    return value
+
+
+def _items(value: Any) -> list[Any]:
+    """``input`` as a list of items (a text is one user message)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if isinstance(value, list):
+        return list(value)
+    raise InvalidRequest("Invalid type for 'input': expected a string or a list of input items.", param="input")
+
+
+@dataclass
+class ResponsesFlow:
+    """One Responses request's use of the store; see the module docstring."""
+
+    gw: Gateway
+    owner: str  # the API key (or client address) the stored response belongs to
+    keep: bool = True
+    background: bool = False
+    previous_id: str | None = None
+    history: list[Any] = field(default_factory=list)  # the input items after expansion
+    rid: str = ""
+
+    @classmethod
+    def read(cls, gw: Gateway, body: dict[str, Any], owner: str) -> ResponsesFlow:
+        """Validate ``store`` / ``background`` / ``previous_response_id`` (400 / 404 naming them)."""
+        keep = _flag(body, "store", True)
+        background = _flag(body, "background", False)
+        if background and not keep:
+            raise InvalidRequest("background mode requires 'store' to be true.", param="background")
+        if background and body.get("stream") is True:
+            raise InvalidRequest("background mode with 'stream' is not supported; poll GET /v1/responses/{id}.", param="background")
+        previous_id = body.get("previous_response_id")
+        history: list[Any] = []
+        if previous_id is not None:
+            if not isinstance(previous_id, str):
+                raise InvalidRequest("Invalid type for 'previous_response_id': expected a string.", param="previous_response_id")
+            previous = lookup(gw.responses, previous_id, owner, "previous_response_id")
+            if previous.response.get("status") not in ("completed", "incomplete"):
+                raise InvalidRequest(
+                    f"Previous response '{previous_id}' is {previous.response.get('status')}; it cannot be continued.",
+                    param="previous_response_id",
+                )
+            history = list(previous.history)
+        return cls(gw, owner, keep, background, previous_id, history + _items(body.get("input")))
+
+    # ---- AnswerHooks ------------------------------------------------------------------------------
+    @property
+    def unique_id(self) -> bool:
+        return self.keep
+
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "input": self.history} if self.previous_id is not None else body
+
+    def finish(self, text: str) -> str:
+        return self._done(json.loads(text))
+
+    def event(self, name: str, text: str) -> str:
+        if name not in _WITH_RESPONSE:
+            return text
+        event = json.loads(text)
+        if name in _FINAL_EVENTS:
+            event["response"] = json.loads(self._done(event["response"]))
+        else:
+            event["response"] = self._settings(event["response"])
+        return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+    def _done(self, response: dict[str, Any]) -> str:
+        """The finished response as sent, stored when asked (not when deleted meanwhile)."""
+        response = self._settings(response)
+        if self.keep and not (self.background and self.gw.responses.get(response["id"]) is None):
+            self._store(response)
+        return json.dumps(response, ensure_ascii=False, separators=(",", ":"))
+
+    def _settings(self, response: dict[str, Any]) -> dict[str, Any]:
+        """``response`` reporting this request's store / background / previous_response_id."""
+        return {**response, "store": self.keep, "background": self.background, "previous_response_id": self.previous_id}
+
+    def detach(self, answer: Answer) -> Response | None:
+        if not self.background:
+            return None
+        self.rid = answer.rid
+        queued = json.loads(dr.ResponsesResponse(answer.rid, answer.model, int(time.time()), 0, 0).to_json())
+        entry = self._store(self._settings({**queued, "status": "queued"}))
+        entry.task = self.gw.spawn(self._run(answer))
+        return Response(json.dumps(entry.response, ensure_ascii=False), media_type="application/json")
+
+    # ---- the store --------------------------------------------------------------------------------
+    def _store(self, response: dict[str, Any]) -> StoredResponse:
+        """Put ``response`` with the conversation it ends."""
+        self.rid = response["id"]
+        old = self.gw.responses.get(self.rid)
+        entry = StoredResponse(self.rid, self.owner, response, self.history + list(response.get("output") or ()))
+        if old is not None:
+            entry.task = old.task
+        self.gw.responses.put(entry)
+        return entry
+
+    def _set_status(self, status: str, error: dict[str, Any] | None = None) -> None:
+        entry = self.gw.responses.get(self.rid)
+        if entry is not None and entry.response.get("status") not in FINAL:
+            entry.response = {**entry.response, "status": status, **({"error": error} if error else {})}
+
+    async def _run(self, answer: Answer) -> None:
+        """The background run: the answer collected under the request deadline, then stored."""
+        self._set_status("in_progress")
+        try:
+            async with asyncio.timeout(max(0.0, min(r.deadline for r in answer.runs) - time.perf_counter())):
+                await collect(answer)  # finish() stores the result
+        except TimeoutError:
+            self._set_status("failed", {"code": "timeout", "message": "The response did not finish in time."})
+        except GatewayError as exc:
+            self._set_status("failed", {"code": exc.code or exc.type, "message": exc.message})
+        except asyncio.CancelledError:
+            self._set_status("cancelled")
+        finally:
+            answer.close()
+
+
+async def cancel(entry: StoredResponse) -> dict[str, Any]:
+    """``POST /v1/responses/{id}/cancel``: stop a background run; a finished one is returned as it is."""
+    if entry.task is None:
+        raise InvalidRequest("Only responses created with background=true can be cancelled.", param="response_id")
+    if entry.running:
+        entry.response = {**entry.response, "status": "cancelled"}
+        entry.task.cancel()
+        await asyncio.wait([entry.task], timeout=5)
+    return entry.response

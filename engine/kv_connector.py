@@ -1,4 +1,8 @@
-"""Moves DeepSeek-V4 sequence state between an engine and the KV store, in cache units.
+"""Moves sequence state between an engine and the KV store, in cache units.
+
+What a record holds is the model family's (``Units``: ``V4Units`` below for DeepSeek-V4,
+``engine.kv_units_v41.V41Units`` for V4.1, DeepInfer's byte layout); keys, the save schedule,
+lookup and the cost model are shared. V4 as the example:
 
 Units are ``U = cfg.unit_tokens`` (128) tokens; unit ``i`` of a prompt is keyed by
 ``kvstore.keys.chain_keys`` (prefix-chained, so equal prefixes share keys). Two record kinds:
@@ -24,13 +28,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol
 
 import torch
 
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.runtime.sequence import Sequence
 from kvstore.keys import ROOT_KEY, chain_keys
-from kvstore.record import RecordHeader
+from kvstore.record import Record, RecordHeader
 from kvstore.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,109 @@ _COMP_FIELDS = ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate")
 def snapshot_key(unit_key: str) -> str:
     """Key of the boundary snapshot taken right after the unit keyed ``unit_key``."""
     return hashlib.blake2b(f"snapshot:{unit_key}".encode(), digest_size=16).hexdigest()
+
+
+class Units(Protocol):
+    """A model family's KV records: what a block and a snapshot hold, and how a state is rebuilt."""
+
+    unit: int  # tokens per unit
+    replays: bool  # whether blocks alone resume a state (by replaying tokens over them)
+    fingerprint: str  # covers everything the records' layout depends on
+    block_bytes: int
+    snapshot_bytes: int
+
+    def block_tensors(self, state: Any, unit_idx: int) -> dict[str, torch.Tensor]: ...
+
+    def snapshot_tensors(self, state: Any) -> dict[str, torch.Tensor]: ...
+
+    def snapshot_meta(self, state: Any) -> dict[str, int]: ...
+
+    def apply(self, state: Any, blocks: Seq[Record], snap: Record | None, tokens: Seq[int]) -> None: ...
+
+
+class V4Units:
+    """DeepSeek-V4's records (the module docstring): model-dtype rows and boundary buffers."""
+
+    replays = True
+
+    def __init__(self, model: DeepseekV4ForCausalLM) -> None:
+        cfg = model.config
+        self.model, self.unit = model, cfg.unit_tokens
+        self.fingerprint = f"{cfg.fingerprint()}-{str(model.dtype).replace('torch.', '')}"
+        self.rates = [cfg.layer_rate(i) for i in range(cfg.num_hidden_layers)]
+
+    def apply(self, state, blocks: Seq[Record], snap: Record | None, tokens: Seq[int]) -> None:
+        """Fill ``state`` from block records and the snapshot (``snap=None``: a replay from
+        ``len(tokens)``, compressors keep the cached rows and skip the windows before them)."""
+        dev, start = self.model.device, len(tokens)
+        for li, layer in enumerate(state.layers):
+            if snap is not None:
+                layer.swa = snap.tensors[f"L{li}.swa"].to(dev)
+            for part in ("comp", "index"):
+                comp = getattr(layer, part)
+                if comp is None:
+                    continue
+                comp.rows = torch.cat([b.tensors[f"L{li}.{part}"] for b in blocks]).to(dev)
+                if snap is None:
+                    comp.windows = start // self.rates[li]
+                    continue
+                comp.buf_kv = snap.tensors[f"L{li}.{part}.buf_kv"].to(dev)
+                comp.buf_gate = snap.tensors[f"L{li}.{part}.buf_gate"].to(dev)
+                if f"L{li}.{part}.overlap_kv" in snap.tensors:
+                    comp.overlap_kv = snap.tensors[f"L{li}.{part}.overlap_kv"].to(dev)
+                    comp.overlap_gate = snap.tensors[f"L{li}.{part}.overlap_gate"].to(dev)
+        state.num_tokens = start
+        state.token_ids = list(tokens)
+
+    def block_tensors(self, state, unit_idx: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for li, layer in enumerate(state.layers):
+            rate = self.rates[li]
+            if rate == 0:
+                continue
+            a, b = unit_idx * self.unit // rate, (unit_idx + 1) * self.unit // rate
+            out[f"L{li}.comp"] = layer.comp.rows[a:b].cpu()
+            if layer.index is not None:
+                out[f"L{li}.index"] = layer.index.rows[a:b].cpu()
+        return out
+
+    def snapshot_tensors(self, state) -> dict[str, torch.Tensor]:
+        out = {}
+        for li, layer in enumerate(state.layers):
+            out[f"L{li}.swa"] = layer.swa.cpu()
+            for part in ("comp", "index"):
+                comp = getattr(layer, part)
+                if comp is None:
+                    continue
+                for name in _COMP_FIELDS:
+                    t = getattr(comp, name)
+                    if t is not None:
+                        out[f"L{li}.{part}.{name}"] = t.cpu()
+        return out
+
+    def snapshot_meta(self, state) -> dict[str, int]:
+        return {}
+
+    @property
+    def block_bytes(self) -> int:
+        from engine.runtime.state_pool import state_bytes
+
+        return state_bytes(self.model.config, self.model.dtype)[0]
+
+    @property
+    def snapshot_bytes(self) -> int:
+        from engine.runtime.state_pool import state_bytes
+
+        return state_bytes(self.model.config, self.model.dtype)[1]
+
+
+def units_for(model: Any) -> Units:
+    """The record builder of ``model``'s family."""
+    if isinstance(model, DeepseekV4ForCausalLM):
+        return V4Units(model)
+    from engine.kv_units_v41 import V41Units
+
+    return V41Units(model)
 
 
 class KVConnector:
@@ -61,17 +170,16 @@ class KVConnector:
         (None: the store's default rank)."""
         if snapshot_interval_units < 0:
             raise ValueError("snapshot_interval_units must be >= 0 (0 = no decode snapshots)")
-        cfg = model.config
         self.store = store
         self.read, self.write = read, write
-        self.unit = cfg.unit_tokens
+        self.units = units_for(model)
+        self.unit = self.units.unit
         self.dtype_name = str(model.dtype).replace("torch.", "")
-        self.fingerprint = f"{cfg.fingerprint()}-{self.dtype_name}"
+        self.fingerprint = self.units.fingerprint
         self.interval = snapshot_interval_units  # 0: snapshots at the prompt's last unit only
         self.dp_rank = dp_rank
         self.metrics = metrics
         self.bounded_replay = bounded_replay_tokens  # 0 = exact replay (layers × (W-1) tokens)
-        self.rates = [cfg.layer_rate(i) for i in range(cfg.num_hidden_layers)]
         # online cost model (EMA); conservative starting points
         self.prefill_tps = 2000.0  # tokens/s this engine prefills
         self.load_bw = 500e6  # bytes/s the store delivers
@@ -105,7 +213,7 @@ class KVConnector:
         snap = next((j for j in range(present, 0, -1) if self.store.contains(snapshot_key(keys[j - 1]))), 0)
         if snap:
             self._restore_units(seq, model, keys, snap, snapshot=True)
-        elif present:
+        elif present and self.units.replays:
             self._restore_units(seq, model, keys, present, snapshot=False)
 
     def replay_start(self, units: int, model: DeepseekV4ForCausalLM) -> int:
@@ -126,7 +234,7 @@ class KVConnector:
         start = units * self.unit if snapshot else self.replay_start(units, model)
         if start == 0:
             return  # a replay from token 0 saves nothing
-        est_bytes = units * self._block_bytes(model) + (self._snapshot_bytes(model) if snapshot else 0)
+        est_bytes = units * self.units.block_bytes + (self.units.snapshot_bytes if snapshot else 0)
         load_s = est_bytes / self.load_bw + (units + 1) * self.load_latency
         if load_s >= start / self.prefill_tps:
             return  # recomputing is predicted to be faster: treat as a miss
@@ -137,12 +245,10 @@ class KVConnector:
             return  # evicted or corrupt in between: a miss, never a wrong state
         state = model.new_state()
         try:
-            self._apply(state, records[:units], records[units] if snapshot else None, model, start)
+            self.units.apply(state, records[:units], records[units] if snapshot else None, seq.tokens[:start])
         except (KeyError, RuntimeError, ValueError) as exc:
             log.warning("kv restore of %s failed (%s); recomputing", seq.request_id, exc)
             return
-        state.num_tokens = start
-        state.token_ids = list(seq.tokens[:start])
         nbytes = sum(r.nbytes for r in records)
         self.load_bw = 0.8 * self.load_bw + 0.2 * nbytes / max(time.perf_counter() - t0, 1e-6)
         seq.state = state
@@ -151,27 +257,6 @@ class KVConnector:
         seq.saved_upto = start
         if self.metrics is not None:
             self.metrics.on_prefix_lookup(0, seq.num_cached)
-
-    def _apply(self, state, blocks, snap, model, start: int) -> None:
-        """Fill ``state`` from block records and the snapshot (``snap=None``: replay from ``start``,
-        compressors keep the cached rows and skip the windows before them)."""
-        dev = model.device
-        for li, layer in enumerate(state.layers):
-            if snap is not None:
-                layer.swa = snap.tensors[f"L{li}.swa"].to(dev)
-            for part in ("comp", "index"):
-                comp = getattr(layer, part)
-                if comp is None:
-                    continue
-                comp.rows = torch.cat([b.tensors[f"L{li}.{part}"] for b in blocks]).to(dev)
-                if snap is None:
-                    comp.windows = start // self.rates[li]
-                    continue
-                comp.buf_kv = snap.tensors[f"L{li}.{part}.buf_kv"].to(dev)
-                comp.buf_gate = snap.tensors[f"L{li}.{part}.buf_gate"].to(dev)
-                if f"L{li}.{part}.overlap_kv" in snap.tensors:
-                    comp.overlap_kv = snap.tensors[f"L{li}.{part}.overlap_kv"].to(dev)
-                    comp.overlap_gate = snap.tensors[f"L{li}.{part}.overlap_gate"].to(dev)
 
     # ---- save -------------------------------------------------------------------------
     def save_due(self, seq: Sequence) -> bool:
@@ -187,59 +272,31 @@ class KVConnector:
         if seq.state is None or not self.save_due(seq):
             return
         n = seq.num_computed
-        keys = self.keys(seq.tokens[:n])
-        first = seq.saved_upto // self.unit
-        items = []
-        for i in range(first, len(keys)):
-            if self.store.contains(keys[i]):
-                continue
-            tensors = self._block_tensors(seq.state, i)
-            header = RecordHeader("block", self.fingerprint, self.dtype_name, i * self.unit, (i + 1) * self.unit,
-                                  parent=keys[i - 1] if i else ROOT_KEY, key=keys[i])
-            items.append((keys[i], header, tensors))
-        snap_header = RecordHeader("snapshot", self.fingerprint, self.dtype_name, 0, n, parent=keys[-1], key=snapshot_key(keys[-1]))
-        items.append((snapshot_key(keys[-1]), snap_header, self._snapshot_tensors(seq.state)))
+        try:
+            items = self._records(seq, n)
+        except ValueError as exc:  # a row the record format cannot hold exactly: store nothing
+            log.warning("kv save of %s skipped (%s)", seq.request_id, exc)
+            return
         self.store.put_many(items, dp_rank=self.dp_rank)
         seq.saved_upto = n
 
-    def _block_tensors(self, state, unit_idx: int) -> dict[str, torch.Tensor]:
-        out = {}
-        for li, layer in enumerate(state.layers):
-            rate = self.rates[li]
-            if rate == 0:
+    def _records(self, seq: Sequence, n: int) -> list[tuple[str, RecordHeader, dict[str, torch.Tensor]]]:
+        """The block records of the units of ``seq.tokens[:n]`` not stored yet and the snapshot at ``n``."""
+        keys = self.keys(seq.tokens[:n])
+        items = []
+        for i in range(seq.saved_upto // self.unit, len(keys)):
+            if self.store.contains(keys[i]):
                 continue
-            a, b = unit_idx * self.unit // rate, (unit_idx + 1) * self.unit // rate
-            out[f"L{li}.comp"] = layer.comp.rows[a:b].cpu()
-            if layer.index is not None:
-                out[f"L{li}.index"] = layer.index.rows[a:b].cpu()
-        return out
-
-    def _snapshot_tensors(self, state) -> dict[str, torch.Tensor]:
-        out = {}
-        for li, layer in enumerate(state.layers):
-            out[f"L{li}.swa"] = layer.swa.cpu()
-            for part in ("comp", "index"):
-                comp = getattr(layer, part)
-                if comp is None:
-                    continue
-                for name in _COMP_FIELDS:
-                    t = getattr(comp, name)
-                    if t is not None:
-                        out[f"L{li}.{part}.{name}"] = t.cpu()
-        return out
+            header = RecordHeader("block", self.fingerprint, self.dtype_name, i * self.unit, (i + 1) * self.unit,
+                                  parent=keys[i - 1] if i else ROOT_KEY, key=keys[i])  # fmt: skip
+            items.append((keys[i], header, self.units.block_tensors(seq.state, i)))
+        snap_header = RecordHeader("snapshot", self.fingerprint, self.dtype_name, 0, n, parent=keys[-1],
+                                   meta=self.units.snapshot_meta(seq.state), key=snapshot_key(keys[-1]))  # fmt: skip
+        items.append((snapshot_key(keys[-1]), snap_header, self.units.snapshot_tensors(seq.state)))
+        return items
 
     # ---- cost model -------------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Feed the recompute side of the cost model with a measured prefill step."""
         if tokens >= 16 and seconds > 0:
             self.prefill_tps = 0.8 * self.prefill_tps + 0.2 * tokens / seconds
-
-    def _block_bytes(self, model: DeepseekV4ForCausalLM) -> int:
-        from engine.runtime.state_pool import state_bytes
-
-        return state_bytes(model.config, model.dtype)[0]
-
-    def _snapshot_bytes(self, model: DeepseekV4ForCausalLM) -> int:
-        from engine.runtime.state_pool import state_bytes
-
-        return state_bytes(model.config, model.dtype)[1]

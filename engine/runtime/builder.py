@@ -74,15 +74,19 @@ def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cp
 
 
 def family_engine_config(model: DeepseekV4ForCausalLM, config: EngineConfig) -> EngineConfig:
-    """``config`` with what the model's family cannot do yet turned off. V4.1: no static slot
-    decoder and no KV-store record format yet, so the general path and ``kv_cache="off"``."""
+    """``config`` with what the model's family cannot do turned off. V4.1: no static slot decoder
+    (the general path), and ``kv_cache="off"`` for the shapes its KV records cannot hold."""
     if isinstance(model, DeepseekV4ForCausalLM):
         return config
     from dataclasses import replace
 
-    if config.kv_cache != "off":
-        log.warning("DeepSeek-V4.1 has no KV-store record format yet: kv_cache %r -> 'off'", config.kv_cache)
-    return replace(config, static_decode=False, kv_cache="off")
+    from engine.kv_units_v41 import unsupported
+
+    problem = unsupported(model.config)
+    if problem and config.kv_cache != "off":
+        log.warning("DeepSeek-V4.1 KV store off for this checkpoint: %s", problem)
+        config = replace(config, kv_cache="off")
+    return replace(config, static_decode=False)
 
 
 def build_sampler(model: DeepseekV4ForCausalLM, model_dir: str | Path, seed: int | None = None) -> Sampler:

@@ -1,0 +1,174 @@
+"""DeepSeek-V4.1 prefix resume through the KV store (engine/kv_units_v41.py): a prefix stored by
+one request and resumed by another gives a cold run's greedy tokens and logprobs (fp32, CPU), on
+the fixture checkpoints, through the memory tier and a real Redis-protocol server; the records
+are DeepInfer's byte layout; the fingerprint follows every layout switch."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from deepserve.protocol import GenerateRequest, SamplingParams
+from engine.backends.deepinfer.layout import cache_layout
+from engine.kv_connector import KVConnector, snapshot_key
+from engine.kv_units_v41 import V41Units
+from engine.model.v41.loader import load_v41_model
+from engine.model.v41.model import DeepseekV41ForCausalLM
+from engine.runtime.builder import build_engine
+from engine.runtime.config import EngineConfig
+from engine.runtime.sequence import Sequence
+from kvstore import KVStoreConfig, build_store
+from prometheus_client import CollectorRegistry
+from tests.engine.model.v41.conftest import BAR, CASES, fixture_case
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request) -> tuple[str, object, dict]:
+    ckpt, ref = fixture_case(request.param)
+    return str(ckpt), load_v41_model(ckpt, dtype="float32"), ref
+
+
+def _prompt(ref: dict, n: int, seed: int) -> list[int]:
+    """``n`` tokens from the fixture's prompts and greedy outputs, in a seeded order."""
+    pool = [t for p in ref["prompts"] for t in p["prompt_ids"] + p["greedy_tokens"]]
+    rng = random.Random(seed)
+    return [pool[rng.randrange(len(pool))] for _ in range(n)]
+
+
+def _store(tiers=("memory",), **kw):
+    return build_store(KVStoreConfig(tiers=tiers, **kw), registry=CollectorRegistry())
+
+
+def _run(engine, rid: str, prompt: list[int], n: int = 16) -> tuple[list[int], list[float], int]:
+    """Greedy ``n`` tokens: (tokens, chosen logprobs, cached prompt tokens)."""
+    sampling = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=1)
+    engine.add_request(GenerateRequest(rid, prompt, sampling))
+    tokens, logprobs, cached = [], [], 0
+    while engine.has_work():
+        for ev in engine.step():
+            assert ev.finish_reason != "error", ev.error
+            tokens += ev.token_ids
+            logprobs += [lp.logprob for lp in ev.logprobs or []]
+            cached = max(cached, ev.num_cached_tokens)
+    return tokens, logprobs, cached
+
+
+def _engine(ckpt: str, model, store):
+    return build_engine(ckpt, EngineConfig(), model=model, kv=KVConnector(store, model))
+
+
+def _assert_same(got: tuple, cold: tuple) -> None:
+    assert got[0] == cold[0]
+    assert max(abs(a - b) for a, b in zip(got[1], cold[1])) <= BAR
+
+
+def test_stored_prefix_resumes_exactly(case) -> None:
+    """Request 1 stores its prompt's units; request 2 (same prefix, then its own turn) resumes
+    from them and gives what a cold engine gives; a third repeats request 1 and hits too."""
+    ckpt, model, ref = case
+    first = _prompt(ref, 200, 1)
+    engine = _engine(ckpt, model, _store())
+    out1 = _run(engine, "a", first)
+    second = first + out1[0] + _prompt(ref, 70, 2)  # 286 tokens: resumes at the snapshot after 128
+    got = _run(engine, "b", second)
+    assert got[2] == 128  # request 1 computed 216 tokens: its prompt's snapshot is the one after 128
+    _assert_same(got, _run(_engine(ckpt, model, _store()), "cold", second))
+    again = _run(engine, "c", first)
+    assert again[2] == 128
+    _assert_same(again, out1)
+
+
+@pytest.mark.redis
+def test_prefix_resumes_from_redis(case, redis_server) -> None:
+    """Another engine (a fresh store client, as another process) resumes from Redis."""
+    ckpt, model, ref = case
+    cfg = dict(redis_url=redis_server.url, redis_prefix=f"v41-{random.random()}")
+    prompt = _prompt(ref, 300, 3)
+    cold = _run(_engine(ckpt, model, _store(("redis",), **cfg)), "a", prompt)
+    got = _run(_engine(ckpt, model, _store(("redis",), **cfg)), "b", prompt)
+    assert got[2] == 256
+    _assert_same(got, cold)
+
+
+def _stored(model, prompt: list[int], upto: int = 256) -> KVConnector:
+    """A connector whose memory store holds ``prompt[:upto]``'s units and the snapshot after them."""
+    conn = KVConnector(_store(), model)
+    seq = Sequence(request=GenerateRequest("s", prompt), sampling=None, tokens=list(prompt), num_prompt=len(prompt))  # type: ignore[arg-type]
+    seq.state = model.new_state()
+    model([(seq.state, prompt[:upto])])
+    seq.num_computed = seq.snapshot_at = upto
+    conn.save(seq, model)
+    return conn
+
+
+def test_records_are_deepinfers_layout(case) -> None:
+    """Blocks: only the KV-source layers' FP4 rows, one GPU block's regions; the snapshot: every
+    layer's FP8 window ring, the engram history, the token count."""
+    _, model, ref = case
+    cfg, prompt = model.config, _prompt(ref, 260, 4)
+    conn = _stored(model, prompt)
+    keys = conn.keys(prompt[:256])
+    layout = cache_layout(cfg)
+    for key in keys:
+        block = conn.store.get(key)
+        assert {n: tuple(t.shape) for n, t in block.tensors.items()} == {r.tensor_name: (r.rows, r.row_bytes) for r in layout.regions}
+        assert all(t.dtype == torch.uint8 for t in block.tensors.values()) and block.nbytes == layout.block_data_bytes
+    snap = conn.store.get(snapshot_key(keys[-1]))
+    assert tuple(snap.tensors["windows"].shape) == (cfg.num_hidden_layers, cfg.sliding_window - 1, layout.swa_row_bytes)
+    assert snap.header.meta["tokens"] == 256 and snap.header.token_end == 256
+    want_engram = model.hasher.history(prompt[:256]) if model.hasher is not None else []
+    assert snap.tensors["engram"].tolist() == want_engram
+
+
+def test_a_snapshot_that_does_not_fit_is_a_miss(case) -> None:
+    """A snapshot whose windows do not fit the model restores nothing (a miss, never a wrong state)."""
+    _, model, ref = case
+    prompt = _prompt(ref, 260, 5)
+    conn = _stored(model, prompt)
+    key = snapshot_key(conn.keys(prompt[:256])[-1])
+    snap = conn.store.get(key)
+    bad = dict(snap.tensors)
+    bad["windows"] = bad["windows"][:, 1:]  # one ring row short
+    conn.store.remove(key)
+    assert conn.store.put(key, snap.header, bad)
+    seq = Sequence(request=GenerateRequest("q", prompt), sampling=None, tokens=list(prompt), num_prompt=len(prompt))  # type: ignore[arg-type]
+    conn.restore(seq, model)
+    assert seq.state is None and seq.num_computed == 0
+
+
+def test_fingerprint_covers_every_layout_switch() -> None:
+    """Window, ratios, index sources, candidate source, indexer width, dtype and the engram
+    tokenizer each change the fingerprint (and hence every key); equal models agree."""
+    base = load_v41_model(fixture_case("tester")[0], dtype="float32").config
+    fp = lambda cfg, dtype=torch.float32: V41Units(DeepseekV41ForCausalLM(cfg, dtype)).fingerprint  # noqa: E731
+    variants = [
+        replace(base, sliding_window=base.sliding_window * 2),
+        replace(base, compress_ratios=tuple(1 if r == 2 else r for r in base.compress_ratios)),
+        replace(base, index_source_layer_ids=base.kv_source_layer_ids[:1], candidate_source_layer_id=-1),
+        replace(base, candidate_source_layer_id=-1),
+        replace(base, index_topk=base.index_topk + 1),
+    ]
+    prints = {fp(base)} | {fp(v) for v in variants} | {fp(base, torch.bfloat16)}
+    assert len(prints) == len(variants) + 2 and fp(base) == fp(replace(base))
+    ckpt, _ = fixture_case("engram")
+    engram = load_v41_model(ckpt, dtype="float32")
+    other = replace(engram.hasher, token_map=engram.hasher.token_map.flip(0))
+    assert V41Units(engram).fingerprint != V41Units(DeepseekV41ForCausalLM(engram.config, torch.float32, other)).fingerprint
+
+
+def test_shapes_without_a_record_format_turn_the_store_off() -> None:
+    """A head_dim the model leaves unquantised (not whole 32-blocks) has no record format: the
+    engine serves with ``kv_cache="off"`` instead of failing."""
+    from engine.kv_units_v41 import unsupported
+    from engine.runtime.builder import family_engine_config
+
+    base = load_v41_model(fixture_case("tester")[0], dtype="float32").config
+    odd = replace(base, head_dim=40, qk_rope_head_dim=8)
+    assert unsupported(base) is None and "head_dim 40" in unsupported(odd)
+    assert family_engine_config(DeepseekV41ForCausalLM(odd), EngineConfig()).kv_cache == "off"
+    assert family_engine_config(DeepseekV41ForCausalLM(base), EngineConfig()).kv_cache == "readwrite"

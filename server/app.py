@@ -67,6 +67,7 @@ def create_app(
                 yield
             finally:
                 await gw.drain_tasks()
+                gw.render.close()
 
     app = FastAPI(
         title="deepserve gateway",

@@ -41,6 +41,9 @@ ENV_VARS: dict[str, str] = {
     "responses_max_stored": "DEEPSERVE_RESPONSES_MAX_STORED",
     "responses_max_stored_bytes": "DEEPSERVE_RESPONSES_MAX_STORED_BYTES",
     "responses_ttl_s": "DEEPSERVE_RESPONSES_TTL",
+    "render_threads": "DEEPSERVE_RENDER_THREADS",
+    "header_timeout_s": "DEEPSERVE_HEADER_TIMEOUT",
+    "max_connections": "DEEPSERVE_MAX_CONNECTIONS",
     "log_level": "DEEPSERVE_LOG_LEVEL",
 }
 
@@ -88,6 +91,14 @@ class GatewayConfig:
     responses_max_stored: int = 1024
     responses_max_stored_bytes: int = 256 << 20
     responses_ttl_s: float = 3600.0  # seconds an unchanged stored response is kept
+    # Conversion and tokenisation of bodies of at least render_inline_bytes run on this many
+    # threads, off the event loop (server/render_pool.py); smaller ones inline.
+    render_threads: int = 2
+    render_inline_bytes: int = 32 << 10
+    # A connection must complete its request headers this long after it opened (or after its
+    # previous response): else it is closed (slow or stalled clients; server/http_guard.py).
+    header_timeout_s: float = 10.0
+    max_connections: int = 2048  # open client connections at most; more get 503 and are closed
     root_path: str = ""  # ASGI root path when served behind a path-prefixing proxy (vLLM's --root-path)
     ssl_keyfile: str | None = None  # with ssl_certfile: serve HTTPS
     ssl_certfile: str | None = None
@@ -97,13 +108,13 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "max_concurrent_requests"):
+        for name in ("max_body_bytes", "max_concurrent_requests", "render_threads", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("rate_limit_rpm", "rate_limit_tpm", "max_queued_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("queue_timeout_s", "request_timeout_s", "body_timeout_s"):
+        for name in ("queue_timeout_s", "request_timeout_s", "body_timeout_s", "header_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
@@ -116,10 +127,14 @@ class GatewayConfig:
 
     # ---- derived ------------------------------------------------------------------------------
     def uvicorn_options(self) -> dict[str, Any]:
-        """``uvicorn.Config`` keywords: address, log level, root path, TLS."""
+        """``uvicorn.Config`` keywords: address, log level, root path, TLS, and the HTTP protocol
+        with the header-read timeout and the connection cap."""
+        from server.http_guard import guarded_http
+
         return {
             "host": self.host, "port": self.port, "log_level": self.log_level, "root_path": self.root_path,
             "ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile,
+            "http": guarded_http(self.header_timeout_s, self.max_connections),
         }
 
     def response_store(self) -> ResponseStoreConfig:
@@ -255,6 +270,9 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-max-stored", type=int, help="stored Responses kept at most (LRU; default 1024)")
     p.add_argument("--responses-max-stored-bytes", type=int, help="bytes of stored Responses JSON at most (default 256 MiB)")
     p.add_argument("--responses-ttl", dest="responses_ttl_s", type=float, help="seconds a stored Response is kept (default 3600)")
+    p.add_argument("--render-threads", type=int, help="threads rendering large request bodies off the event loop (default 2)")
+    p.add_argument("--header-timeout", dest="header_timeout_s", type=float, help="seconds a connection has to send its request headers (default 10)")
+    p.add_argument("--max-connections", type=int, help="open client connections at most (default 2048; more: 503)")
     p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", help="uvicorn log level (default info)")
     p.add_argument("--root-path", help="ASGI root path behind a path-prefixing proxy")
     p.add_argument("--ssl-keyfile", help="TLS private key file (with --ssl-certfile)")

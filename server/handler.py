@@ -3,7 +3,8 @@
 Steps, each failing with a ``GatewayError`` (rendered by the app's exception handler):
 authenticate (401) -> read the body with its size and time limits (413/408) -> parse JSON (400)
 -> model known (404) -> rate limit (429) -> deepseek-recipe conversion (400) -> encode the prompt
--> resolve ``max_tokens`` against the context (400) -> admission (503) -> engine.
+(both on the render pool for large bodies, ``server/render_pool.py``) -> resolve ``max_tokens``
+against the context (400) -> admission (503) -> engine.
 
 Streaming answers wait for the first engine event before sending headers, so failures that happen
 before any token (no worker, engine refusal) still get their HTTP status; later failures become
@@ -147,10 +148,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
         raise InvalidRequest(
             f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
         )
-    try:
-        conv, make_generator, prompt = convert_and_encode(gw, proto, raw if recipe_body is body else recipe_body)
-    except GatewayError as refused:
-        conv, make_generator, prompt = convert_forcing_tools(gw, proto, recipe_body, refused)
+    conv, make_generator, prompt = await gw.render.run(len(raw), render, gw, proto, raw if recipe_body is body else recipe_body, recipe_body)
     prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
     rid, engine_rid = ids(request, proto.id_prefix)
     if hooks is not None and hooks.unique_id:
@@ -229,6 +227,15 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: bytes | dict[st
     except (RuntimeError, ValueError) as exc:
         raise InvalidRequest(f"The prompt could not be encoded: {exc}") from None
     return conv, make_generator, prompt
+
+
+def render(gw: Gateway, proto: RecipeProtocol, source: bytes | dict[str, Any], recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
+    """``convert_and_encode`` of ``source`` (the body, raw or rewritten), falling back to
+    ``convert_forcing_tools`` (runs on the render pool for large bodies)."""
+    try:
+        return convert_and_encode(gw, proto, source)
+    except GatewayError as refused:
+        return convert_forcing_tools(gw, proto, recipe_body, refused)
 
 
 def convert_forcing_tools(

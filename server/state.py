@@ -16,6 +16,7 @@ from server.engine_client import EngineClient
 from server.limits import Admission, RateLimiter, authenticate, read_body
 from server.metrics import GatewayMetrics
 from server.model import ModelCatalog
+from server.render_pool import RenderPool
 from server.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Gateway:
     limiter: RateLimiter
     admission: Admission
     responses: ResponseStore  # stored Responses (store, previous_response_id, background)
+    render: RenderPool  # conversion and tokenisation of large bodies, off the event loop
     health_probe: HealthProbe | None = None
     metrics_sources: list[tuple[str, str]] = field(default_factory=list)  # (worker name, /metrics URL)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -64,6 +66,7 @@ class Gateway:
             limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm, per_key=config.key_limits()),
             admission=admission,
             responses=ResponseStore(config.response_store()),
+            render=RenderPool(config.render_threads, config.render_inline_bytes),
             health_probe=health_probe,
             metrics_sources=list(metrics_sources or []),
         )

@@ -304,7 +304,7 @@ async def create_completion(request: Request) -> Response:
     if gw.limiter.enabled:
         gw.limiter.admit(key)
     catalog = gw.catalog
-    p = parse_completion(body, catalog)
+    p = await gw.render.run(len(raw), parse_completion, body, catalog)  # tokenises text prompts
     constraint = completion_constraint(body, compact=gw.config.compact_json)
     rid, engine_rid = request_ids(request, "cmpl-")
     requests: list[tuple[int, GenerateRequest | None]] = []  # (prompt index, engine request)

@@ -27,10 +27,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Serve ``app`` on a free loopback port in a daemon thread; yields the base URL."""
+def serve(app: Any, **options: Any) -> Iterator[str]:
+    """Serve ``app`` on a free loopback port in a daemon thread; yields the base URL.
+    ``options``: more ``uvicorn.Config`` keywords (the gateway's HTTP protocol, ...)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

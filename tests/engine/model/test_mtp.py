@@ -9,12 +9,11 @@ from engine.errors import CheckpointError
 from engine.model.attention import SeqSlice
 from engine.model.loader import load_model
 from engine.model.mtp import Drafter, Entry, MTPLayer
-from engine.model.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    return load_model(make_tiny_model(tmp_path_factory.mktemp("tiny-mtp"), seed=5, preset="tiny-small-windows"), progress=False)
+def model(small_windows_model_dir):
+    return load_model(small_windows_model_dir, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ import torch
 from engine.model.loader import load_model
 from engine.model.rewind import mark, rewind
 from engine.model.state import SequenceState
-from engine.model.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def small_windows(tmp_path_factory: pytest.TempPathFactory):
+def small_windows(small_windows_model_dir):
     """CSA rate 4, HCA rate 8, window 16: a short run closes every kind of window."""
-    return load_model(make_tiny_model(tmp_path_factory.mktemp("tiny-sw"), seed=3, preset="tiny-small-windows"), progress=False)
+    return load_model(small_windows_model_dir, progress=False)
 
 
 def _assert_same(a: SequenceState, b: SequenceState) -> None:

@@ -1,0 +1,119 @@
+"""Speculative decoding through the engine: greedy output is token for token the output without it."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from deepserve.protocol import GenerateRequest, SamplingParams
+from engine.model.loader import load_model
+from engine.model.tiny_mtp import TrainConfig, sentence
+from engine.runtime.builder import build_engine
+from engine.runtime.config import EngineConfig, SpeculativeConfig
+from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
+
+from helpers import prompt, run
+
+
+@pytest.fixture(scope="module")
+def trained(trained_mtp_model_dir):
+    return trained_mtp_model_dir, load_model(trained_mtp_model_dir, dtype="float32", progress=False)
+
+
+def _engine(ckpt, model, k: int | None, **kw):
+    """An engine (speculative with ``k`` drafts, or not) and the registry of its metrics."""
+    reg = CollectorRegistry()
+    metrics = EngineMetrics(EngineMetricFamilies(reg), "m", 0)
+    spec = None if k is None else SpeculativeConfig("mtp", k)
+    return build_engine(ckpt, EngineConfig(max_num_seqs=8, speculative=spec, **kw), model=model, metrics=metrics), reg
+
+
+def _counts(reg: CollectorRegistry) -> dict[str, float]:
+    labels = {"model_name": "m", "dp_rank": "0", "engine": "0"}
+    out = {n: reg.get_sample_value(f"vllm:spec_decode_{n}_total", labels) or 0.0 for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    out["per_pos"] = sum(reg.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": str(p)}) or 0.0 for p in range(4))
+    return out
+
+
+def _requests(lang: TrainConfig) -> list[GenerateRequest]:
+    """Mixed lengths, inside the language and in random tokens (the trained model's continuation
+    enters the language after one token); 100 + 40 and 240 + 40 tokens cross the 128-token units
+    (an HCA window closes inside a verify)."""
+    prompts = [sentence(lang, 1003, 3), prompt(100, 1), prompt(230, 2) + sentence(lang, 1040, 10), prompt(7, 3)]
+    return [GenerateRequest(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+
+
+def test_greedy_tokens_equal_without_speculation_k_1_2_3(trained) -> None:
+    ckpt, model = trained
+    lang = TrainConfig()
+    base = run(_engine(ckpt, model, None)[0], _requests(lang))
+    for k in (1, 2, 3):
+        engine, reg = _engine(ckpt, model, k)
+        out = run(engine, _requests(lang))
+        assert {r: (o.tokens, o.finish_reason) for r, o in out.items()} == {r: (o.tokens, o.finish_reason) for r, o in base.items()}, k
+        c = _counts(reg)
+        assert c["num_draft_tokens"] <= k * c["num_drafts"] and c["per_pos"] == c["num_accepted_tokens"]
+        assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"] > 0, c  # acceptance well above zero
+        assert engine.static is None or engine.static.steps == 0  # speculative sequences never take a slot
+
+
+@pytest.mark.parametrize(("ckpt_fixture", "lengths"), [
+    ("small_windows_model_dir", (5, 17, 30)),
+    pytest.param("tiny_model_dir", (120,), marks=pytest.mark.slow),
+])
+def test_random_mtp_rejects_and_stays_exact_across_windows(request: pytest.FixtureRequest, ckpt_fixture: str, lengths: tuple[int, ...]) -> None:
+    """An untrained MTP layer: rejections everywhere, so rewinds cross every kind of window close
+    (window 16, CSA 4, HCA 8; and the 128-token HCA units of the default tiny model)."""
+    ckpt = request.getfixturevalue(ckpt_fixture)
+    model = load_model(ckpt, dtype="float32", progress=False)
+    reqs = lambda: [GenerateRequest(f"s{n}", prompt(n, n), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for n in lengths]  # noqa: E731
+    base = run(_engine(ckpt, model, None)[0], reqs())
+    engine, reg = _engine(ckpt, model, 3)
+    out = run(engine, reqs())
+    assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}
+    c = _counts(reg)
+    assert c["num_drafts"] > 0 and c["num_accepted_tokens"] < c["num_draft_tokens"]
+
+
+def test_stop_rules_apply_per_accepted_token_and_budget_limits_drafts(trained) -> None:
+    ckpt, model = trained
+    lang = TrainConfig()
+    text = sentence(lang, 1010, 20)
+    stop_at = text[12]  # reached inside an accepted run
+    reqs = lambda: [  # noqa: E731
+        GenerateRequest("stop", text[:4], SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(stop_at,))),
+        GenerateRequest("len", text[:4], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)),
+    ]
+    base = run(_engine(ckpt, model, None)[0], reqs())
+    assert base["stop"].tokens == text[4:13] and base["stop"].finish_reason == "stop" and len(base["len"].tokens) == 7
+    for budget in (2048, 3):  # 3: two decoding sequences share 3 tokens a step, drafts cut to fit
+        engine, reg = _engine(ckpt, model, 3, max_num_batched_tokens=budget)
+        out = run(engine, reqs())
+        assert {r: (o.tokens, o.finish_reason) for r, o in out.items()} == {r: (o.tokens, o.finish_reason) for r, o in base.items()}
+        assert _counts(reg)["num_accepted_tokens"] > 0
+
+
+def test_requests_it_cannot_verify_exactly_decode_as_before(trained) -> None:
+    """Sampling, logprobs, penalties and the per-request opt-out fall back to plain decode."""
+    ckpt, model = trained
+    text = sentence(TrainConfig(), 1020, 6)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, speculative=False, ignore_eos=True),
+    ]
+    reqs = lambda: [GenerateRequest(f"f{i}", text, p) for i, p in enumerate(params)]  # noqa: E731
+    base = run(_engine(ckpt, model, None)[0], reqs())
+    engine, reg = _engine(ckpt, model, 2)
+    out = run(engine, reqs())
+    assert {r: (o.tokens, o.logprobs) for r, o in out.items()} == {r: (o.tokens, o.logprobs) for r, o in base.items()}
+    assert _counts(reg)["num_drafts"] == 0
+
+
+def test_speculative_config_is_validated(trained) -> None:
+    with pytest.raises(ValueError, match="only 'mtp'"):
+        SpeculativeConfig("eagle", 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 0}')
+    assert SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3}') == SpeculativeConfig("mtp", 3)

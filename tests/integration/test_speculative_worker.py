@@ -1,0 +1,69 @@
+"""Speculative decoding in a real ``deepserve engine`` process over HTTP (trained tiny MTP model).
+
+Two workers, one with ``--speculative-config`` and one without, give the same greedy tokens for
+batched requests of mixed lengths that cross 128-token units (their KV store on, so drafts stop at
+each unit boundary); the speculative one reports drafts and acceptances under vLLM's metric names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import urllib.request
+
+import pytest
+
+from deepserve.protocol import GenerateRequest, SamplingParams
+from engine.model.tiny_mtp import TrainConfig, sentence
+from router.worker_client import WorkerClient
+from tests.integration.workers import AUTH, start_workers
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def _requests() -> list[GenerateRequest]:
+    rng, lang = random.Random(5), TrainConfig()
+    prompts = [[rng.randrange(2, 129280) for _ in range(n)] + sentence(lang, 1000 + n % 64, 4) for n in (3, 120, 200, 60)]
+    return [GenerateRequest(f"h{i}", p, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+
+
+async def _generate(url: str) -> dict[str, list[int]]:
+    client = WorkerClient(url, auth=AUTH)
+
+    async def one(req: GenerateRequest) -> tuple[str, list[int]]:
+        tokens = []
+        async for ev in client.generate(req):
+            assert ev.finish_reason != "error", ev.error
+            tokens += ev.token_ids
+        return req.request_id, tokens
+
+    try:
+        return dict(await asyncio.gather(*(one(r) for r in _requests())))
+    finally:
+        await client.close()
+
+
+def _metric(url: str, name: str) -> float:
+    req = urllib.request.Request(url + "/metrics", headers=AUTH.headers())
+    with urllib.request.urlopen(req, timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_speculative_worker_gives_the_plain_workers_tokens(trained_mtp_model_dir, tmp_path_factory) -> None:
+    logs = tmp_path_factory.mktemp("logs")
+    spec = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-spec"), ["mixed"], logs,
+                         extra=("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'))[0]  # fmt: skip
+    plain = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-plain"), ["mixed"], logs)[0]
+    try:
+        want = asyncio.run(_generate(plain.url))
+        got = asyncio.run(_generate(spec.url))
+        assert got == want and all(len(t) == 48 for t in got.values())
+        drafts = _metric(spec.url, "vllm:spec_decode_num_draft_tokens_total")
+        accepted = _metric(spec.url, "vllm:spec_decode_num_accepted_tokens_total")
+        assert accepted > 0.5 * drafts > 0
+        assert _metric(spec.url, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+        assert _metric(plain.url, "vllm:spec_decode_num_drafts_total") == 0
+    finally:
+        spec.terminate()
+        plain.terminate()

@@ -146,8 +146,11 @@ def first_model(url: str, api_key: str | None = None, timeout_s: float = 30.0) -
     return str(data[0]["id"])
 
 
-def render_bodies(rows: Sequence[TraceRow], cfg: ClientConfig) -> list[bytes]:
-    """Request bodies for ``rows`` (rendered up front, outside the timed run)."""
+def render_bodies(rows: Sequence[TraceRow], cfg: ClientConfig, prompts: Sequence[str] | None = None) -> list[bytes]:
+    """Request bodies for ``rows`` (rendered up front, outside the timed run); ``prompts``: the
+    rows' own texts (a ShareGPT workload) instead of content rendered from their hash ids."""
+    if prompts is not None and cfg.endpoint == "internal":
+        raise ValueError("the internal endpoint takes token ids; send text prompts to chat or completions")
     content = BlockContent(cfg.block_size, cfg.content_seed, cfg.vocab_size)
     bodies = []
     for i, row in enumerate(rows):
@@ -159,7 +162,7 @@ def render_bodies(rows: Sequence[TraceRow], cfg: ClientConfig) -> list[bytes]:
                 "session_key": row.session_id,
             }
         else:
-            text = content.text(row.hash_ids, row.input_length, i)
+            text = prompts[i] if prompts is not None else content.text(row.hash_ids, row.input_length, i)
             body = {"model": cfg.model, "max_tokens": row.output_length, "temperature": cfg.temperature, "stream": cfg.stream}
             if cfg.endpoint == "chat":
                 body["messages"] = [{"role": "user", "content": text}]

@@ -9,13 +9,22 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
-    p.add_argument("--workload", default="fixed", help="workload spec, e.g. fixed:input_length=1024,output_length=128, "
-                   "chat, multi_turn, tool_agent, or a Mooncake trace FILE.jsonl (see bench/workloads)")
+    p.add_argument("--url", "--base-url", dest="url", required=True, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--workload", default=None, help="workload spec, e.g. fixed:input_length=1024,output_length=128 "
+                        "(the default), chat, multi_turn, tool_agent, or a Mooncake trace FILE.jsonl (see bench/workloads)")
+    source.add_argument("--dataset-name", choices=["random", "sharegpt"], help="vllm bench serve's datasets (bench/workloads/datasets.py)")
+    p.add_argument("--dataset-path", help="sharegpt: the ShareGPT-format JSON file (nothing is downloaded)")
+    p.add_argument("--random-input-len", type=int, default=1024, help="random: input tokens per request (default 1024)")
+    p.add_argument("--random-output-len", type=int, default=128, help="random: output tokens per request (default 128)")
+    p.add_argument("--random-prefix-len", type=int, default=0, help="random: tokens of a prefix every request shares (default 0)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="random: lengths uniform in [len*(1-r), len*(1+r)] (default 0)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="sharegpt: output tokens per request (default: the reply's)")
     pace = p.add_mutually_exclusive_group()
-    pace.add_argument("--rate", type=float, nargs="+", help="Poisson request rate(s) per second; several = a sweep")
-    pace.add_argument("--concurrency", type=int, help="closed loop with this many requests in flight")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per run (default: the workload's, or 100)")
+    pace.add_argument("--rate", "--request-rate", dest="rate", type=float, nargs="+", help="Poisson request rate(s) per second; several = a sweep")
+    pace.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, help="closed loop with this many requests in flight")
+    p.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=None,
+                   help="requests per run (default: the workload's, or 100; a dataset's 1000)")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace replay: multiply inter-arrival times by this")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds (for goodput)")
     p.add_argument("--slo-itl", type=float, default=None, help="time-per-output-token SLO, seconds (for goodput)")
@@ -40,9 +49,15 @@ def run(args: argparse.Namespace) -> int:
 
     from bench.client import ClientConfig, Pacing, RunResult, first_model, render_bodies, run_async, warmup_async
     from bench.report import SLO, format_table, summarize, write_json, write_plots
-    from bench.workloads import make_workload
+    from bench.workloads import dataset_workload, make_workload
+    from bench.workloads.datasets import RandomConfig
 
-    wl = make_workload(args.workload, args.num_requests, args.seed)
+    if args.dataset_name:
+        rnd = RandomConfig(args.random_input_len, args.random_output_len, args.random_prefix_len, args.random_range_ratio)
+        wl = dataset_workload(args.dataset_name, args.num_requests, args.seed, path=args.dataset_path, random=rnd,
+                              output_len=args.sharegpt_output_len)
+    else:
+        wl = make_workload(args.workload or "fixed", args.num_requests, args.seed)
     rows = wl.rows
     model = args.model
     if model is None and args.endpoint != "internal":
@@ -63,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         pacings = [Pacing(concurrency=1)]
     print(f"workload {wl.name}: {wl.stats()}", file=sys.stderr)
-    bodies = render_bodies(rows, cfg)
+    bodies = render_bodies(rows, cfg, wl.prompts)
     slo = SLO(args.slo_ttft, args.slo_itl)
     results: list[RunResult] = []
     summaries: list[dict] = []

@@ -10,6 +10,9 @@ One representation serves the HTTP bench client (rows rendered as text by
 - ``multi_turn[:num_sessions=..,session_rate=..,...]`` and ``tool_agent[:...]``
   (``trace_gen`` presets; any ``TraceGenConfig`` field)
 - ``mooncake:path=FILE[,block_size=512]``, or just ``FILE.jsonl``: replay a trace
+
+``dataset_workload`` builds ``vllm bench serve``'s datasets instead (``--dataset-name random`` or
+``sharegpt``, ``bench/workloads/datasets.py``); a ShareGPT workload carries its prompts' text.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.workloads.content import BlockContent
+from bench.workloads.datasets import RandomConfig, random_rows, sharegpt_requests
 from bench.workloads.synthetic import FixedConfig, HeavyTailConfig, fixed, heavy_tail
 from bench.workloads.trace import TraceRow, read_trace, trace_stats, write_trace
 from bench.workloads.trace_gen import PRESETS, TraceGenConfig, generate
@@ -32,6 +36,7 @@ __all__ = [
     "TraceRow",
     "Workload",
     "generate",
+    "dataset_workload",
     "make_workload",
     "parse_spec",
     "read_trace",
@@ -46,6 +51,7 @@ class Workload:
     rows: list[TraceRow]
     block_size: int
     timed: bool  # rows carry meaningful arrival timestamps (a trace, or a generator given a rate)
+    prompts: tuple[str, ...] | None = None  # each row's prompt text (ShareGPT); None: rendered from hash ids
 
     def stats(self) -> dict:
         return trace_stats(self.rows, self.block_size)
@@ -125,6 +131,29 @@ WORKLOADS: dict[str, Callable[[dict[str, str], int | None, int | None], Workload
     "mooncake": _mooncake,
     "trace": _mooncake,
 }
+
+
+def dataset_workload(
+    name: str, num_requests: int | None, seed: int, *, path: str | None = None, random: RandomConfig | None = None,
+    output_len: int | None = None,
+) -> Workload:
+    """``vllm bench serve``'s ``--dataset-name random|sharegpt`` (1000 requests by default, as vLLM)."""
+    n = num_requests or 1000
+    if name == "random":
+        cfg = dataclasses.replace(random or RandomConfig(), seed=seed)
+        return Workload("random", random_rows(cfg, n), cfg.block_size, False)
+    if name == "sharegpt":
+        if path is None:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
+        block = 512
+        rows, prompts, next_id = [], [], 0
+        for prompt, n_in, n_out in sharegpt_requests(path, n, seed, output_len):
+            blocks = -(-n_in // block)
+            rows.append(TraceRow(0.0, n_in, n_out, tuple(range(next_id, next_id + blocks))))
+            prompts.append(prompt)
+            next_id += blocks
+        return Workload("sharegpt", rows, block, False, tuple(prompts))
+    raise ValueError(f"unknown --dataset-name {name!r} (random or sharegpt)")
 
 
 def make_workload(spec: str, num_requests: int | None = None, seed: int | None = None) -> Workload:

@@ -6,6 +6,7 @@ are DeepInfer's byte layout; the fingerprint follows every layout switch."""
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -15,8 +16,10 @@ from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.backends.deepinfer.layout import cache_layout
 from engine.kv_connector import KVConnector, snapshot_key
 from engine.kv_units_v41 import V41Units
+from engine.model.v41.config import V41Config
 from engine.model.v41.loader import load_v41_model
 from engine.model.v41.model import DeepseekV41ForCausalLM
+from engine.model.v41.tiny import random_v41_state_dict
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from engine.runtime.sequence import Sequence
@@ -172,3 +175,34 @@ def test_shapes_without_a_record_format_turn_the_store_off() -> None:
     assert unsupported(base) is None and "head_dim 40" in unsupported(odd)
     assert family_engine_config(DeepseekV41ForCausalLM(odd), EngineConfig()).kv_cache == "off"
     assert family_engine_config(DeepseekV41ForCausalLM(base), EngineConfig()).kv_cache == "readwrite"
+
+
+HELD_OUT = V41Config(
+    vocab_size=300, hidden_size=64, num_hidden_layers=6, num_attention_heads=2, head_dim=128, q_lora_rank=32,
+    qk_rope_head_dim=16, max_position_embeddings=4096, sliding_window=200, compress_ratios=(0, 2, 2, 1, 1, 1),
+    kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3, candidate_topk_blocks=4,
+    candidate_block_size=4, index_n_heads=4, index_head_dim=64, index_topk=8, o_groups=2, o_lora_rank=16,
+    moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, hc_mult=2, hc_sinkhorn_iters=3,
+    num_nextn_predict_layers=0,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_shapes_resume_exactly(dtype: torch.dtype) -> None:
+    """A random model of another shape (head_dim 128, indexer 64, a window of 200 that one unit
+    does not fill, a reindexing source after the candidate source), in fp32 and bf16: resuming
+    after 1 or 5 units gives the cold logits of every following token bit for bit."""
+    model = DeepseekV41ForCausalLM(HELD_OUT, dtype)
+    names = {re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", k): v for k, v in random_v41_state_dict(model, 3).items()}
+    model.load_state_dict(names)
+    rng = random.Random(0)
+    prompt = [rng.randrange(HELD_OUT.vocab_size) for _ in range(700)]
+    for upto in (128, 640):
+        conn = _stored(model, prompt, upto)
+        seq = Sequence(request=GenerateRequest("q", prompt), sampling=None, tokens=list(prompt), num_prompt=len(prompt))  # type: ignore[arg-type]
+        conn.restore(seq, model)
+        assert seq.num_computed == upto
+        st = model.new_state()
+        model([(st, prompt[:upto])])
+        cold = model([(st, prompt[upto:])], logits="all")
+        assert torch.equal(model([(seq.state, prompt[upto:])], logits="all"), cold)

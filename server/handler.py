@@ -96,6 +96,7 @@ class AnswerHooks(Protocol):
     """What an endpoint adds around the shared path (Responses: the response store)."""
 
     unique_id: bool  # the response id is unique even when the client sent its X-Request-Id
+    added_bytes: int  # how much ``body`` adds to what the client sent (sizes the render decision)
 
     def body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The body to convert (the same object when unchanged)."""
@@ -148,7 +149,8 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
         raise InvalidRequest(
             f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
         )
-    conv, make_generator, prompt = await gw.render.run(len(raw), render, gw, proto, raw if recipe_body is body else recipe_body, recipe_body)
+    size = len(raw) + (hooks.added_bytes if hooks is not None else 0)
+    conv, make_generator, prompt = await gw.render.run(size, render, gw, proto, raw if recipe_body is body else recipe_body, recipe_body)
     prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
     rid, engine_rid = ids(request, proto.id_prefix)
     if hooks is not None and hooks.unique_id:

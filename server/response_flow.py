@@ -76,6 +76,7 @@ class ResponsesFlow:
     background: bool = False
     previous_id: str | None = None
     history: list[Any] = field(default_factory=list)  # the input items after expansion
+    added_bytes: int = 0  # the stored conversation's JSON put before the input
     rid: str = ""
 
     @classmethod
@@ -89,6 +90,7 @@ class ResponsesFlow:
             raise InvalidRequest("background mode with 'stream' is not supported; poll GET /v1/responses/{id}.", param="background")
         previous_id = body.get("previous_response_id")
         history: list[Any] = []
+        added = 0
         if previous_id is not None:
             if not isinstance(previous_id, str):
                 raise InvalidRequest("Invalid type for 'previous_response_id': expected a string.", param="previous_response_id")
@@ -98,8 +100,8 @@ class ResponsesFlow:
                     f"Previous response '{previous_id}' is {previous.response.get('status')}; it cannot be continued.",
                     param="previous_response_id",
                 )
-            history = list(previous.history)
-        return cls(gw, owner, keep, background, previous_id, history + _items(body.get("input")))
+            history, added = list(previous.history), previous.size
+        return cls(gw, owner, keep, background, previous_id, history + _items(body.get("input")), added)
 
     # ---- AnswerHooks ------------------------------------------------------------------------------
     @property

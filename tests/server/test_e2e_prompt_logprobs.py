@@ -1,5 +1,6 @@
-"""Prompt logprobs end to end: the real `openai` SDK against `deepserve up` over loopback (a real
-worker process), every value checked against a direct forward of the same tiny checkpoint.
+"""Prompt logprobs end to end: the real `openai` SDK against the live `deepserve up` stack over
+loopback (a real worker process, fp32), every value checked against a direct forward of the
+checkpoint it serves.
 
 vLLM's ``prompt_logprobs`` (completions: per choice; chat: on the answer) and OpenAI's legacy
 ``echo`` + ``logprobs`` (the first echoed token null), with ``max_tokens: 0`` (scoring only) and
@@ -15,33 +16,33 @@ import openai
 import pytest
 import torch
 
-from tests.server.conftest import engine_missing_reason, run_up
+from server.up import UpOptions
+from tests.server.conftest import E2E_KEY, E2E_MODEL, engine_missing_reason
 
 pytestmark = pytest.mark.skipif(engine_missing_reason() is not None, reason=engine_missing_reason() or "")
 
-MODEL = "tiny-v4"
-TOL = 2e-4  # fp32 on both sides; chunked prefill vs one forward
+MODEL = E2E_MODEL
+AUTH = {"Authorization": f"Bearer {E2E_KEY}"}
+TOL = 2e-4  # fp32 on both sides (the tiny checkpoint's dtype); chunked prefill vs one forward
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    args = ["--model", str(tiny_model_dir), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "2048",
-            "--cache-dir", str(tmp_path_factory.mktemp("cache"))]
-    with run_up(args, tmp_path_factory.mktemp("up")) as s:
-        yield s
+def stack(live_stack):
+    return live_stack
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=E2E_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    """``ids -> (N - 1, V)`` log-probabilities of ids[1:] from one forward of the checkpoint."""
+def reference(stack):
+    """``ids -> (N - 1, V)`` log-probabilities of ids[1:] from one forward of the checkpoint the
+    live stack serves (``deepserve up``'s default: ``<cache dir>/tiny-v4``)."""
     from engine.model.loader import load_model
 
-    model = load_model(tiny_model_dir, dtype="float32", progress=False)
+    model = load_model(UpOptions.default_cache_dir() / "tiny-v4", dtype="float32", progress=False)
 
     def logprobs(ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model([(model.new_state(), ids)], logits="all")[:-1].float(), dim=-1)
@@ -92,7 +93,7 @@ def test_echo_logprobs_score_the_prompt_with_max_tokens_zero(client, reference) 
 def test_echo_logprobs_stream_and_text_prompt(client, reference, stack) -> None:
     """A streamed text prompt: the echo chunk carries the prompt's scores (BOS hidden, first null)."""
     text = "The quick brown fox jumps over the lazy dog"
-    ids = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]  # BOS first
+    ids = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "prompt": text}, headers=AUTH).json()["tokens"]  # BOS first
     ref = reference(ids)
     chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=3, echo=True, logprobs=1, stream=True, temperature=0))
     head = chunks[0].choices[0]
@@ -106,7 +107,7 @@ def test_chat_prompt_logprobs_are_the_rendered_prompts(client, reference, stack)
     messages = [{"role": "user", "content": "Score every token of this prompt."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 0})
     entries = r.model_extra["prompt_logprobs"]
-    ids = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    ids = httpx.post(stack.url + "/tokenize", json={"model": MODEL, "messages": messages}, headers=AUTH).json()["tokens"]
     _check_vllm(entries, ids, reference(ids), 0)
 
 

@@ -14,8 +14,11 @@ in DeepInfer's byte layout (``engine.backends.deepinfer.layout``), encoded by ``
   ``(< r, D)`` fp32, the open group of every ratio > 1 source (empty at 128-aligned ends), and
   ``engram`` ``(≤ N-1,)`` int64, the last compressed token ids; ``meta.tokens`` = n.
 
-Blocks + the snapshot after them restore the state exactly; blocks alone do not (the windows
-would need a replay the V4.1 state cannot start mid-stream yet), so only snapshot hits count.
+Blocks + the snapshot after them restore the state exactly. Blocks alone restore the sources'
+rows and keys; the connector then replays the tokens from a unit boundary before them (their
+compressor skips the tokens it holds rows for), which refills the windows: exact once every
+layer's window has been recomputed (``layers × (W-1)`` tokens back), approximate with the
+connector's bounded replay (DeepInfer's V4.1 mode).
 The key fingerprint covers every layout switch: the architecture (``V41Config.fingerprint``:
 window, ratios, KV/index sources, engram sizes), DeepInfer's layout (main KV format, ring, block
 bytes), this module's ``FORMAT`` and row formats, the model dtype and, for engram checkpoints,
@@ -53,7 +56,7 @@ class V41Units:
     """Builds and applies the V4.1 records of one model (see the module docstring)."""
 
     unit = KVSTORE_GRAIN
-    replays = False  # blocks alone cannot resume a V4.1 state
+    replays = True
 
     def __init__(self, model: DeepseekV41ForCausalLM) -> None:
         cfg = model.config
@@ -99,18 +102,15 @@ class V41Units:
 
     # ---- restore ----------------------------------------------------------------------
     def apply(self, state: V41SequenceState, blocks: Sequence[Record], snap: Record | None, tokens: Sequence[int]) -> None:
-        """Fill the fresh ``state`` from the blocks of ``tokens`` and the snapshot after them;
-        ``ValueError`` on any record that does not fit (the caller treats it as a miss)."""
-        if snap is None:
-            raise ValueError("a V4.1 state resumes from a snapshot only")
+        """Fill the fresh ``state`` from the blocks and the snapshot after ``tokens`` (``snap=None``:
+        a replay from ``len(tokens)``, a unit boundary at or before the blocks' end: the sources
+        get every block's rows, the windows start empty); ``ValueError`` on any record that does
+        not fit (the caller treats it as a miss)."""
         n, cfg, dev, dtype = len(tokens), self.cfg, self.model.device, self.model.dtype
-        if snap.header.meta.get("tokens", n) != n or len(blocks) * self.unit != n:
-            raise ValueError(f"snapshot of {snap.header.meta.get('tokens')} tokens, blocks of {len(blocks) * self.unit}, prefix of {n}")
-        windows = snap.tensors["windows"]
-        ring = min(n, cfg.sliding_window - 1)
-        if tuple(windows.shape) != (cfg.num_hidden_layers, ring, FP8_WINDOW.row_bytes(cfg.head_dim)):
-            raise ValueError(f"snapshot windows {tuple(windows.shape)} do not fit this model")
-        state.windows = [decode_rows(w, cfg.head_dim, FP8_WINDOW).to(dev, dtype) for w in windows]
+        if n % self.unit or len(blocks) * self.unit < n or (snap is not None and len(blocks) * self.unit != n):
+            raise ValueError(f"blocks of {len(blocks) * self.unit} tokens cannot resume a prefix of {n}")
+        if snap is not None:
+            self._apply_snapshot(state, snap, n)
         for region in self.layout.regions:
             src = state.sources[region.layer]
             raws = [b.tensors[region.tensor_name] for b in blocks]
@@ -121,14 +121,28 @@ class V41Units:
                 src.rows = decode_rows(raw, cfg.head_dim, FP4_MAIN).to(dev, dtype)
             elif src.keys is not None:
                 src.keys = decode_rows(raw, cfg.index_head_dim, FP4_INDEX).to(dev, dtype)
+        if self.model.hasher is not None:
+            history = self.model.hasher.history(list(tokens))
+            if snap is not None and state.engram != history:
+                raise ValueError("snapshot engram history does not match its tokens")
+            state.engram = history
+        state.num_tokens, state.token_ids = n, list(tokens)
+
+    def _apply_snapshot(self, state: V41SequenceState, snap: Record, n: int) -> None:
+        """The windows, open compressor groups and engram history of a snapshot after ``n`` tokens."""
+        cfg, dev, dtype = self.cfg, self.model.device, self.model.dtype
+        if snap.header.meta.get("tokens", n) != n:
+            raise ValueError(f"snapshot of {snap.header.meta.get('tokens')} tokens for a prefix of {n}")
+        windows = snap.tensors["windows"]
+        ring = min(n, cfg.sliding_window - 1)
+        if tuple(windows.shape) != (cfg.num_hidden_layers, ring, FP8_WINDOW.row_bytes(cfg.head_dim)):
+            raise ValueError(f"snapshot windows {tuple(windows.shape)} do not fit this model")
+        state.windows = [decode_rows(w, cfg.head_dim, FP8_WINDOW).to(dev, dtype) for w in windows]
         for layer, src in state.sources.items():
             if cfg.compress_ratios[layer] > 1:
                 src.buf_kv = snap.tensors[f"L{layer}.buf_kv"].to(dev, torch.float32)
                 src.buf_gate = snap.tensors[f"L{layer}.buf_gate"].to(dev, torch.float32)
         state.engram = snap.tensors["engram"].tolist()
-        if self.model.hasher is not None and state.engram != self.model.hasher.history(list(tokens)):
-            raise ValueError("snapshot engram history does not match its tokens")
-        state.num_tokens, state.token_ids = n, list(tokens)
 
     # ---- sizes (the connector's cost model) ----------------------------------------------
     @property

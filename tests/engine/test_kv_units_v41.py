@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 prefix resume through the KV store (engine/kv_units_v41.py): a prefix stored by
 one request and resumed by another gives a cold run's greedy tokens and logprobs (fp32, CPU), on
 the fixture checkpoints, through the memory tier and a real Redis-protocol server; the records
-are DeepInfer's byte layout; the fingerprint follows every layout switch."""
+are DeepInfer's byte layout; blocks without a snapshot resume by replay; the fingerprint follows
+every layout switch."""
 
 from __future__ import annotations
 
@@ -84,6 +85,23 @@ def test_stored_prefix_resumes_exactly(case) -> None:
     again = _run(engine, "c", first)
     assert again[2] == 128
     _assert_same(again, out1)
+
+
+def test_shared_prefix_without_a_snapshot_replays_exactly(case) -> None:
+    """Two prompts share 2 units whose snapshot is gone: the second loads the shared blocks and
+    replays from the unit boundary ``layers × (W-1)`` tokens before their end (its windows
+    refill, its compressors skip the rows they hold) to the cold tokens and logprobs."""
+    ckpt, model, ref = case
+    cfg = model.config
+    assert cfg.num_hidden_layers * (cfg.sliding_window - 1) <= 128  # the fixtures: one unit of replay suffices
+    first = _prompt(ref, 300, 6)  # computed as [0, 256) + the rest, as the cold second prompt is
+    engine = _engine(ckpt, model, _store())
+    _run(engine, "a", first, n=2)
+    assert engine.kv.store.remove(snapshot_key(engine.kv.keys(first[:256])[-1]))
+    second = first[:256] + _prompt(ref, 100, 7)
+    got = _run(engine, "b", second)
+    assert got[2] == 128
+    _assert_same(got, _run(_engine(ckpt, model, _store()), "cold", second))
 
 
 @pytest.mark.redis

@@ -66,11 +66,18 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False, dtype=dtype) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def update(self, src: SourceState, x: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-        """``x (S, H)`` → the latents ``(G, D)`` of the groups completed now (None: none) and the
-        absolute position of the first one's first token; keeps the unfinished group in ``src``."""
+    def update(self, src: SourceState, x: torch.Tensor, start: int) -> tuple[torch.Tensor | None, int]:
+        """``x (S, H)``, the tokens from position ``start`` → the latents ``(G, D)`` of the groups
+        completed now (None: none) and the absolute position of the first one's first token;
+        keeps the unfinished group in ``src``. Tokens the source already holds rows for (a replay
+        over rows restored from the KV store) are skipped."""
         r = self.ratio
         first = src.rows.shape[0] * r
+        held = first + src.buf_kv.shape[0]  # tokens compressed or buffered so far
+        assert held >= start, f"compressor holds {held} tokens, chunk starts at {start}"
+        x = x[held - start :]
+        if x.shape[0] == 0:
+            return None, first
         if self.wgate is None:  # ratio 1: every token is its own row
             return self.norm(self.wkv(x)), first
         # pooling in fp32 whatever the model dtype, as trained
@@ -214,7 +221,7 @@ class Attention(nn.Module):
         sh = c.shared
         if self.compressor is not None:
             src = c.state.sources[self.layer_idx]
-            latents, first = self.compressor.update(src, x)
+            latents, first = self.compressor.update(src, x, c.state.num_tokens)
             if latents is not None:
                 pos = first + self.ratio * torch.arange(latents.shape[0], device=x.device)
                 rope = rotary.cos_sin(pos, latents.dtype)  # (G, rd/2) each

@@ -3,7 +3,8 @@ sliding window, T = compressed rows so far).
 
 - every layer: ``window`` (≤ W-1, D), the last W-1 FP8-rounded window keys (= values);
 - every KV-source layer (``sources[layer]``):
-  ``rows`` (T, D) the shared compressed KV, rotated and FP4-rounded (T = tokens // r);
+  ``rows`` (T, D) the shared compressed KV, rotated and FP4-rounded (T = tokens // r, or more
+  while a replay recomputes tokens whose rows were restored from the KV store);
   ``keys`` (T, Di) the shared indexer keys, rotated and FP4-rounded (None without an indexer);
   ``buf_kv`` / ``buf_gate`` (< r, D) fp32 projections of the tokens of the unfinished group;
 - ``engram`` the last ``engram_max_ngram_size - 1`` compressed token ids (engram checkpoints).

@@ -68,6 +68,7 @@ def _engine(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
         state_memory_bytes=args.state_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         role=args.role,
@@ -151,6 +152,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-model-len", type=int, default=65536)
+    e.add_argument("--max-queue", type=int, default=4096, help="requests a rank holds (running and waiting) before it answers 503 engine_full")
     e.add_argument("--state-memory-bytes", type=int, default=2 << 30)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache", default=env("DEEPSERVE_KV_CACHE", "readwrite"), choices=["off", "read", "write", "readwrite"])

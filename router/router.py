@@ -23,7 +23,8 @@ worker would, whatever happens underneath:
    ``max_tokens`` is the total output length, tokens given in ``output_token_ids`` included.
 
 Errors before the first event are raised (``router.errors``); after it, an unrepairable failure
-ends the stream with ``finish_reason="error"``. ``abort(request_id)``, or closing the iterator
+ends the stream with ``finish_reason="error"`` and the failure's ``error_code`` (a worker's own
+error events pass through unchanged). ``abort(request_id)``, or closing the iterator
 (client disconnect), stops the request on whichever worker runs it. Prompt statistics
 (``num_prompt_tokens``, ``num_cached_tokens``) are those of the first worker that computed the
 prompt, also on events from later workers, so usage reports the cache hit the caller got.
@@ -44,7 +45,8 @@ from deepserve.internal_auth import InternalAuth
 from deepserve.protocol import GenerateRequest, LoadReport, RankLoad, TokenEvent
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
-from router.errors import NoWorkerAvailable, Overloaded, RequestRejected, WorkerError, WorkerUnavailable
+from deepserve.protocol import ErrorCode
+from router.errors import NoWorkerAvailable, Overloaded, RequestRejected, RouterError, WorkerError, WorkerUnavailable
 from kvstore.keys import chain_keys
 from router.metrics import RouterMetrics
 from router.placement import Lease, Placer, Pools, Stage
@@ -245,7 +247,7 @@ class Router:
                 client = worker.client
                 conn = None
                 ok = handoff = False
-                error: str | None = None
+                failure: RouterError | None = None
                 try:
                     try:
                         conn = await client.pool.request("/internal/generate", body)
@@ -283,7 +285,7 @@ class Router:
                                 yield WireEvent(line, d)
                                 return
                         if not handoff:
-                            raise WorkerUnavailable("stream ended without a finish event", client.url)
+                            raise WorkerUnavailable("stream ended without a finish event", client.url, code=ErrorCode.ENGINE_ERROR)
                     except (HttpError, ValueError) as exc:
                         raise client.error_for(exc) from exc
                     finally:
@@ -293,8 +295,8 @@ class Router:
                         policy.on_finish(flight.route, view, ok)
                 except WorkerError as exc:
                     nxt = await self._recover(flight, stage, worker, exc)
-                    if isinstance(nxt, str):
-                        error = nxt
+                    if isinstance(nxt, RouterError):
+                        failure = nxt
                     else:
                         if nxt is not None:
                             view, stage = nxt
@@ -307,10 +309,11 @@ class Router:
                     except NoWorkerAvailable as exc:
                         if not flight.out:
                             raise
-                        error = str(exc)
+                        failure = exc
+                assert failure is not None, "a stream ends on a failure only"
                 flight.finished = True
                 self.metrics.finished("error")
-                yield _wire(TokenEvent(req.request_id, finish_reason="error", error=error))
+                yield _wire(TokenEvent(req.request_id, finish_reason="error", error=str(failure), error_code=failure.code))
                 return
         finally:
             self._flights.pop(req.request_id, None)
@@ -376,15 +379,15 @@ class Router:
         return min(30.0, max(0.1, self._ewma_s * (len(self._queue) + 1) / slots))
 
     # ---- sending and repair ------------------------------------------------------------------
-    async def _recover(self, flight: _Flight, stage: Stage, worker: Worker, exc: WorkerError) -> tuple[RankView, Stage] | str | None:
+    async def _recover(self, flight: _Flight, stage: Stage, worker: Worker, exc: WorkerError) -> tuple[RankView, Stage] | RouterError | None:
         """After ``worker`` failed the request: the (rank, stage) to try next, ``None`` when the
         request was aborted meanwhile, or the error that ends a stream already under way.
         Raises (``RequestRejected``, ``NoWorkerAvailable``) while nothing was streamed yet."""
         cfg = self.config
         if not exc.retryable:
             if not flight.out:
-                raise RequestRejected(str(exc)) from exc
-            return str(exc)
+                raise RequestRejected(str(exc), code=exc.code) from exc
+            return exc
         self.registry.record_failure(worker, exc)
         if flight.aborted:
             return None
@@ -394,20 +397,20 @@ class Router:
         if flight.out:
             flight.migrations += 1
             if flight.migrations > cfg.max_migrations:
-                return f"gave up after {cfg.max_migrations} migrations: {exc}"
+                return RouterError(f"gave up after {cfg.max_migrations} migrations: {exc}", code=exc.code)
             self.metrics.migrations.inc()
             log.info("migrating %s after %d tokens: %s", flight.req.request_id, len(flight.out), exc)
         else:
             flight.retries += 1
             if flight.retries > cfg.max_retries:
-                raise NoWorkerAvailable(f"gave up after {cfg.max_retries} retries: {exc}") from exc
+                raise NoWorkerAvailable(f"gave up after {cfg.max_retries} retries: {exc}", code=exc.code) from exc
             self.metrics.retries.labels("connect" if exc.connect else "failure").inc()
         try:
             return await self._repick(flight, stage, flight.failed, flight.retries)
         except NoWorkerAvailable as exc2:
             if not flight.out:
                 raise
-            return str(exc2)
+            return exc2
 
     async def _repick(self, flight: _Flight, stage: Stage, failed: set[str], retries: int) -> tuple[RankView, Stage]:
         """The next rank after a failure (another worker if any is left; backoff if not)."""

@@ -16,8 +16,9 @@ A request whose whole answer is one event (non-streaming clients, ``max_tokens=1
 with a plain ``Content-Length`` body; otherwise the events are streamed (chunked) as they come.
 A client that disconnects cancels its handler, which closes the router's stream and aborts the
 request on its worker.
-Errors raised before the first event become JSON errors: ``{"error": {"message", "type",
-"code"}}`` with the ``RouterError``'s status and, for overload, a ``Retry-After`` header.
+Errors raised before the first event become ``deepserve.protocol.error_body`` JSON errors
+(``{"error": {"message", "type", "code"}}``) with the ``RouterError``'s code and its status and,
+for overload, a ``Retry-After`` header; a worker's code is passed on as it came.
 
 With an internal token (``deepserve.internal_auth``) every route but ``/health`` (and
 ``/metrics`` with ``open_metrics``) needs it, and ``/register`` is taken only for the caller's
@@ -39,11 +40,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from deepserve.internal_auth import InternalAuth
-from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams
+from deepserve.protocol import ErrorCode, GenerateRequest, OutputConstraint, SamplingParams, error_body
 from deepserve.protocol.validate import check_fields
 from kvstore.keys import TokenIdsText
 from router.config import RouterConfig
-from router.errors import Overloaded, RegistrationRefused, RouterError
+from router.errors import RegistrationRefused, RouterError
 from router.http_server import HttpServer, Request, Response
 from router.router import Router
 from router.worker_client import dumps, loads
@@ -56,19 +57,26 @@ _SAMPLING_MEMO: dict[bytes | None, SamplingParams] = {}  # see _sampling; Sampli
 _SAMPLING_MEMO_SIZE = 1024
 
 
-def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": "router_error" if status >= 500 else "invalid_request_error", "code": code}}
-    return Response(dumps(body), status, headers=headers)
+def _error(code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(error_body(code, message)), code.status, headers=headers)
+
+
+# The HTTP server's own refusals that have an ``ErrorCode``; the others (401, 405, 408, 413) carry
+# an HTTP-level code string that is none, and a client classes them by their status.
+_SERVER_CODES = {400: ErrorCode.INVALID_REQUEST, 404: ErrorCode.NOT_FOUND, 500: ErrorCode.INTERNAL, 503: ErrorCode.OVERLOADED}
+_HTTP_CODES = {401: "unauthorized", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large"}
 
 
 def _server_error(status: int, message: str) -> Response:
-    codes = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "body_too_large", 503: "overloaded"}
-    return _error(status, message, codes.get(status, "router_error"))
+    if status in _SERVER_CODES:
+        return _error(_SERVER_CODES[status], message)
+    body = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error", "code": _HTTP_CODES.get(status)}}
+    return Response(dumps(body), status)
 
 
 def _router_error(exc: RouterError) -> Response:
-    headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if isinstance(exc, Overloaded) else None
-    return _error(exc.status, str(exc), exc.code, headers)
+    headers = None if exc.retry_after is None else {"Retry-After": str(max(1, round(exc.retry_after)))}
+    return _error(exc.code, str(exc), headers)
 
 
 def _json_ok(obj: Any, status: int = 200) -> Response:
@@ -314,16 +322,16 @@ class RouterService:
         try:
             d, req = parse_body(request.body)
         except (KeyError, ValueError, TypeError) as exc:
-            return _error(400, f"invalid request: {exc}", "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}")
         events = self.router.stream(req, forward_head(d, request.body, req))
         try:
             first = await anext(events)
         except StopAsyncIteration:
-            return _error(500, "empty stream", "router_error")
+            return _error(ErrorCode.INTERNAL, "empty stream")
         except RouterError as exc:
             return _router_error(exc)
         except (ValueError, TypeError) as exc:  # e.g. token ids that are not integers
-            return _error(400, f"invalid request: {exc}", "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}")
         try:
             if first.finished:  # the whole answer: no streaming needed
                 await anext(events, None)  # let the stream end (cheaper than closing it)
@@ -346,7 +354,7 @@ class RouterService:
         try:
             body = _body(request.body)
         except BadRequest as exc:
-            return _error(400, str(exc), "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, str(exc))
         return _json_ok({"aborted": await self.router.abort(str(body.get("request_id", "")))})
 
     async def load(self, request: Request) -> Response:
@@ -368,11 +376,11 @@ class RouterService:
         try:
             body = _body(request.body)
         except BadRequest as exc:
-            return _error(400, str(exc), "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, str(exc))
         if "url" not in body:
-            return _error(400, "missing 'url'", "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, "missing 'url'")
         if body.get("role") not in (None, "prefill", "decode", "mixed"):
-            return _error(400, f"role must be prefill, decode or mixed, not {body['role']!r}", "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, f"role must be prefill, decode or mixed, not {body['role']!r}")
         try:
             if self.config.register_check_address:
                 await _check_own_address(str(body["url"]), request.peer)
@@ -386,7 +394,7 @@ class RouterService:
             body = _body(request.body)
             await self.router.remove_worker(str(body.get("worker_id") or body.get("url", "")), drain=bool(body.get("drain", True)))
         except BadRequest as exc:
-            return _error(400, str(exc), "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, str(exc))
         except RouterError as exc:
             return _router_error(exc)
         return _json_ok({"ok": True})
@@ -396,7 +404,7 @@ class RouterService:
             body = _body(request.body)
             self.router.drain(str(body.get("worker_id") or body.get("url", "")), bool(body.get("draining", True)))
         except BadRequest as exc:
-            return _error(400, str(exc), "invalid_request")
+            return _error(ErrorCode.INVALID_REQUEST, str(exc))
         except RouterError as exc:
             return _router_error(exc)
         return _json_ok({"ok": True})

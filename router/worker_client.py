@@ -6,10 +6,15 @@ worker's NDJSON answer as ``TokenEvent``s: the body is read in whatever chunks a
 newlines (one await per chunk, not per line), and the common event shape (token ids, no
 logprobs) is built directly instead of through ``TokenEvent.from_dict``.
 
-Transport failures are translated here into ``router.errors``: ``WorkerUnavailable`` (could not
-connect, connection dropped, 5xx, 401/403 (our internal token refused: the worker's or our
-configuration, not the request), stream ended without a finish event; ``connect=True`` when the
-worker could not be reached at all) and ``WorkerRejected`` (other 4xx).
+Transport failures are translated here into ``router.errors``, keeping the ``ErrorCode`` of the
+worker's error body (``deepserve.protocol.error_body``): ``WorkerRejected`` for a client-fault
+code, ``WorkerUnavailable`` for the others. An answer without a code (not a deepserve worker, or
+a proxy in between) is classed by its status: ``WorkerRejected`` (``invalid_request``) for a 4xx,
+``WorkerUnavailable`` (``unavailable``) for a 5xx or 401/403/408/429 (our internal token refused:
+the worker's or our configuration, not the request); could not connect or connection dropped:
+``WorkerUnavailable`` (``connect=True`` when the worker could not be reached at all); a stream
+that ended without a finish event, or a line that is not JSON: ``WorkerUnavailable``
+(``engine_error``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from deepserve.internal_auth import InternalAuth
-from deepserve.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, TokenEvent
+from deepserve.protocol import KV_ROWS_FORMAT, ErrorCode, GenerateRequest, LoadReport, TokenEvent, parse_error_body
 from router.errors import WorkerRejected, WorkerUnavailable
 from router.http1 import ConnectError, Http1Pool, HttpError, StatusError
 
@@ -76,6 +81,7 @@ def event_from_dict(d: dict[str, Any]) -> TokenEvent:
         d.get("num_cached_tokens", 0),
         d.get("error"),
         d.get("worker_id"),
+        error_code=None if d.get("error_code") is None else ErrorCode(d["error_code"]),
     )
 
 
@@ -145,7 +151,7 @@ class WorkerClient:
         except (HttpError, ValueError) as exc:
             raise self.error_for(exc) from exc
         if not finished:
-            raise WorkerUnavailable("stream ended without a finish event", self.url)
+            raise WorkerUnavailable("stream ended without a finish event", self.url, code=ErrorCode.ENGINE_ERROR)
 
     def error_for(self, exc: Exception) -> WorkerRejected | WorkerUnavailable:
         """The router error for a failure of the generate call (``router.http1`` errors, or a
@@ -153,16 +159,24 @@ class WorkerClient:
         if isinstance(exc, ConnectError):
             return WorkerUnavailable(str(exc), self.url, connect=True)
         if isinstance(exc, StatusError):
-            if 400 <= exc.status < 500 and exc.status not in _NOT_THE_REQUESTS_FAULT:
-                return WorkerRejected(str(exc), self.url)
-            return WorkerUnavailable(str(exc), self.url)
-        return WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url)
+            return self.status_error(exc.status, exc.body)
+        if isinstance(exc, HttpError):  # dropped connection, a deadline passed
+            return WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url)
+        return WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url, code=ErrorCode.ENGINE_ERROR)
+
+    def status_error(self, status: int, body: bytes) -> WorkerRejected | WorkerUnavailable:
+        """The router error for an HTTP error answer (see the module docstring)."""
+        wire = parse_error_body(body)
+        if wire is not None:
+            cls = WorkerRejected if wire.code.client_fault else WorkerUnavailable
+            return cls(wire.message, self.url, code=wire.code)
+        text = f"worker answered {status}: {body[:500].decode(errors='replace')}"
+        if 400 <= status < 500 and status not in _NOT_THE_REQUESTS_FAULT:
+            return WorkerRejected(text, self.url)
+        return WorkerUnavailable(text, self.url)
 
     async def _raise_status(self, resp: aiohttp.ClientResponse) -> None:
-        text = (await resp.text())[:500]
-        if 400 <= resp.status < 500 and resp.status not in _NOT_THE_REQUESTS_FAULT:
-            raise WorkerRejected(f"worker answered {resp.status}: {text}", self.url)
-        raise WorkerUnavailable(f"worker answered {resp.status}: {text}", self.url)
+        raise self.status_error(resp.status, await resp.read())
 
     async def _get_json(self, path: str) -> Any:
         try:

@@ -3,19 +3,21 @@
 One shallow hierarchy: every error a client can cause or suffer is a ``GatewayError`` carrying
 its HTTP status, OpenAI ``type``/``code``/``param`` and extra headers (``Retry-After``). Errors of
 lower layers (deepseek-recipe conversion, the router, the HTTP client) are translated here, at
-the boundary, by ``translate``. Anything else reaching a handler is a bug: 500 ``server_error``.
+the boundary, by ``translate``; those of the router and the engines carry a
+``deepserve.protocol.ErrorCode``, which ``from_code`` maps to the status, type and ``code`` the code
+defines. Anything else reaching a handler is a bug: 500 ``server_error``.
 
 Statuses chosen where OpenAI leaves it open:
 - 408 ``request_timeout``: the client did not send its whole body within ``body_timeout_s``.
 - 504 ``timeout``: the engine did not finish within ``request_timeout_s`` (the request is aborted).
-- 503 ``overloaded`` with ``Retry-After``: the admission queue is full or waited too long, or the
-  router has no worker / is overloaded.
-- 502 ``engine_error``: the engine failed the request or could not be reached.
+- 503 with ``Retry-After``: the admission queue is full or waited too long (``overloaded``), or
+  the code an engine or the router reported says so: ``overloaded``, ``engine_full``,
+  ``unavailable`` (no worker, none reachable, draining), ``cancelled`` (the engine aborted it).
+- 502 ``engine_error``: the engine failed the request.
 
 What lower layers say is never passed on verbatim (``client_text``): a 4xx keeps the first line
-of the engine's reason (the JSON ``error`` of a worker's answer when there is one) with file
-paths masked and tracebacks cut; a 5xx says only what kind of failure it was, and the detail is
-logged.
+of the engine's reason with file paths masked and tracebacks cut; a 5xx says only what kind of
+failure it was, and the detail is logged.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import logging
 import math
 import re
 from typing import Any
+
+from deepserve.protocol import CodedError, ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -148,28 +152,53 @@ class EngineTimeout(GatewayError):
 
 
 def client_text(text: str) -> str:
-    """A lower layer's error text as a client may see it: the worker's JSON ``error`` message
-    when the text carries one (``HTTP 400: {"error": ...}``), its first line, no traceback, file
+    """A lower layer's error text as a client may see it: its first line, no traceback, file
     paths masked, at most 300 characters."""
-    brace = text.find("{")
-    if brace >= 0:
-        try:
-            err = json.loads(text[brace:]).get("error")
-        except (ValueError, AttributeError):
-            err = None
-        if isinstance(err, dict):
-            err = err.get("message")
-        if isinstance(err, str) and err:
-            text = err
     text = text.split("Traceback", 1)[0].strip().splitlines()[0] if text.strip() else ""
     text = _PATH.sub("<internal>", text)
     return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
 
 
-def engine_failed(detail: str) -> EngineFailed:
-    """The 502 for an engine that failed a request: ``detail`` goes to the log, not the client."""
-    log.warning("engine failed a request: %s", detail)
-    return EngineFailed("The engine failed the request.")
+# The gateway class per code (its metrics reason); status, type and OpenAI code come from the code.
+_CLASS_OF: dict[ErrorCode, type[GatewayError]] = {
+    ErrorCode.INVALID_REQUEST: InvalidRequest,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: ContextLengthExceeded,
+    ErrorCode.NOT_FOUND: NotFound,
+    ErrorCode.PERMISSION_DENIED: GatewayError,
+    ErrorCode.ENGINE_FULL: Overloaded,
+    ErrorCode.OVERLOADED: Overloaded,
+    ErrorCode.UNAVAILABLE: Overloaded,
+    ErrorCode.CANCELLED: Overloaded,
+    ErrorCode.TIMEOUT: EngineTimeout,
+    ErrorCode.ENGINE_ERROR: EngineFailed,
+    ErrorCode.INTERNAL: GatewayError,
+}
+
+# What a client is told for a server-side code (the lower layer's text goes to the log).
+_SERVER_MESSAGES = {
+    ErrorCode.ENGINE_FULL: "The engine is full. Please retry.",
+    ErrorCode.OVERLOADED: "The engine is overloaded. Please retry.",
+    ErrorCode.UNAVAILABLE: "The engine is unavailable. Please retry.",
+    ErrorCode.CANCELLED: "The engine aborted the request (draining or preempted). Please retry.",
+    ErrorCode.TIMEOUT: "The engine did not answer in time.",
+    ErrorCode.ENGINE_ERROR: "The engine failed the request.",
+    ErrorCode.INTERNAL: "Internal error.",
+}
+
+
+def from_code(code: ErrorCode, detail: str, retry_after: float | None = None) -> GatewayError:
+    """The client error for a failure a lower layer reported with ``code`` (the one mapping of
+    ``ErrorCode`` to HTTP): the code's status, OpenAI ``type`` and ``code``; a client-fault code
+    keeps ``client_text(detail)``, a server-side one says only what kind of failure it was (the
+    detail is logged); a 503 always has a ``Retry-After`` (``retry_after``, 1 s by default)."""
+    if code.client_fault:
+        message = client_text(detail) or _CLASS_OF[code].__name__
+    else:
+        log.warning("engine failure %s: %s", code.value, detail)
+        message = _SERVER_MESSAGES[code]
+        if code.status == 503 and retry_after is None:
+            retry_after = 1.0
+    return _CLASS_OF[code](message, status=code.status, type=code.openai_type, code=code.value, retry_after=retry_after)
 
 
 def from_conversion_error(exc: Exception) -> GatewayError:
@@ -191,28 +220,16 @@ def from_conversion_error(exc: Exception) -> GatewayError:
 def translate(exc: BaseException) -> GatewayError:
     """Map an exception from the engine client (router, worker client, transport) to a client error.
 
-    Router errors are matched by name so this module does not import the router package:
-    ``NoWorkerAvailable`` / ``Overloaded`` / anything with ``retry_after`` -> 503 with Retry-After;
-    an invalid request the engine refused (by name, or an HTTP ``status`` 400/422 attribute) -> 400;
-    timeouts -> 504; an unreachable engine -> 503; the rest -> 502.
+    A ``CodedError`` (every router and engine error) by its code (``from_code``); a timeout ->
+    ``timeout``; an unreachable engine -> ``unavailable``; anything else -> ``engine_error``.
     """
     if isinstance(exc, GatewayError):
         return exc
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    message = client_text(str(exc)) or type(exc).__name__
-    retry_after = getattr(exc, "retry_after", None)
-    if names & {"NoWorkerAvailable", "Overloaded", "CapacityError", "Draining"} or retry_after is not None:
-        return Overloaded(f"The engine is overloaded: {message}", retry_after=float(retry_after or 1.0))
-    if names & {"InvalidRequestError", "InvalidRequest", "PromptTooLong", "ContextLengthExceeded"} or getattr(
-        exc, "status", None
-    ) in (400, 422):
-        return InvalidRequest(message)
-    log.warning("engine error %s: %s", type(exc).__name__, exc)
-    if isinstance(exc, TimeoutError) or names & {"TimeoutException", "ServerTimeoutError"}:
-        return EngineTimeout("The engine did not answer in time.")
-    status = getattr(exc, "status", None)
-    if status == 503:
-        return Overloaded("The engine is unavailable.", retry_after=1.0)
-    if isinstance(exc, (ConnectionError, OSError)) or names & {"ClientConnectionError", "ConnectError"}:
-        return Overloaded("The engine is unreachable.", retry_after=1.0)
-    return EngineFailed("The engine failed the request.")
+    if isinstance(exc, CodedError):
+        return from_code(exc.code, str(exc), exc.retry_after)
+    detail = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, TimeoutError):
+        return from_code(ErrorCode.TIMEOUT, detail)
+    if isinstance(exc, OSError):  # ConnectionError included
+        return from_code(ErrorCode.UNAVAILABLE, detail)
+    return from_code(ErrorCode.ENGINE_ERROR, detail)

@@ -14,7 +14,8 @@ Event -> processor mapping:
 - tokens: ``tokens(ids, [(logprob, top)])``; a trailing EOS of a ``stop`` finish is dropped (the
   processor would render it as text), and so are the ``skip_ids`` (the special tokens, unless the
   client sent ``skip_special_tokens: false``; they still count as completion tokens);
-- ``finish_reason`` stop/length: ``finish(Stop|Length)`` then ``finish()``; abort/error: an error;
+- ``finish_reason`` stop/length: ``finish(Stop|Length)`` then ``finish()``; error: the error its
+  ``error_code`` maps to (``server.errors.from_code``); an abort the gateway did not ask for: ``cancelled``;
 - the processor finishing on its own (a stop sequence matched): the engine request is aborted.
 
 ``race_disconnect`` runs a step of a request while watching the client; it cancels the step when
@@ -31,8 +32,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import deepseek_recipe as dr
 
-from deepserve.protocol import GenerateRequest, TokenEvent, TokenLogprob
-from server.errors import EngineFailed, EngineTimeout, GatewayError, Overloaded, engine_failed, translate
+from deepserve.protocol import ErrorCode, GenerateRequest, TokenEvent, TokenLogprob
+from server.errors import EngineFailed, EngineTimeout, GatewayError, from_code, translate
 from server.metrics import _RouteMetrics
 from server.state import Gateway
 
@@ -168,8 +169,8 @@ class Run:
         if ev.finish_reason == "abort" and ev.error is None:
             if time.perf_counter() > self.deadline:
                 return self._timeout()
-            return Overloaded("The engine aborted the request (draining or preempted). Please retry.", retry_after=1.0)
-        return engine_failed(f"{self.req.request_id}: {ev.error or ev.finish_reason}")
+            return from_code(ErrorCode.CANCELLED, f"{self.req.request_id}: aborted by the engine")
+        return from_code(ev.error_code or ErrorCode.ENGINE_ERROR, f"{self.req.request_id}: {ev.error or ev.finish_reason}")
 
     def _timeout(self) -> EngineTimeout:
         return EngineTimeout(f"The request did not finish within {self.gw.config.request_timeout_s:g}s.")

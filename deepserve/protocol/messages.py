@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from deepserve.protocol.errors import ErrorCode
+
 ConstraintKind = Literal["json", "regex", "ebnf", "tool_call", "tool_call_required", "tool_call_forced"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 Role = Literal["prefill", "decode", "mixed"]
@@ -198,7 +200,8 @@ class TokenLogprob:
 
 @dataclass
 class TokenEvent:
-    """New output tokens of one request (usually one per engine step)."""
+    """New output tokens of one request (usually one per engine step). A request that fails
+    ends with ``finish_reason="error"``, a human-readable ``error`` and its ``error_code``."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -213,6 +216,7 @@ class TokenEvent:
     # on the first token's event, when ``sampling.prompt_logprobs`` asked: one entry per prompt
     # token, the first None (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error_code: ErrorCode | None = None
 
     @property
     def finished(self) -> bool:
@@ -230,6 +234,8 @@ class TokenEvent:
             d["num_cached_tokens"] = self.num_cached_tokens
         if self.error is not None:
             d["error"] = self.error
+        if self.error_code is not None:
+            d["error_code"] = self.error_code.value
         if self.worker_id is not None:
             d["worker_id"] = self.worker_id
         if self.timing is not None:
@@ -253,6 +259,7 @@ class TokenEvent:
             worker_id=d.get("worker_id"),
             timing=d.get("timing"),
             prompt_logprobs=None if plps is None else [None if r is None else TokenLogprob.from_row(r) for r in plps],
+            error_code=None if d.get("error_code") is None else ErrorCode(d["error_code"]),
         )
 
 

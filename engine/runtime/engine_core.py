@@ -18,11 +18,11 @@ from typing import Literal, Protocol
 
 import torch
 
-from engine.errors import InvalidRequestError
+from engine.errors import CapacityError, ContextLengthExceeded, InvalidRequestError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import SequenceState
-from deepserve.protocol import FinishReason, GenerateRequest, TokenEvent
+from deepserve.protocol import ErrorCode, FinishReason, GenerateRequest, TokenEvent
 from engine.runtime.config import EngineConfig
 from engine.runtime.metrics import EngineMetrics
 from engine.runtime.prompt_logprobs import record as record_prompt_logprobs
@@ -93,7 +93,8 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
-        """Queue a request; raises ``InvalidRequestError`` for one the engine cannot serve."""
+        """Queue a request; raises ``InvalidRequestError`` (``ContextLengthExceeded``) for one the
+        engine cannot serve, ``CapacityError`` when the queue is full."""
         vocab = self.model.config.vocab_size
         if not req.prompt_token_ids:
             raise InvalidRequestError("prompt is empty")
@@ -103,13 +104,11 @@ class EngineCore:
             raise InvalidRequestError(f"token id outside the vocabulary [0, {vocab})")
         total = len(req.prompt_token_ids) + max(req.sampling.max_tokens, len(req.output_token_ids))
         if total > self.config.max_model_len:
-            raise InvalidRequestError(
+            raise ContextLengthExceeded(
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) "
                 f"exceeds the context length {self.config.max_model_len}"
             )
         if len(self.seqs) >= self.config.max_queue:
-            from engine.errors import CapacityError
-
             raise CapacityError("engine queue is full")
         tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
         compiling = self._grammar_future(req)
@@ -158,21 +157,23 @@ class EngineCore:
                 try:
                     seq.sampling = self.sampler.new_state(req.sampling, req.prompt_token_ids, req.output_token_ids)
                 except (InvalidRequestError, ValueError) as exc:
-                    self._fail(seq, str(exc))
+                    self._fail(seq, str(exc), exc.code if isinstance(exc, InvalidRequestError) else ErrorCode.INVALID_REQUEST)
                     continue
                 if self._done_at_start(seq):
                     continue
             elif now > seq.grammar_deadline:
                 seq.grammar = None
-                self._fail(seq, f"the output constraint did not compile within {self.config.grammar_timeout_s:g}s")
+                self._fail(seq, f"the output constraint did not compile within {self.config.grammar_timeout_s:g}s", ErrorCode.INVALID_REQUEST)
             else:
                 running.append(fut)
         return running
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, message: str, code: ErrorCode) -> None:
         """End a request that never started with an error event (an invalid request)."""
         self._finish(seq, "error", emit=False)
-        self._pending.append(TokenEvent(seq.request_id, finish_reason="error", error=message, num_prompt_tokens=seq.num_prompt))
+        self._pending.append(
+            TokenEvent(seq.request_id, finish_reason="error", error=message, num_prompt_tokens=seq.num_prompt, error_code=code)
+        )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; frees its state. False if unknown."""

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.errors import EngineError
-from deepserve.protocol import GenerateRequest, RankLoad, TokenEvent
+from engine.errors import InvalidRequestError
+from deepserve.protocol import CodedError, ErrorCode, GenerateRequest, RankLoad, TokenEvent
 from engine.backends.base import EngineBackend
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class EngineLoop:
             self.death = exc
             for rid in list(self._sinks):
                 try:
-                    self._deliver(TokenEvent(rid, finish_reason="error", error="the engine stopped"))
+                    self._deliver(TokenEvent(rid, finish_reason="error", error="the engine stopped", error_code=ErrorCode.ENGINE_ERROR))
                 except Exception:  # noqa: BLE001 (tell every other request, whatever this one does)
                     log.exception("could not fail request %s", rid)
             if self.on_death is not None:
@@ -152,17 +152,21 @@ class EngineLoop:
                 rid = cmd.request.request_id
                 try:
                     if rid in self._sinks:
-                        raise EngineError(f"duplicate request id {rid!r}")
+                        raise InvalidRequestError(f"duplicate request id {rid!r}")
                     self._sinks[rid] = (cmd.sink, cmd.loop, cmd.rank)
                     self.cores[cmd.rank].add_request(cmd.request)
                 except Exception as exc:  # noqa: BLE001 (one request's failure is that request's)
                     self._sinks.pop(rid, None)
-                    if isinstance(exc, (EngineError, ValueError)):  # ours: says what is wrong
-                        message = str(exc)
+                    if isinstance(exc, CodedError):  # ours: says what is wrong
+                        message, code = str(exc), exc.code
+                    elif isinstance(exc, ValueError):  # a request field the engine refuses
+                        message, code = str(exc), ErrorCode.INVALID_REQUEST
                     else:
                         log.exception("adding request %s failed", rid)
-                        message = "the engine could not take the request"
-                    ev = TokenEvent(rid, finish_reason="error", error=message, num_prompt_tokens=len(cmd.request.prompt_token_ids))
+                        message, code = "the engine could not take the request", ErrorCode.ENGINE_ERROR
+                    ev = TokenEvent(
+                        rid, finish_reason="error", error=message, num_prompt_tokens=len(cmd.request.prompt_token_ids), error_code=code
+                    )
                     cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, ev)
             else:
                 entry = self._sinks.get(cmd.request_id)
@@ -189,6 +193,6 @@ class EngineLoop:
         events = []
         for rid in core.request_ids():
             core.abort_request(rid)
-            events.append(TokenEvent(rid, finish_reason="error", error=message))
+            events.append(TokenEvent(rid, finish_reason="error", error=message, error_code=ErrorCode.ENGINE_ERROR))
         core.step()  # flush the abort events of the failed sequences
         return events

@@ -25,7 +25,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from deepserve.protocol import KV_ROWS_FORMAT, GenerateRequest, LoadReport, Role
+from deepserve.protocol import KV_ROWS_FORMAT, ErrorCode, GenerateRequest, LoadReport, Role, error_body
 from engine.backends.base import BackendContext
 from engine.backends.registry import build_backend
 from engine.errors import EngineError
@@ -90,21 +90,20 @@ class Worker:
     # ---- handlers ---------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if self.draining:
-            return web.json_response({"error": "worker is draining"}, status=503, headers={"Retry-After": "1"})
+            return _error(ErrorCode.UNAVAILABLE, "worker is draining", headers={"Retry-After": "1"})
         try:
             req = GenerateRequest.from_dict(check_generate(json.loads(await request.read())))
         except RecursionError:
-            return web.json_response({"error": "bad request: JSON nested too deeply"}, status=400)
+            return _error(ErrorCode.INVALID_REQUEST, "bad request: JSON nested too deeply")
         except (ValueError, KeyError, TypeError) as exc:
-            return web.json_response({"error": f"bad request: {exc}"}, status=400)
+            return _error(ErrorCode.INVALID_REQUEST, f"bad request: {exc}")
         if not self.loop.alive:
-            return web.json_response({"error": "the engine stopped"}, status=503)
+            return _error(ErrorCode.UNAVAILABLE, "the engine stopped")
         sink: asyncio.Queue = asyncio.Queue()
         self.loop.submit(req, sink)
         first = await sink.get()
-        if first.finish_reason == "error" and not first.token_ids:
-            status = 503 if "full" in (first.error or "") else 400
-            return web.json_response({"error": first.error}, status=status)
+        if first.finish_reason == "error" and not first.token_ids:  # nothing streamed yet: an HTTP error
+            return _error(first.error_code or ErrorCode.ENGINE_ERROR, first.error or "the engine failed the request")
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         event = first
@@ -120,7 +119,7 @@ class Worker:
                     if event.logprobs is not None and nxt.logprobs:
                         event.logprobs.extend(nxt.logprobs)
                     if nxt.finished:
-                        event.finish_reason, event.error = nxt.finish_reason, nxt.error
+                        event.finish_reason, event.error, event.error_code = nxt.finish_reason, nxt.error, nxt.error_code
                         event.num_prompt_tokens = nxt.num_prompt_tokens or event.num_prompt_tokens
                         event.num_cached_tokens = nxt.num_cached_tokens or event.num_cached_tokens
         except (ConnectionResetError, asyncio.CancelledError):
@@ -133,7 +132,7 @@ class Worker:
         try:
             rid = str(json.loads(await request.read())["request_id"])
         except (ValueError, KeyError, TypeError, RecursionError):
-            return web.json_response({"error": "body must be {\"request_id\": ...}"}, status=400)
+            return _error(ErrorCode.INVALID_REQUEST, 'body must be {"request_id": ...}')
         self.loop.abort(rid)
         return web.json_response({"ok": True})
 
@@ -164,7 +163,7 @@ class Worker:
         try:
             since = int(request.query.get("since", "0"))
         except ValueError:
-            return web.json_response({"error": "since must be an integer"}, status=400)
+            return _error(ErrorCode.INVALID_REQUEST, "since must be an integer")
         if self.store is None:
             return web.json_response({"seq": 0, "events": [], "complete": True})
         batch = self.store.events_snapshot() if request.query.get("snapshot") == "1" else self.store.events_since(since)
@@ -243,6 +242,11 @@ class Worker:
         self.loop.stop()
         self.backend.close()
         return 0
+
+
+def _error(code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """An HTTP error answer: the code's status, ``deepserve.protocol.error_body``."""
+    return web.json_response(error_body(code, message), status=code.status, headers=headers)
 
 
 def run_worker(config: WorkerConfig) -> None:

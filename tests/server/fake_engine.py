@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable
 
-from deepserve.protocol import GenerateRequest, TokenEvent, TokenLogprob
+from deepserve.protocol import ErrorCode, GenerateRequest, TokenEvent, TokenLogprob
 
 EOS = 1
 
@@ -28,13 +28,15 @@ class FakeEngine:
         tokens_per_event: int = 1,
         fail_with: BaseException | None = None,
         error_after: int | None = None,
+        error_code: ErrorCode = ErrorCode.ENGINE_ERROR,
     ) -> None:
         self.script = script if script is not None else [19923, 2058, 3, EOS]
         self.delay_s = delay_s
         self.cached_tokens = cached_tokens
         self.tokens_per_event = tokens_per_event
         self.fail_with = fail_with
-        self.error_after = error_after  # emit an error event after this many tokens
+        self.error_after = error_after  # emit an error event with ``error_code`` after this many tokens
+        self.error_code = error_code
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.finished: list[str] = []
@@ -71,7 +73,7 @@ class FakeEngine:
                     yield TokenEvent(rid, finish_reason="abort")
                     return
                 if self.error_after is not None and start >= self.error_after:
-                    yield TokenEvent(rid, finish_reason="error", error="fake engine failure")
+                    yield TokenEvent(rid, finish_reason="error", error="fake engine failure", error_code=self.error_code)
                     return
                 batch = ids[start : start + self.tokens_per_event]
                 last = start + self.tokens_per_event >= len(ids)

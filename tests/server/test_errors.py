@@ -1,4 +1,4 @@
-"""Error mapping: recipe conversion errors, router/transport errors, OpenAI and Anthropic bodies."""
+"""Error mapping: recipe conversion errors, error codes, router/transport errors, OpenAI and Anthropic bodies."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import json
 import deepseek_recipe as dr
 import pytest
 
+from deepserve.protocol import ErrorCode
+from router import errors as router_errors
 from server.errors import (
-    ContextLengthExceeded, EngineFailed, EngineTimeout, GatewayError, InvalidRequest, Overloaded, RateLimited,
-    from_conversion_error, translate,
+    ContextLengthExceeded, EngineFailed, EngineTimeout, GatewayError, InvalidRequest, NotFound, Overloaded, RateLimited,
+    from_code, from_conversion_error, translate,
 )
-
-
-def _named(name: str, **attrs):
-    return type(name, (Exception,), attrs)
 
 
 def test_bodies_and_headers():
@@ -39,30 +37,57 @@ def test_conversion_errors_keep_recipe_body():
 
 
 @pytest.mark.parametrize(
-    "exc,cls,status",
+    "code,cls",
     [
-        (_named("NoWorkerAvailable")("none"), Overloaded, 503),
-        (_named("Overloaded", retry_after=3.0)("busy"), Overloaded, 503),
-        (_named("RequestRejected", status=400)("bad"), InvalidRequest, 400),
-        (_named("WorkerUnavailable", status=502)("gone"), EngineFailed, 502),
-        (ConnectionRefusedError("refused"), Overloaded, 503),
-        (TimeoutError("slow"), EngineTimeout, 504),
-        (RuntimeError("boom"), EngineFailed, 502),
+        (ErrorCode.INVALID_REQUEST, InvalidRequest),
+        (ErrorCode.CONTEXT_LENGTH_EXCEEDED, ContextLengthExceeded),
+        (ErrorCode.NOT_FOUND, NotFound),
+        (ErrorCode.PERMISSION_DENIED, GatewayError),
+        (ErrorCode.ENGINE_FULL, Overloaded),
+        (ErrorCode.OVERLOADED, Overloaded),
+        (ErrorCode.UNAVAILABLE, Overloaded),
+        (ErrorCode.CANCELLED, Overloaded),
+        (ErrorCode.TIMEOUT, EngineTimeout),
+        (ErrorCode.ENGINE_ERROR, EngineFailed),
+        (ErrorCode.INTERNAL, GatewayError),
     ],
 )
-def test_translate(exc, cls, status):
+def test_from_code(code, cls):
+    """Every code maps to its status, OpenAI type and code; only client faults keep the text."""
+    err = from_code(code, "detail at /srv/engine/x.py:3")
+    assert type(err) is cls and (err.status, err.type, err.code) == (code.status, code.openai_type, code.value)
+    assert json.loads(err.body())["error"]["code"] == code.value
+    assert ("detail at <internal>" == err.message) == code.client_fault
+    assert ("Retry-After" in err.headers) == (code.status == 503)
+
+
+def test_from_code_covers_every_code():
+    assert {from_code(code, "x").code for code in ErrorCode} == {code.value for code in ErrorCode}
+    assert from_code(ErrorCode.OVERLOADED, "x", retry_after=4.0).headers == {"Retry-After": "4"}
+
+
+@pytest.mark.parametrize(
+    "exc,code",
+    [
+        (router_errors.NoWorkerAvailable("none"), ErrorCode.UNAVAILABLE),
+        (router_errors.NoWorkerAvailable("all full", code=ErrorCode.ENGINE_FULL), ErrorCode.ENGINE_FULL),
+        (router_errors.Overloaded("busy"), ErrorCode.OVERLOADED),
+        (router_errors.RequestRejected("bad"), ErrorCode.INVALID_REQUEST),
+        (router_errors.WorkerRejected("long", code=ErrorCode.CONTEXT_LENGTH_EXCEEDED), ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+        (router_errors.WorkerUnavailable("gone"), ErrorCode.UNAVAILABLE),
+        (router_errors.WorkerUnavailable("cut", code=ErrorCode.ENGINE_ERROR), ErrorCode.ENGINE_ERROR),
+        (ConnectionRefusedError("refused"), ErrorCode.UNAVAILABLE),
+        (TimeoutError("slow"), ErrorCode.TIMEOUT),
+        (RuntimeError("boom"), ErrorCode.ENGINE_ERROR),
+    ],
+)
+def test_translate(exc, code):
     err = translate(exc)
-    assert isinstance(err, cls) and err.status == status
-    if status == 503:
-        assert "Retry-After" in err.headers
+    assert err.code == code.value and err.status == code.status
 
 
-def test_translate_router_errors_when_present():
-    errors = pytest.importorskip("router.errors")
-    assert translate(errors.Overloaded("full", retry_after=4.0)).headers == {"Retry-After": "4"}
-    assert translate(errors.NoWorkerAvailable("none")).status == 503
-    assert translate(errors.RequestRejected("bad")).status == 400
-    assert translate(errors.WorkerRejected("bad")).status == 400
+def test_translate_keeps_router_retry_after():
+    assert translate(router_errors.Overloaded("full", retry_after=4.0)).headers == {"Retry-After": "4"}
 
 
 def test_reject_reasons():
@@ -72,14 +97,13 @@ def test_reject_reasons():
 
 
 def test_engine_text_is_never_passed_on_verbatim():
-    leak = 'HTTP 400: {"error": "bad grammar at /build/xgrammar/cpp/parser.cc:88: unexpected )"}'
-    err = translate(_named("RequestRejected", status=400)(leak))
+    err = translate(router_errors.RequestRejected("bad grammar at /build/xgrammar/cpp/parser.cc:88: unexpected )"))
     assert err.status == 400 and err.message == "bad grammar at <internal>: unexpected )"
     trace = "RuntimeError: boom\nTraceback (most recent call last):\n  File \"/srv/engine/runtime/engine_core.py\", line 9"
-    for exc in (_named("WorkerUnavailable", status=502)(trace), RuntimeError(trace), TimeoutError(trace), ConnectionRefusedError(trace)):
+    for exc in (router_errors.WorkerUnavailable(trace), RuntimeError(trace), TimeoutError(trace), ConnectionRefusedError(trace)):
         body = translate(exc).body().decode()
         assert "Traceback" not in body and ".py" not in body and "boom" not in body, body
-    assert len(translate(_named("RequestRejected", status=400)("x" * 5000)).message) == 300
+    assert len(translate(router_errors.RequestRejected("x" * 5000)).message) == 300
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])

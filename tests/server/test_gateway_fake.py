@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from deepserve.protocol import GenerateRequest
+from deepserve.protocol import ErrorCode, GenerateRequest
+from router.errors import NoWorkerAvailable, Overloaded, RequestRejected
 from tests.server.conftest import MODEL
 from tests.server.fake_engine import EOS, FakeEngine, text_script
 
@@ -312,19 +313,32 @@ def test_overload_503(make_gateway):
 
 
 @pytest.mark.parametrize(
-    "engine,status",
+    "engine,status,code",
     [
-        (FakeEngine(fail_with=type("NoWorkerAvailable", (Exception,), {})("no workers")), 503),
-        (FakeEngine(fail_with=type("RequestRejected", (Exception,), {"status": 400})("bad ids")), 400),
-        (FakeEngine(error_after=0), 502),
-        (FakeEngine(fail_with=RuntimeError("boom")), 502),
+        (FakeEngine(fail_with=NoWorkerAvailable("no workers")), 503, "unavailable"),
+        (FakeEngine(fail_with=RequestRejected("bad ids")), 400, "invalid_request"),
+        (FakeEngine(fail_with=RequestRejected("too long", code=ErrorCode.CONTEXT_LENGTH_EXCEEDED)), 400, "context_length_exceeded"),
+        (FakeEngine(fail_with=NoWorkerAvailable("all full", code=ErrorCode.ENGINE_FULL)), 503, "engine_full"),
+        (FakeEngine(error_after=0), 502, "engine_error"),
+        (FakeEngine(error_after=0, error_code=ErrorCode.ENGINE_FULL), 503, "engine_full"),
+        (FakeEngine(error_after=0, error_code=ErrorCode.INVALID_REQUEST), 400, "invalid_request"),
+        (FakeEngine(fail_with=RuntimeError("boom")), 502, "engine_error"),
     ],
 )
-def test_engine_errors_before_first_token(make_gateway, engine, status):
+def test_engine_errors_before_first_token(make_gateway, engine, status, code):
+    """The router's real exceptions and the engine's codes reach the client as their code's
+    status and OpenAI ``code`` (a renamed class or code fails here)."""
     gw = make_gateway(engine)
     for stream in (False, True):
         r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": stream})
-        _error(r, status)
+        assert _error(r, status)["code"] == code
+        assert ("retry-after" in r.headers) == (status == 503)
+
+
+def test_router_overload_keeps_retry_after(make_gateway):
+    gw = make_gateway(FakeEngine(fail_with=Overloaded("queue full", retry_after=4.0)))
+    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert _error(r, 503)["code"] == "overloaded" and r.headers["retry-after"] == "4"
 
 
 def test_engine_error_mid_stream_is_an_error_event(make_gateway):

@@ -33,7 +33,7 @@ from engine.backends.base import Handoff
 from engine.backends.deepinfer.bridge import save_point
 from engine.backends.deepinfer.engines import Hooks, RawOutput
 from engine.backends.deepinfer.sampling import to_deepinfer
-from engine.errors import CapacityError, EngineError, InvalidRequestError
+from engine.errors import CapacityError, ContextLengthExceeded, EngineError, InvalidRequestError
 from deepserve.protocol import FinishReason, GenerateRequest, RankLoad, Role, TokenEvent, TokenLogprob
 from engine.runtime.metrics import EngineMetrics
 
@@ -103,7 +103,7 @@ class DeepInferBackend:
         if self.role != "decode" and req.output_token_ids:
             raise InvalidRequestError("the deepinfer backend cannot resume after output_token_ids on a mixed or prefill engine")
         if len(req.prompt_token_ids) + req.sampling.max_tokens > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
+            raise ContextLengthExceeded(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
         remaining = req.sampling.max_tokens - len(req.output_token_ids)
         if remaining <= 0:
             self._pending.append(TokenEvent(rid, finish_reason="length", num_prompt_tokens=len(req.prompt_token_ids)))

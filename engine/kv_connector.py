@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.model.model import DeepseekV4ForCausalLM
+from engine.model.state import SequenceState
 from engine.runtime.sequence import Sequence
 from kvstore.keys import ROOT_KEY, chain_keys
 from kvstore.record import Record, RecordHeader
@@ -78,7 +79,7 @@ class V4Units:
         self.fingerprint = f"{cfg.fingerprint()}-{str(model.dtype).replace('torch.', '')}"
         self.rates = [cfg.layer_rate(i) for i in range(cfg.num_hidden_layers)]
 
-    def apply(self, state, blocks: Seq[Record], snap: Record | None, tokens: Seq[int]) -> None:
+    def apply(self, state: SequenceState, blocks: Seq[Record], snap: Record | None, tokens: Seq[int]) -> None:
         """Fill ``state`` from block records and the snapshot (``snap=None``: a replay from
         ``len(tokens)``, compressors keep the cached rows and skip the windows before them)."""
         dev, start = self.model.device, len(tokens)
@@ -101,7 +102,7 @@ class V4Units:
         state.num_tokens = start
         state.token_ids = list(tokens)
 
-    def block_tensors(self, state, unit_idx: int) -> dict[str, torch.Tensor]:
+    def block_tensors(self, state: SequenceState, unit_idx: int) -> dict[str, torch.Tensor]:
         out = {}
         for li, layer in enumerate(state.layers):
             rate = self.rates[li]
@@ -113,7 +114,7 @@ class V4Units:
                 out[f"L{li}.index"] = layer.index.rows[a:b].cpu()
         return out
 
-    def snapshot_tensors(self, state) -> dict[str, torch.Tensor]:
+    def snapshot_tensors(self, state: SequenceState) -> dict[str, torch.Tensor]:
         out = {}
         for li, layer in enumerate(state.layers):
             out[f"L{li}.swa"] = layer.swa.cpu()
@@ -127,7 +128,7 @@ class V4Units:
                         out[f"L{li}.{part}.{name}"] = t.cpu()
         return out
 
-    def snapshot_meta(self, state) -> dict[str, int]:
+    def snapshot_meta(self, state: SequenceState) -> dict[str, int]:
         return {}
 
     @property

@@ -83,6 +83,11 @@ class SamplingParams:
     # vLLM's ``prompt_logprobs``: each prompt token's log probability (the first has none) with
     # this many best alternatives; None: off. Computed over the whole prompt (no prefix-cache hit).
     prompt_logprobs: int | None = None
+    # The reasoning cap (Anthropic's ``thinking.budget_tokens``): once this many output tokens are
+    # out and none was ``reasoning_end_id`` (``</think>``), that token is the only one allowed.
+    # Set together; a capped request is never drafted (``speculative`` becomes False).
+    max_reasoning_tokens: int | None = None
+    reasoning_end_id: int | None = None
     constraint: OutputConstraint | None = None
     # False: never draft-and-verify this request on an engine with speculative decoding on
     # (the output is the same either way; this opts out of the extra work per step)
@@ -108,6 +113,12 @@ class SamplingParams:
             raise ValueError("top_logprobs must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise ValueError("prompt_logprobs must be in [0, 20]")
+        if (self.max_reasoning_tokens is None) != (self.reasoning_end_id is None):
+            raise ValueError("max_reasoning_tokens and reasoning_end_id go together")
+        if self.max_reasoning_tokens is not None:
+            if self.max_reasoning_tokens < 0:
+                raise ValueError("max_reasoning_tokens must be >= 0")
+            object.__setattr__(self, "speculative", False)  # the speculative path has no logit rules
 
     @property
     def greedy(self) -> bool:

@@ -1,9 +1,12 @@
-"""Logit rules before the draw: ``logit_bias``, ``min_tokens``, and the repetition, frequency and
-presence penalties, each batched over the rows that ask for it.
+"""Logit rules before the draw: ``logit_bias``, ``min_tokens``, the reasoning cap, and the
+repetition, frequency and presence penalties, each batched over the rows that ask for it.
 
 ``logit_bias`` (OpenAI): ``l[token] += bias`` for each (token, bias) pair of the request.
 ``min_tokens`` (vLLM): while fewer output tokens than ``min_tokens`` exist, EOS and the request's
 ``stop_token_ids`` get ``-inf``, so the request cannot end by a stop token before then.
+The reasoning cap (``max_reasoning_tokens``: Anthropic's ``thinking.budget_tokens``): once that
+many output tokens are out and the reasoning is still open, every token but ``reasoning_end_id``
+(``</think>``) gets ``-inf``, so the answer starts there.
 
 Semantics (the order vLLM applies them in):
 - repetition (vLLM / CTRL): for every token in prompt + output so far, a logit ``l > 0`` becomes
@@ -24,7 +27,8 @@ from engine.sampling.state import SamplingState
 
 
 def apply_logit_rules(logits: torch.Tensor, rows: Sequence[int], states: Sequence[SamplingState], eos_ids: Sequence[int]) -> None:
-    """``logit_bias`` and ``min_tokens`` on ``logits[rows]`` in place; ``states[j]`` is ``rows[j]``'s."""
+    """``logit_bias``, ``min_tokens`` and the reasoning cap on ``logits[rows]`` in place;
+    ``states[j]`` is ``rows[j]``'s."""
     flat_logits = logits.view(-1)  # (B * V,)
     vocab = logits.shape[1]
     idx: list[int] = []
@@ -41,6 +45,10 @@ def apply_logit_rules(logits: torch.Tensor, rows: Sequence[int], states: Sequenc
         flat_logits.index_add_(0, torch.tensor(idx, dtype=torch.int64), torch.tensor(bias, dtype=logits.dtype))
     if banned:
         flat_logits[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+    for row, s in zip(rows, states):
+        if s.reasoning_due:
+            logits[row].fill_(float("-inf"))
+            logits[row, s.params.reasoning_end_id] = 0.0  # the one token left
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[int], states: Sequence[SamplingState]) -> None:

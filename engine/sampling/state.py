@@ -52,6 +52,7 @@ class SamplingState:
     prompt_ids: torch.Tensor | None = None  # (P,) int64 distinct prompt ids; only with repetition penalty
     step: int = 0
     finish_reason: FinishReason | None = None
+    reasoning_closed: bool = False  # ``params.reasoning_end_id`` was sampled (checked from the cap on)
     _out: torch.Tensor = field(default_factory=lambda: torch.empty(16, dtype=torch.int64), repr=False)
 
     @property
@@ -68,8 +69,21 @@ class SamplingState:
 
     @property
     def has_logit_rules(self) -> bool:
-        """A ``logit_bias``, or ``min_tokens`` not yet reached (see ``penalties.apply_logit_rules``)."""
-        return bool(self.params.logit_bias) or self.step < self.params.min_tokens
+        """A ``logit_bias``, ``min_tokens`` not yet reached, or the reasoning cap due (see
+        ``penalties.apply_logit_rules``)."""
+        return bool(self.params.logit_bias) or self.step < self.params.min_tokens or self.reasoning_due
+
+    @property
+    def reasoning_due(self) -> bool:
+        """``max_reasoning_tokens`` output tokens are out and none was ``reasoning_end_id``: the
+        reasoning must end now (that token is the only one allowed)."""
+        p = self.params
+        if p.max_reasoning_tokens is None or self.step < p.max_reasoning_tokens or self.reasoning_closed:
+            return False
+        if bool((self.output_ids() == p.reasoning_end_id).any()):  # once per request: then cached
+            self.reasoning_closed = True
+            return False
+        return True
 
     @property
     def has_penalties(self) -> bool:

@@ -58,6 +58,7 @@ _DEFAULTS = SamplingParams()  # each field's "off" value; a request setting anot
 _UNSUPPORTED = (
     "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens", "logit_bias",
     "prompt_logprobs",  # DeepInfer's own prompt_logprobs output is not read back by this backend
+    "max_reasoning_tokens",
 )
 _SCHEMA_TYPES = {"json": "json", "regex": "regex", "ebnf": "ebnf"}
 

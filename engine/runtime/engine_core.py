@@ -339,7 +339,7 @@ class EngineCore:
             if self.kv is not None:
                 self._save(seq)  # after acceptance: the state holds accepted tokens only
             if res.tokens:
-                events.append(self._event(seq, res.tokens, None, res.finish_reason, now))
+                events.append(self._event(seq, res.tokens, res.logprobs or None, res.finish_reason, now))
         return events
 
     def _event(self, seq: Sequence, tokens: list[int], logprobs: list | None, reason: FinishReason | None, now: float) -> TokenEvent:

@@ -1,21 +1,27 @@
 """Speculative decoding with the checkpoint's MTP layer: draft ``k``, verify in one forward, rewind.
 
-Which requests: greedy ones with nothing that needs logit values (no logprobs, penalties, logit
-bias or ``min_tokens`` rules, grammar, prompt logprobs), not prefill-only, not opted out
-(``SamplingParams.speculative``). Every other request decodes as without speculation, so output
-never depends on it; an eligible request's tokens are the greedy tokens of the target model.
+Which requests: all but prefill-only ones, those asking for prompt logprobs, and those opted out
+(``SamplingParams.speculative``). Their tokens are exactly the tokens the non-speculative engine
+samples — greedy or not — because a verify row is sampled the way a plain step samples it.
 
 A speculative sequence runs on the general path (never a static slot), every step:
 
 1. its chunk: prefill tokens, or the next token ``t`` plus the drafts ``d_1..d_m`` (``m ≤ k``, as the
    scheduler's budget allows); before a verify the state is marked (``engine/model/rewind.py``);
 2. one forward for all speculative chunks, returning every row's final streams;
-3. a sequence at its end takes the exact greedy token of each row from ``t`` on: ``g_0..g_m``;
-   accepted = the longest prefix with ``d_j == g_{j-1}``, ``a`` drafts; the tokens ``g_0..g_a``
-   are recorded one by one (stop tokens, EOS and ``max_tokens`` end the run where they occur), the
-   state is rewound to ``t, d_1..d_a``;
+3. a sequence at its end picks row ``j``'s token ``g_j`` (from ``t`` on) as a plain step would:
+   plain greedy rows take the exact argmax (all rows of all such sequences in one head call);
+   any other row goes through ``Sampler.sample`` alone, with the request's state advanced by
+   ``g_0..g_{j-1}`` — so its ``(seed, step)`` uniform, penalties, ``min_tokens``, logit bias,
+   grammar and logprobs are those of the plain step at that position. Row ``j + 1`` is used only
+   while ``d_{j+1} == g_j`` (its logits assumed that token); the first disagreement, a stop
+   token, EOS or ``max_tokens`` ends the run. So ``g_0..g_a`` are emitted, ``a`` drafts accepted,
+   and the state is rewound to ``t, d_1..d_a``. For sampled requests this is rejection sampling
+   with a deterministic draft: ``d`` survives with probability ``p(d)``, and a rejected position
+   keeps the token drawn from ``p`` itself, so the output distribution is the target's (and, per
+   seed, the very tokens of the plain sampler);
 4. the MTP layer is fed the consumed rows (streams of row ``p``, token ``p + 1``) and proposes the
-   next ``k`` drafts from the last one.
+   next ``k`` greedy drafts from the last one.
 
 With a KV store, drafts never reach past the next 128-token unit boundary, so a sequence always
 lands exactly on it once and the boundary snapshot is taken there, after acceptance.
@@ -27,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepserve.protocol import FinishReason
+from deepserve.protocol import FinishReason, TokenLogprob
+from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.mtp import Drafter, MTPLayer
 from engine.model.rewind import Mark, mark, rewind
@@ -43,6 +50,7 @@ class SpecResult:
     consumed: int  # tokens now in the state (add to ``num_computed``)
     tokens: list[int] = field(default_factory=list)  # new output tokens (empty: a prefill chunk)
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asks
     drafted: int = 0  # drafts verified this step
     accepted: int = 0  # of which accepted
 
@@ -62,13 +70,7 @@ class SpecDecoder:
     def takes(seq: Sequence) -> bool:
         """Whether ``seq`` decodes speculatively (fixed per request: module docstring)."""
         req = seq.request
-        p = req.sampling
-        return (
-            seq.sampling is not None and p.speculative and not req.prefill_only and p.prompt_logprobs is None
-            and p.temperature == 0.0 and not p.logprobs and not p.logit_bias and p.min_tokens == 0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-            and p.constraint is None
-        )  # fmt: skip
+        return req.sampling.speculative and not req.prefill_only and req.sampling.prompt_logprobs is None
 
     @torch.inference_mode()
     def step(self, batch: list[tuple[Sequence, int]]) -> list[SpecResult]:
@@ -84,15 +86,16 @@ class SpecDecoder:
             fed.append((real, drafts))
             chunks.append((seq.state, ids))
         streams = self.model(chunks, logits="streams")  # (N, hc, H)
-        targets = self._greedy_rows(batch, fed, streams)
+        rows = self._verify_rows(batch, fed, streams)
+        greedy = self._greedy_targets(batch, rows)
         results, feeds, ends = [], [], []
         start = 0
-        for (seq, _), (real, drafts), m, g in zip(batch, fed, marks, targets):
-            res = self._accept(seq, real, drafts, m, g)
-            rows = streams[start : start + res.consumed]  # (consumed, hc, H): the rows now in the state
+        for (seq, _), (real, drafts), m, hidden, g in zip(batch, fed, marks, rows, greedy):
+            res = self._accept(seq, real, drafts, m, hidden, g)
+            consumed = streams[start : start + res.consumed]  # (consumed, hc, H): the rows now in the state
             first = seq.num_computed
-            feeds.append((seq, rows, seq.tokens[first + 1 : first + res.consumed + 1], first))
-            if g is not None and res.finish_reason is None:
+            feeds.append((seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first))
+            if hidden is not None and res.finish_reason is None:
                 ends.append(len(feeds) - 1)
             start += real + len(drafts)
             results.append(res)
@@ -106,9 +109,9 @@ class SpecDecoder:
         boundary = (seq.num_computed // self.unit + 1) * self.unit
         return drafts[: max(0, boundary - seq.num_computed - 1)]
 
-    def _greedy_rows(self, batch: list[tuple[Sequence, int]], fed: list[tuple[int, list[int]]], streams: torch.Tensor) -> list[list[int] | None]:
-        """Each sequence at its end: the exact greedy token after its last real token and after
-        each draft (``1 + m``); None for a prefill chunk that does not reach the end."""
+    def _verify_rows(self, batch: list[tuple[Sequence, int]], fed: list[tuple[int, list[int]]], streams: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each sequence at its end: the head's input ``(1 + m, H)`` at its last real token and at
+        each draft; None for a prefill chunk that does not reach the end."""
         rows: list[int] = []
         spans: list[tuple[int, int] | None] = []
         start = 0
@@ -121,25 +124,47 @@ class SpecDecoder:
             start += real + len(drafts)
         if not rows:
             return [None] * len(batch)
-        idx = torch.tensor(rows, device=streams.device)
-        tokens = self.model.head.argmax(self.model.final_hidden(streams.index_select(0, idx))).tolist()
-        return [None if s is None else [int(t) for t in tokens[s[0] : s[1]]] for s in spans]
+        hidden = self.model.final_hidden(streams.index_select(0, torch.tensor(rows, device=streams.device)))  # (R, H)
+        return [None if s is None else hidden[s[0] : s[1]] for s in spans]
 
-    def _accept(self, seq: Sequence, real: int, drafts: list[int], m: Mark | None, targets: list[int] | None) -> SpecResult:
-        """Step 3 for one sequence; appends its new tokens to ``seq.tokens``."""
-        if targets is None:
+    def _greedy_targets(self, batch: list[tuple[Sequence, int]], rows: list[torch.Tensor | None]) -> list[list[int] | None]:
+        """The exact greedy token of every row of the plain greedy sequences, in one head call."""
+        plain = [i for i, (seq, _) in enumerate(batch) if rows[i] is not None and seq.sampling is not None and seq.sampling.plain_greedy]
+        out: list[list[int] | None] = [None] * len(batch)
+        if plain:
+            tokens = self.model.head.argmax(torch.cat([rows[i] for i in plain])).tolist()  # type: ignore[misc]
+            at = 0
+            for i in plain:
+                n = rows[i].shape[0]  # type: ignore[union-attr]
+                out[i], at = [int(t) for t in tokens[at : at + n]], at + n
+        return out
+
+    def _accept(
+        self, seq: Sequence, real: int, drafts: list[int], m: Mark | None, hidden: torch.Tensor | None, greedy: list[int] | None
+    ) -> SpecResult:
+        """Step 3 for one sequence; appends its new tokens to ``seq.tokens``. Row ``j``'s token is
+        the one the non-speculative sampler picks there: the exact greedy token (``greedy``), or
+        ``Sampler.sample`` on that row alone with the state advanced by the tokens before it (its
+        ``(seed, step)`` uniform, penalties, logit rules, grammar and logprobs as in a plain step);
+        rows after the first disagreeing draft are never sampled."""
+        if hidden is None:
             return SpecResult(consumed=real)
         assert seq.sampling is not None
-        a = 0
-        while a < len(drafts) and drafts[a] == targets[a]:
-            a += 1
-        res = SpecResult(consumed=real, drafted=len(drafts), accepted=a)
-        for t in targets[: a + 1]:
-            res.tokens.append(t)
-            seq.tokens.append(t)
-            res.finish_reason = self.sampler.advance(seq.sampling, t)
-            if res.finish_reason is not None:
+        res = SpecResult(consumed=real, drafted=len(drafts))
+        for j in range(hidden.shape[0]):
+            if greedy is not None:
+                token, lp = greedy[j], None
+                res.finish_reason = self.sampler.advance(seq.sampling, token)
+            else:
+                out = self.sampler.sample(HeadRows(self.model.head, hidden[j : j + 1]), [seq.sampling])
+                token, lp, res.finish_reason = int(out.token_ids[0]), out.logprobs[0], out.finish_reasons[0]
+            res.tokens.append(token)
+            seq.tokens.append(token)
+            if lp is not None:
+                res.logprobs.append(lp)
+            if res.finish_reason is not None or j == len(drafts) or drafts[j] != token:
                 break
+            res.accepted += 1
         res.consumed += len(res.tokens) - 1  # the accepted drafts before the last new token
         if m is not None:
             assert seq.state is not None

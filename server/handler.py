@@ -31,6 +31,7 @@ from server.extensions import parse_extras, truncated
 from server.fields import check_fields
 from server.generation import ClientDisconnected, Run, race_disconnect
 from server.prompt_logprobs import with_chat_prompt_logprobs
+from server.reasoning_cap import cap_sampling, requested_cap
 from server.request_id import ids
 from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
@@ -145,6 +146,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
     hooks = make_hooks(body, key) if make_hooks is not None else None
     recipe_body = proto.prepare_body(hooks.body(body) if hooks is not None else body)
     extras = parse_extras(body, catalog.vocab_size, chat=proto.chat)
+    cap = requested_cap(body, proto.route)
     if extras.n > gw.config.max_concurrent_requests:  # its choices could never all run at once
         raise InvalidRequest(
             f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
@@ -152,6 +154,9 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
     size = len(raw) + (hooks.added_bytes if hooks is not None else 0)
     conv, make_generator, prompt = await gw.render.run(size, render, gw, proto, raw if recipe_body is body else recipe_body, recipe_body)
     prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
+    capped = cap_sampling(cap, conv, catalog.thinking_end_id)
+    if capped:
+        extras = replace(extras, sampling={**extras.sampling, **capped})
     rid, engine_rid = ids(request, proto.id_prefix)
     if hooks is not None and hooks.unique_id:
         rid = engine_rid

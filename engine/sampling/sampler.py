@@ -4,7 +4,8 @@ Per step, for the (B, V) float32 logits of the scheduled sequences, in this orde
 1. logprobs source, if any row asks and ``logprobs_mode == "raw"``: log_softmax of the model's
    logits as given (vLLM v1's default, and OpenAI's: independent of temperature, penalties,
    truncation and grammar);
-2. ``logit_bias`` / ``min_tokens``, then penalties (``penalties.py``), on the rows that set any;
+2. ``logit_bias`` / ``min_tokens`` / the reasoning cap, then penalties (``penalties.py``), on the
+   rows that set any;
 3. grammar masks (``structured.py``) of rows whose grammar is active: a row allowing at most
    ``grammar_sparse_max`` tokens (most grammar positions) is gathered down to those tokens and
    sampled over them alone; wider rows get the bitmask applied in one batched call;

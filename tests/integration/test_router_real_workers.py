@@ -85,6 +85,28 @@ def test_disaggregated_equals_colocated(cluster) -> None:
         assert any(w.startswith("prefill") for w in w1) and any(w.startswith("decode") for w in w1)
 
 
+def test_prompt_logprobs_cross_the_prefill_decode_split_once(cluster) -> None:
+    """The prefill worker scores the prompt; the caller gets those scores once (the decode worker,
+    continuing after the first token, computes none), equal to a mixed worker's."""
+    rng = random.Random(9)
+    req = GenerateRequest("pl", [rng.randrange(2, 129280) for _ in range(200)],
+                          SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2))
+
+    async def scores(config: RouterConfig) -> list:
+        router = Router(config, auth=AUTH)
+        await router.start()
+        try:
+            return [ev.prompt_logprobs async for ev in router.generate(GenerateRequest.from_dict(req.to_dict())) if ev.prompt_logprobs]
+        finally:
+            await router.stop()
+
+    pd = asyncio.run(scores(_config(prefill=(cluster["prefill"].url,), decode=tuple(w.url for w in cluster["decode"]))))
+    co = asyncio.run(scores(_config(worker=(cluster["mixed"].url,))))
+    assert len(pd) == len(co) == 1 and len(pd[0]) == 200 and pd[0][0] is None
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(pd[0][1:], co[0][1:])) < 1e-4
+    assert [[t for t, _ in a.top] for a in pd[0][1:]] == [[t for t, _ in b.top] for b in co[0][1:]]
+
+
 def test_decode_worker_killed_mid_stream_migrates(cluster, tmp_path) -> None:
     victim = start_workers(cluster["model"], cluster["kv"], ["decode"], cluster["logs"])[0]
     survivor = cluster["decode"][0]

@@ -149,7 +149,7 @@ class ResponsesFlow:
         """Put ``response`` with the conversation it ends."""
         self.rid = response["id"]
         old = self.gw.responses.get(self.rid)
-        entry = StoredResponse(self.rid, self.owner, response, self.history + list(response.get("output") or ()))
+        entry = StoredResponse(self.rid, self.owner, response, self.history + list(response.get("output") or ()), len(self.history))
         if old is not None:
             entry.task = old.task
         self.gw.responses.put(entry)
@@ -174,6 +174,37 @@ class ResponsesFlow:
             self._set_status("cancelled")
         finally:
             answer.close()
+
+
+def input_items(entry: StoredResponse, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: the conversation the response answered (earlier
+    responses' items included, as OpenAI lists them), each with an id, as an OpenAI list page."""
+    items = [_item_resource(item, entry.id, i) for i, item in enumerate(entry.history[: entry.inputs])]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"No input item with id '{after}' in response '{entry.id}'.", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list", "data": page, "has_more": len(items) > limit,
+        "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+    }
+
+
+def _item_resource(item: Any, rid: str, i: int) -> dict[str, Any]:
+    """An input item as OpenAI lists it: with an id and a status; a message's text as parts."""
+    if not isinstance(item, dict):
+        return {"id": f"item_{rid}_{i}", "type": "unknown", "value": item}
+    out = {"id": f"msg_{rid}_{i}", "status": "completed", **item}
+    if "role" in out and "type" not in out:
+        out["type"] = "message"
+    if out.get("type") == "message" and isinstance(out.get("content"), str):
+        kind = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": kind, "text": out["content"]}]
+    return out
 
 
 async def cancel(entry: StoredResponse) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class StoredResponse:
     owner: str  # the API key (or client address) that created it; only it may read it
     response: dict[str, Any]
     history: list[Any]
+    inputs: int = 0  # how many of ``history``'s items were its input (GET .../input_items)
     task: asyncio.Task[Any] | None = None  # the background run producing it (None: synchronous)
     size: int = 0  # bytes of JSON counted against ``max_bytes``
     expires: float = field(default=0.0)

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from server.errors import InvalidRequest
 from server.handler import MakeGenerator, RecipeProtocol, serve_recipe
 from server.inputs import prepare_responses
-from server.response_flow import ResponsesFlow, cancel, lookup
+from server.response_flow import ResponsesFlow, cancel, input_items, lookup
 from server.schemas import ERROR_RESPONSES, RESPONSES, json_body
 from server.state import Gateway
 
@@ -63,6 +63,22 @@ async def get_response(request: Request, response_id: str) -> Response:
     if request.query_params.get("stream") in ("true", "1"):
         raise InvalidRequest("Streaming a stored response is not supported; poll without 'stream'.", param="stream")
     return _json(lookup(gw.responses, response_id, owner).response)
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
+async def list_input_items(request: Request, response_id: str) -> Response:
+    """The input items of a stored response (``limit`` 1-100, default 20; ``order`` desc (default)
+    or asc; ``after``: an item id); 404 when unknown."""
+    gw: Gateway = request.app.state.gateway
+    entry = lookup(gw.responses, response_id, gw.authenticate(request))
+    q = request.query_params
+    limit = q.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise InvalidRequest("Invalid 'limit': an integer in [1, 100].", param="limit")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("Invalid 'order': asc or desc.", param="order")
+    return _json(input_items(entry, int(limit), order, q.get("after")))
 
 
 @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)

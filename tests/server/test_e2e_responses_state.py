@@ -51,6 +51,12 @@ def test_previous_response_id_continues_the_stored_conversation(client) -> None:
     alone = client.responses.create(model=E2E_MODEL, input="And another?", max_output_tokens=1, store=False)
     assert follow.usage.input_tokens == explicit.usage.input_tokens > alone.usage.input_tokens
     assert follow.output_text == explicit.output_text
+    listed = client.responses.input_items.list(follow.id, order="asc")
+    kinds = [(item.type, getattr(item, "role", None)) for item in listed.data]
+    assert kinds == [("message", "user"), *[(item.type, getattr(item, "role", None)) for item in first.output], ("message", "user")]
+    assert listed.data[0].content[0].text == "Name a colour." and all(item.id for item in listed.data)
+    newest = client.responses.input_items.list(follow.id, limit=1)  # desc by default
+    assert newest.has_more and newest.data[0].content[0].text == "And another?"
 
 
 def test_unstored_unknown_and_foreign_ids_are_404(client, live_stack) -> None:

@@ -81,7 +81,7 @@ class EngineCore:
         self._kv_loading: set[Future] = set()
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:  # raises CheckpointError when the checkpoint has no MTP layer
-            self.spec = SpecDecoder(model, sampler, config.speculative, model.config.unit_tokens if kv is not None else None)
+            self.spec = SpecDecoder(model, sampler, config.speculative)
         self.static: StaticRunner | None = None
         if config.static_decode is not False:  # None (default): on, CUDA graphs on GPU, host slots on CPU
             try:
@@ -208,7 +208,7 @@ class EngineCore:
         t0 = time.perf_counter()
         plain, spec = self._split(out)
         if spec:
-            events.extend(self._spec_output(spec, self.spec.step(spec)))  # type: ignore[union-attr]
+            events.extend(self._spec_output(spec, self.spec.step(spec, units=self.kv is not None)))  # type: ignore[union-attr]
         if plain.scheduled:
             events.extend(self._make_output(plain, self._run(plain)))
         if self.kv is not None and out.num_tokens > 2 * len(out.scheduled):

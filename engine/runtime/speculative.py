@@ -58,11 +58,11 @@ class SpecResult:
 class SpecDecoder:
     """Drafts and verifies for the engine core (module docstring)."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, sampler: Sampler, config: SpeculativeConfig, unit_tokens: int | None) -> None:
+    def __init__(self, model: DeepseekV4ForCausalLM, sampler: Sampler, config: SpeculativeConfig) -> None:
         self.model, self.sampler, self.config = model, sampler, config
         self.k = config.num_speculative_tokens
         self.drafter = Drafter(model, MTPLayer.from_model(model))
-        self.unit = unit_tokens  # clamp drafts at these boundaries (a KV store saves there); None: no clamp
+        self.unit = model.config.unit_tokens  # a KV store saves at these boundaries
         if self.k + 1 > model.config.sliding_window - 1:
             raise ValueError("num_speculative_tokens + 1 must be below the sliding window")
 
@@ -73,14 +73,16 @@ class SpecDecoder:
         return req.sampling.speculative and not req.prefill_only and req.sampling.prompt_logprobs is None
 
     @torch.inference_mode()
-    def step(self, batch: list[tuple[Sequence, int]]) -> list[SpecResult]:
-        """Run ``batch`` (each sequence with its scheduled token count) through steps 1-4."""
+    def step(self, batch: list[tuple[Sequence, int]], units: bool = False) -> list[SpecResult]:
+        """Run ``batch`` (each sequence with its scheduled token count) through steps 1-4;
+        ``units``: a KV store saves unit boundaries, so no verify reaches past the next one."""
         chunks, marks, fed = [], [], []
         for seq, n in batch:
             if seq.state is None:  # new, or preempted: a fresh main state and MTP window
                 seq.state, seq.draft, seq.draft_ids = self.model.new_state(), None, []
             real = min(n, seq.remaining)
-            drafts = self._clamp(seq, seq.draft_ids[: n - real]) if real == seq.remaining else []
+            drafts = seq.draft_ids[: n - real] if real == seq.remaining else []
+            drafts = self._clamp(seq, drafts) if units else drafts
             ids = seq.tokens[seq.num_computed : seq.num_computed + real] + drafts
             marks.append(mark(seq.state) if drafts else None)
             fed.append((real, drafts))
@@ -104,8 +106,6 @@ class SpecDecoder:
 
     def _clamp(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """``drafts`` cut so the verify ends at the next unit boundary at the latest."""
-        if self.unit is None:
-            return drafts
         boundary = (seq.num_computed // self.unit + 1) * self.unit
         return drafts[: max(0, boundary - seq.num_computed - 1)]
 

@@ -141,3 +141,30 @@ def test_speculative_config_is_validated(trained) -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 0}')
     assert SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3}') == SpeculativeConfig("mtp", 3)
+
+
+def test_kv_store_resume_mid_conversation_stays_exact(trained) -> None:
+    """Each turn of a conversation hits the units the previous speculative turn stored (decode
+    units saved only once their tokens were accepted; drafts stop at unit boundaries) and gives
+    the tokens of a cold engine without speculation."""
+    from kvstore import KVStoreConfig, build_store
+
+    from engine.kv_connector import KVConnector
+
+    ckpt, model = trained
+    engine, reg = _engine(ckpt, model, 3)
+    engine.kv = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), model, snapshot_interval_units=1)
+    cold = _engine(ckpt, model, None)[0]
+    lang = TrainConfig()
+    conversation = prompt(101, 11) + sentence(lang, 1005, 8)  # 109 + 4j never lands on 128 unclamped
+    computed_before = 0
+    for turn in range(3):
+        req = lambda rid: GenerateRequest(rid, list(conversation), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # noqa: E731
+        got, want = run(engine, [req(f"t{turn}")])[f"t{turn}"], run(cold, [req(f"c{turn}")])[f"c{turn}"]
+        assert got.tokens == want.tokens
+        if turn:
+            assert got.cached >= (computed_before // 128) * 128 > 0
+        computed_before = len(conversation) + len(got.tokens) - 1
+        conversation += got.tokens + prompt(20, 100 + turn) + sentence(lang, 1010 + turn, 4)
+    c = _counts(reg)
+    assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"] > 0

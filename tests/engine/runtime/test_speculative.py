@@ -168,3 +168,20 @@ def test_kv_store_resume_mid_conversation_stays_exact(trained) -> None:
         conversation += got.tokens + prompt(20, 100 + turn) + sentence(lang, 1010 + turn, 4)
     c = _counts(reg)
     assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"] > 0
+
+
+def test_structured_output_with_speculation_gives_the_plain_tokens(trained) -> None:
+    """A grammar advances per accepted token (a draft it forbids is just rejected)."""
+    from deepserve.protocol import OutputConstraint
+
+    ckpt, model = trained
+    constraint = OutputConstraint("regex", r"(yes|no)-[a-c]{3,6}")
+    reqs = lambda: [  # noqa: E731
+        GenerateRequest(f"g{s}", sentence(TrainConfig(), 1000 + s, 6), SamplingParams(max_tokens=16, temperature=1.0, seed=s, constraint=constraint))
+        for s in range(4)
+    ]
+    base = run(_engine(ckpt, model, None)[0], reqs())
+    engine, reg = _engine(ckpt, model, 2)
+    out = run(engine, reqs())
+    assert {r: (o.tokens, o.finish_reason) for r, o in out.items()} == {r: (o.tokens, o.finish_reason) for r, o in base.items()}
+    assert all(o.finish_reason == "stop" for o in out.values()) and _counts(reg)["num_drafts"] > 0

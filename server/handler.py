@@ -152,7 +152,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
             f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
         )
     size = len(raw) + (hooks.added_bytes if hooks is not None else 0)
-    conv, make_generator, prompt = await gw.render.run(size, render, gw, proto, raw if recipe_body is body else recipe_body, recipe_body)
+    conv, make_generator, prompt = await gw.render.run(size, _convert, gw, proto, raw if recipe_body is body else recipe_body, recipe_body)
     prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
     capped = cap_sampling(cap, conv, catalog.thinking_end_id)
     if capped:
@@ -236,7 +236,7 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: bytes | dict[st
     return conv, make_generator, prompt
 
 
-def render(gw: Gateway, proto: RecipeProtocol, source: bytes | dict[str, Any], recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
+def _convert(gw: Gateway, proto: RecipeProtocol, source: bytes | dict[str, Any], recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
     """``convert_and_encode`` of ``source`` (the body, raw or rewritten), falling back to
     ``convert_forcing_tools`` (runs on the render pool for large bodies)."""
     try:

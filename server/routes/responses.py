@@ -48,6 +48,14 @@ def _json(obj: dict[str, Any]) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), media_type="application/json")
 
 
+def _query(request: Request, accepted: tuple[str, ...]) -> Any:
+    """The query parameters, 400 naming the first one this server does not honour."""
+    for name in request.query_params:
+        if name not in accepted:
+            raise InvalidRequest(f"Unrecognized query parameter: {name}", param=name, code="unknown_parameter")
+    return request.query_params
+
+
 @router.post("/v1/responses", openapi_extra=json_body(RESPONSES), responses=ERROR_RESPONSES)
 async def create_response(request: Request) -> Response:
     """A model response; ``stream: true`` answers named server-sent events (``response.*``)."""
@@ -60,7 +68,7 @@ async def get_response(request: Request, response_id: str) -> Response:
     """A stored response (a background one: its status so far); 404 when unknown."""
     gw: Gateway = request.app.state.gateway
     owner = gw.authenticate(request)
-    if request.query_params.get("stream") in ("true", "1"):
+    if _query(request, ("stream",)).get("stream", "false") != "false":
         raise InvalidRequest("Streaming a stored response is not supported; poll without 'stream'.", param="stream")
     return _json(lookup(gw.responses, response_id, owner).response)
 
@@ -71,7 +79,7 @@ async def list_input_items(request: Request, response_id: str) -> Response:
     or asc; ``after``: an item id); 404 when unknown."""
     gw: Gateway = request.app.state.gateway
     entry = lookup(gw.responses, response_id, gw.authenticate(request))
-    q = request.query_params
+    q = _query(request, ("limit", "order", "after"))
     limit = q.get("limit", "20")
     if not limit.isdigit() or not 1 <= int(limit) <= 100:
         raise InvalidRequest("Invalid 'limit': an integer in [1, 100].", param="limit")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -102,3 +103,12 @@ def test_background_refusals_name_the_field(client, body) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=E2E_MODEL, input="x", max_output_tokens=2, **body)
     assert err.value.body["param"] == "background"
+
+
+def test_unknown_query_parameters_are_400_naming_them(client, live_stack) -> None:
+    r = client.responses.create(model=E2E_MODEL, input="x", max_output_tokens=2)
+    auth = {"Authorization": f"Bearer {E2E_KEY}"}
+    for path, query in ((f"/v1/responses/{r.id}", "include=reasoning.encrypted_content"), (f"/v1/responses/{r.id}", "stream=true"),
+                        (f"/v1/responses/{r.id}/input_items", "include=x")):
+        got = httpx.get(f"{live_stack.url}{path}?{query}", headers=auth)
+        assert got.status_code == 400 and got.json()["error"]["param"] == query.split("=")[0]

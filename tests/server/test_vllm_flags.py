@@ -36,6 +36,8 @@ def test_up_passes_engine_flags_to_workers():
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--gpu-memory-utilization", "0.5", "--kv-cache", "off",
     ]
     assert engine_args(build_parser().parse_args(["up", "--enable-prefix-caching"])) == []
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    assert engine_args(build_parser().parse_args(["up", "--speculative-config", spec])) == ["--speculative-config", spec]
 
 
 def test_tensor_parallel_refused():
@@ -64,3 +66,5 @@ def test_engine_takes_the_vllm_spellings(capsys):
     args = build_parser().parse_args(["engine", "--model", "m", "--no-enable-prefix-caching", "-tp", "2", "--max-num-seqs", "4"])
     assert (args.enable_prefix_caching, args.max_num_seqs) == (False, 4)
     assert _engine(args) == 2 and "tensor-parallel-size 2" in capsys.readouterr().err
+    bad = build_parser().parse_args(["engine", "--model", "m", "--speculative-config", '{"method": "eagle"}'])
+    assert _engine(bad) == 2 and "only 'mtp'" in capsys.readouterr().err

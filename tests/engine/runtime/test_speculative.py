@@ -185,3 +185,19 @@ def test_structured_output_with_speculation_gives_the_plain_tokens(trained) -> N
     out = run(engine, reqs())
     assert {r: (o.tokens, o.finish_reason) for r, o in out.items()} == {r: (o.tokens, o.finish_reason) for r, o in base.items()}
     assert all(o.finish_reason == "stop" for o in out.values()) and _counts(reg)["num_drafts"] > 0
+
+
+def test_preempted_speculative_sequences_resume_exactly(trained) -> None:
+    """A state budget too small for every sequence preempts some (state and drafts dropped,
+    recomputed from the tokens later); the tokens stay those of the plain engine."""
+    from engine.runtime.state_pool import state_bytes
+
+    ckpt, model = trained
+    lang = TrainConfig()
+    reqs = lambda: [GenerateRequest(f"p{i}", prompt(n, 50 + i) + sentence(lang, 1000 + i, 4), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i, n in enumerate((116, 126, 121, 136))]  # noqa: E731
+    base = run(_engine(ckpt, model, None)[0], reqs())
+    block, boundary = state_bytes(model.config, model.dtype)
+    engine, _ = _engine(ckpt, model, 3, max_num_seqs=4, state_memory_bytes=4 * boundary + 5 * block)  # 5 units for 4 × 2
+    out = run(engine, reqs())
+    assert engine.scheduler.num_preemptions > 0
+    assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}

@@ -3,6 +3,8 @@
 Two workers, one with ``--speculative-config`` and one without, give the same greedy tokens for
 batched requests of mixed lengths that cross 128-token units (their KV store on, so drafts stop at
 each unit boundary); the speculative one reports drafts and acceptances under vLLM's metric names.
+Through the router, a plain prefill worker handing off to a speculative decode worker (sharing a
+KV tier) gives those tokens too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import pytest
 
 from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.model.tiny_mtp import TrainConfig, sentence
+from router.config import RouterConfig
+from router.router import Router
 from router.worker_client import WorkerClient
 from tests.integration.workers import AUTH, start_workers
 
@@ -67,3 +71,38 @@ def test_speculative_worker_gives_the_plain_workers_tokens(trained_mtp_model_dir
     finally:
         spec.terminate()
         plain.terminate()
+
+
+async def _through_router(prefill: str, decode: str) -> dict[str, list[int]]:
+    config = RouterConfig(policy="least_load", load_interval_s=0.1, health_interval_s=0.2, kv_events_interval_s=0.2,
+                          backoff_base_s=0.01, pd_min_prompt_tokens=0, prefill=(prefill,), decode=(decode,))  # fmt: skip
+    router = Router(config, auth=AUTH)
+    await router.start()
+
+    async def one(req: GenerateRequest) -> tuple[str, list[int]]:
+        tokens, workers = [], set()
+        async for ev in router.generate(req):
+            assert ev.finish_reason != "error", ev.error
+            tokens += ev.token_ids
+            workers.add((ev.worker_id or "").split("-")[0])
+        assert {"prefill", "decode"} <= workers
+        return req.request_id, tokens
+
+    try:
+        return dict(await asyncio.gather(*(one(r) for r in _requests())))
+    finally:
+        await router.stop()
+
+
+def test_prefill_handoff_to_a_speculative_decode_worker(trained_mtp_model_dir, tmp_path_factory) -> None:
+    logs, kv = tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("kv-pd")
+    spec = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    prefill, decode = start_workers(trained_mtp_model_dir, kv, ["prefill", "decode"], logs, extra=spec)
+    plain = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-plain2"), ["mixed"], logs)[0]
+    try:
+        want = asyncio.run(_generate(plain.url))
+        assert asyncio.run(_through_router(prefill.url, decode.url)) == want
+        assert _metric(decode.url, "vllm:spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        for w in (prefill, decode, plain):
+            w.terminate()

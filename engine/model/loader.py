@@ -196,6 +196,13 @@ def load_model(
         with safe_open(str(key_file[key]), framework="pt") as g:
             return g.get_tensor(key)
 
+    def stack_experts(prefix: str, per_expert: dict[int, dict[str, torch.Tensor]], where: Path) -> None:
+        n = cfg.n_routed_experts
+        gate_up = torch.stack([torch.cat([per_expert[e]["w1"], per_expert[e]["w3"]]) for e in range(n)])
+        assign(f"{prefix}.gate_up_proj", gate_up, where)
+        del gate_up
+        assign(f"{prefix}.down_proj", torch.stack([per_expert[e]["w2"] for e in range(n)]), where)
+
     bar = tqdm(files, desc="loading shards", unit="shard", disable=not progress, file=sys.stderr)
     for file in bar:
         with safe_open(str(file), framework="pt") as f:
@@ -214,25 +221,23 @@ def load_model(
                         packed[m.group(1)][int(m.group(2))][m.group(3)] = (tensor, scale.view(torch.float8_e8m0fnu))
                         continue
                 if scale_key is not None and tensor.dtype.itemsize == 1:
-                    tensor = dequantize(tensor, scale_of(scale_key))
+                    tensor = dequantize(tensor, scale_of(scale_key)).to(torch_dtype)  # held in the model's dtype, not fp32
                 if key.startswith(("mtp.", "model.mtp.")):
                     model.mtp[key] = tensor
                     continue
                 if m:
-                    experts[m.group(1)][int(m.group(2))][m.group(3)] = tensor
+                    per_expert = experts[m.group(1)]
+                    per_expert[int(m.group(2))][m.group(3)] = tensor
+                    if _experts_complete(per_expert, cfg.n_routed_experts):  # one layer's stack in memory at a time
+                        stack_experts(m.group(1), experts.pop(m.group(1)), model_dir)
                     continue
                 try:
                     assign(name, tensor, file)
                 except RuntimeError as exc:
                     raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
-    for prefix, per_expert in experts.items():
-        n = cfg.n_routed_experts
-        if sorted(per_expert) != list(range(n)) or any(set(w) != {"w1", "w2", "w3"} for w in per_expert.values()):
-            raise CheckpointError(f"{model_dir}: experts of {prefix!r} incomplete (need w1/w2/w3 for {n} experts)")
-        gate_up = torch.stack([torch.cat([per_expert[e]["w1"], per_expert[e]["w3"]]) for e in range(n)])
-        down = torch.stack([per_expert[e]["w2"] for e in range(n)])
-        assign(f"{prefix}.gate_up_proj", gate_up, model_dir)
-        assign(f"{prefix}.down_proj", down, model_dir)
+    if experts:
+        prefix = next(iter(experts))
+        raise CheckpointError(f"{model_dir}: experts of {prefix!r} incomplete (need w1/w2/w3 for {cfg.n_routed_experts} experts)")
     for prefix, per_expert in packed.items():
         _keep_fp4_experts(model.get_submodule(prefix), per_expert, cfg.n_routed_experts, f"{model_dir}: experts of {prefix!r}")
         loaded.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
@@ -243,6 +248,11 @@ def load_model(
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
     return model.eval()
+
+
+def _experts_complete(per_expert: dict[int, dict[str, torch.Tensor]], n: int) -> bool:
+    """Whether one layer's routed experts are all read (w1, w2 and w3 of experts 0..n-1)."""
+    return sorted(per_expert) == list(range(n)) and all(set(w) == {"w1", "w2", "w3"} for w in per_expert.values())
 
 
 def _keep_fp4_experts(experts: torch.nn.Module, per_expert: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]], n: int, what: str) -> None:

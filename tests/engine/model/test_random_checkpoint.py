@@ -132,3 +132,33 @@ def test_slot_decoders_refuse_native_weights(narrow_dir: Path) -> None:
     model = load_model(narrow_dir, dtype="float32", progress=False, fp4_experts=True)
     with pytest.raises(ValueError, match="dequantised weights"):
         StaticDecoder(model, max_slots=2, max_tokens=64)
+
+
+def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, tmp_path: Path) -> None:
+    """Each layer's dequantised experts are held in the model's dtype and stacked once complete
+    (a real checkpoint's fp32 experts of every layer would not fit host memory): the bf16 model's
+    experts are the fp32 model's rounded once; a missing expert is named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.errors import CheckpointError
+
+    ref = load_model(narrow_dir, dtype="float32", progress=False)
+    half = load_model(narrow_dir, dtype="bfloat16", progress=False)
+    for (name, a), (_, b) in zip(ref.named_parameters(), half.named_parameters()):
+        if name.endswith(("gate_up_proj", "down_proj")):
+            assert torch.equal(a.to(torch.bfloat16), b), name
+    broken = tmp_path / "broken"
+    shutil.copytree(narrow_dir, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    doomed = [k for k in sorted(index["weight_map"]) if k.startswith("layers.1.ffn.experts.3.w2.")]
+    assert len(doomed) == 2  # its weight and scale
+    for key in doomed:
+        shard = broken / index["weight_map"].pop(key)
+        tensors = load_file(str(shard))
+        del tensors[key]
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="experts of .* incomplete"):
+        load_model(broken, dtype="float32", progress=False)

@@ -9,11 +9,11 @@ import sys
 import torch
 
 from bench.kernel_helpers import graph_time_ms
-from kernels.gemv import PDL, config, gemv, gemv_reference
+from kernels.gemv import config, gemv, gemv_reference
 
 
-def sweep(out_dir: str = ".") -> None:
-    """The slice's dense projections at batch 1: ``gemv`` configs (``PDL`` as set) against
+def sweep(out_dir: str = ".", pdl: bool = True) -> None:
+    """The slice's dense projections at batch 1: ``gemv`` configs (launched with ``pdl``) against
     ``F.linear``, CUDA-graph replays of 8 calls over rotated weight copies (no L2 reuse between
     calls), µs per call and TB/s of weight read."""
     dev, dt = "cuda", torch.bfloat16
@@ -43,10 +43,10 @@ def sweep(out_dir: str = ".") -> None:
         line = f"{name:10s} torch {base:6.1f} us {nbytes / base / 1e6:5.2f} TB/s |"
         mine = []
         for cfg in cands:
-            got = gemv(x, ws[0], groups, out_dtype, cfg=cfg)
+            got = gemv(x, ws[0], groups, out_dtype, cfg=cfg, pdl=pdl)
             err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            us = graph_us(lambda i, cfg=cfg, x=x, ws=ws: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg))
-            mine.append({"shape": name, "what": f"gemv {cfg} pdl={int(PDL)}", "cfg": cfg, "us": us, "tbps": nbytes / us / 1e6, "err": err})
+            us = graph_us(lambda i, cfg=cfg, x=x, ws=ws: gemv(x, ws[i % copies], groups, out_dtype, cfg=cfg, pdl=pdl))
+            mine.append({"shape": name, "what": f"gemv {cfg} pdl={int(pdl)}", "cfg": cfg, "us": us, "tbps": nbytes / us / 1e6, "err": err})
         results += mine
         best = min(mine, key=lambda r: r["us"])
         dflt = next(r for r in mine if r["cfg"] == config(n, k))

@@ -258,7 +258,7 @@ def micro_indexer(variants: str) -> list[str]:
 
 def micro(hc_variants: str, nr_variants: str) -> list[str]:
     """Median times (``triton.testing.do_bench``) of the 8K/2K-size ``hc_pre_block_parts`` per
-    ``HC_PRE_TUNE`` variant ('BM.BK.W.S.P[.X3];...', X3=0: tf32x3 dots) and of the q ``norm_rope`` pass per rows-per-program
+    ``HcPreTuning`` variant ('BM.BK.W.S.P[.X3];...', X3=0: tf32x3 dots) and of the q ``norm_rope`` pass per rows-per-program
     ('1;4;8;16'), each checked against its reference."""
     from triton.testing import do_bench
 
@@ -268,24 +268,21 @@ def micro(hc_variants: str, nr_variants: str) -> list[str]:
     from kernels import prefill as kp
 
     lines = []
-    saved = dict(kp.HC_PRE_TUNE)
     for n in (8192, 2048):
         streams = torch.randn(n, 4, 4096, device="cuda").to(torch.bfloat16)
         fn = torch.randn(24, 4 * 4096, device="cuda") * 0.01
         want = kp.hc_pre_parts_reference(streams, fn)[:, 0, :25]
         for v in [a for a in hc_variants.split(";") if a]:
             bm, bk, w, st, pps, *x3 = (int(a) for a in v.split("."))
-            kp.HC_PRE_TUNE.update(block_m=bm, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps, bf16x3=bool(x3[0]) if x3 else True)
+            tuning = kp.HcPreTuning(block_m=bm, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps, bf16x3=bool(x3[0]) if x3 else True)
             try:
-                got = kp.hc_pre_block_parts(streams, fn).sum(1)[:, :25]
+                got = kp.hc_pre_block_parts(streams, fn, tuning=tuning).sum(1)[:, :25]
                 err = ((got - want).norm() / want.norm()).item()
-                t = do_bench(lambda s=streams, f=fn: kp.hc_pre_block_parts(s, f), warmup=20, rep=100, return_mode="median")
+                t = do_bench(lambda s=streams, f=fn, t=tuning: kp.hc_pre_block_parts(s, f, tuning=t), warmup=20, rep=100, return_mode="median")
                 lines.append(f"hc_pre_block_parts n={n} {v}: {t * 1e3:7.1f} us  {n * 16384 * 2 / t / 1e9:6.2f} TB/s  err {err:.1e}")
             except Exception as exc:  # noqa: BLE001
                 lines.append(f"hc_pre_block_parts n={n} {v}: failed {exc!r}"[:200])
             print(lines[-1], flush=True)
-    kp.HC_PRE_TUNE.clear()
-    kp.HC_PRE_TUNE.update(saved)
     saved_nr = (fk.NORM_ROPE_ROWS, fk.NORM_ROPE_MIN_ROWS)
     rot = Rotary(RopeParams(rope_type="default", theta=10000.0), 64, 65536)
     for n in (8192, 2048):
@@ -310,7 +307,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="8192,2048")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--no-trace", action="store_true")
-    ap.add_argument("--micro-hc", default="", help="hc_pre_block_parts variants 'BM.BK.W.S.P;...' (kernels.prefill.HC_PRE_TUNE)")
+    ap.add_argument("--micro-hc", default="", help="hc_pre_block_parts variants 'BM.BK.W.S.P;...' (kernels.prefill.HcPreTuning)")
     ap.add_argument("--micro-nr", default="", help="norm_rope rows-per-program variants '1;8;...'")
     ap.add_argument("--micro-idx", default="", help="indexer_scores_prefill variants 'BQ.BT.W;...'")
     args = ap.parse_args()

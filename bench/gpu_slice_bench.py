@@ -185,26 +185,29 @@ def profile_graph(dec, b: int, out_prefix: str) -> None:
 
 def decode_variants(spec: str, ours, base, context: int, extra: int, batches: list[int], iters: int, rows: list) -> None:
     """Static-step variants 'name:side=0|1,gemv=SLOTS,up=BI.BK.W,down=BH.BK.W,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...'
-    (``static_decode.SIDE_STREAM``, ``kernels.moe_gemv.MAX_SLOTS`` / ``UP_CFG`` / ``DOWN_CFG``,
-    ``static_decode.ATTN_ROPE_OUT`` / ``DENSE_GEMV``, ``kernels.gemv.PDL``; flags left out
-    take their defaults), each a fresh decoder, graph step and replay per batch (``b``: these
-    batches only)."""
+    (``DecodeTuning``: ``side_stream``, ``moe_gemv`` max_slots / up / down, ``attn_rope_out``,
+    ``dense_gemv``, ``gemv_pdl``; flags left out take their defaults), each a fresh decoder,
+    graph step and replay per batch (``b``: these batches only)."""
     from engine.model import static_decode as sd
-    from kernels import gemv, moe_gemv
+    from kernels.moe_gemv import MoEGemvTuning
 
-    keep = sd.SIDE_STREAM, moe_gemv.MAX_SLOTS, moe_gemv.UP_CFG, moe_gemv.DOWN_CFG
-    flags = ((sd, "ATTN_ROPE_OUT", "undo"), (sd, "DENSE_GEMV", "dgemv"), (gemv, "PDL", "pdl"))
-    keep_flags = [getattr(mod, attr) for mod, attr, _ in flags]
+    dflt = sd.DECODE
     for item in spec.split(";"):
         name, _, opts = item.partition(":")
         kv = dict(o.split("=") for o in opts.split(",") if o)
-        sd.SIDE_STREAM = kv.get("side", "1") == "1"
-        for (mod, attr, key), default in zip(flags, keep_flags):
-            setattr(mod, attr, kv[key] == "1" if key in kv else default)
-        moe_gemv.MAX_SLOTS = int(kv.get("gemv", keep[1]))
-        moe_gemv.UP_CFG = tuple(int(v) for v in kv["up"].split(".")) if "up" in kv else keep[2]
-        moe_gemv.DOWN_CFG = tuple(int(v) for v in kv["down"].split(".")) if "down" in kv else keep[3]
-        dec = sd.StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra)
+
+        def flag(key: str, default: bool) -> bool:
+            return kv[key] == "1" if key in kv else default
+
+        def ints(key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(int(v) for v in kv[key].split(".")) if key in kv else default
+
+        moe = MoEGemvTuning(max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)), up=ints("up", dflt.moe_gemv.up), down=ints("down", dflt.moe_gemv.down))
+        tuning = sd.DecodeTuning(
+            side_stream=flag("side", dflt.side_stream), hc_splits=dflt.hc_splits, attn_rope_out=flag("undo", dflt.attn_rope_out),
+            dense_gemv=flag("dgemv", dflt.dense_gemv), gemv_pdl=flag("pdl", dflt.gemv_pdl), moe_gemv=moe,
+        )  # fmt: skip
+        dec = sd.StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra, tuning=tuning)
         for batch in [int(v) for v in kv["b"].split(".")] if "b" in kv else batches:
             nxt = torch.randint(2, ours.config.vocab_size, (batch,)).tolist()
             t, r = time_static(dec, batch, base, nxt, iters)
@@ -212,9 +215,6 @@ def decode_variants(spec: str, ours, base, context: int, extra: int, batches: li
             rows.append({"what": f"decode variant {name} b={batch}", "variant_graph_ms": t * 1e3, "variant_replay_ms": r * 1e3})
         del dec
         torch.cuda.empty_cache()
-    sd.SIDE_STREAM, moe_gemv.MAX_SLOTS, moe_gemv.UP_CFG, moe_gemv.DOWN_CFG = keep
-    for (mod, attr, _), default in zip(flags, keep_flags):
-        setattr(mod, attr, default)
 
 
 def time_static(dec, batch: int, base, nxt, iters: int) -> tuple[float, float]:
@@ -372,48 +372,47 @@ def fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows) -> None:
 
 
 def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
-    """2K and 8K prefill (median of 5 single runs after one warm-up; to run 9: the mean of 3) per variant of the folded norm/RoPE and the MoE grouped GEMM
-    configs; the defaults are restored after."""
+    """2K and 8K prefill (median of 5 single runs after one warm-up; to run 9: the mean of 3) per variant of the
+    model's ``ModelTuning`` (folded norm/RoPE, attention, mHC input and MoE grouped GEMM launches)
+    and ``kernels.fused.NORM_ROPE_ROWS``; the model's tuning is restored after."""
+    from dataclasses import replace
+
     from kernels import fused as fk
-    from kernels import moe_grouped as mg
     from kernels import prefill as kp
 
-    saved = (kp.FOLD_NORM_ROPE, mg.UP_CFG, mg.DOWN_CFG, mg.MAX_ROWS, dict(kp.HC_PRE_TUNE), fk.NORM_ROPE_ROWS)
+    saved, saved_nr = ours.tuning, fk.NORM_ROPE_ROWS
 
     def cfg(v: str):
         return None if v == "torch" else tuple(int(a) for a in v.split("."))
 
-    def restore() -> None:
-        kp.FOLD_NORM_ROPE, mg.UP_CFG, mg.DOWN_CFG, mg.MAX_ROWS, _, fk.NORM_ROPE_ROWS = saved
-        kp.HC_PRE_TUNE.clear()
-        kp.HC_PRE_TUNE.update(saved[4])
-        kp.ATTN_TUNE.clear()
-
     for item in spec.split(";"):
         name, _, opts = item.partition(":")
-        restore()
+        prefill, grouped = saved.prefill, saved.moe.grouped
+        fk.NORM_ROPE_ROWS = saved_nr
         for kv in opts.split(","):
             if not kv:
                 continue
             key, val = kv.split("=")
-            if key == "hc":  # kernels.prefill.HC_PRE_TUNE: block_m.block_k.warps.stages.programs_per_sm
+            if key == "hc":  # HcPreTuning: block_m.block_k.warps.stages.programs_per_sm
                 bm, bk, w, st, pps = (int(a) for a in val.split("."))
-                kp.HC_PRE_TUNE.update(block_m=bm, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps)
-            elif key == "hc3":  # kernels.prefill.HC_PRE_TUNE["bf16x3"]: 0 = tf32x3 dots on widened streams
-                kp.HC_PRE_TUNE["bf16x3"] = bool(int(val))
+                hc = replace(prefill.hc_pre, block_m=bm, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps)
+                prefill = replace(prefill, hc_pre=hc)
+            elif key == "hc3":  # HcPreTuning.bf16x3: 0 = tf32x3 dots on widened streams
+                prefill = replace(prefill, hc_pre=replace(prefill.hc_pre, bf16x3=bool(int(val))))
             elif key == "nr":  # kernels.fused.NORM_ROPE_ROWS (1 = run 8's one row per program)
                 fk.NORM_ROPE_ROWS = int(val)
             elif key == "fold":
-                kp.FOLD_NORM_ROPE = int(val)
+                prefill = replace(prefill, fold_norm_rope=int(val))
             elif key == "up":
-                mg.UP_CFG = cfg(val)
+                grouped = replace(grouped, up=cfg(val))
             elif key == "down":
-                mg.DOWN_CFG = cfg(val)
+                grouped = replace(grouped, down=cfg(val))
             elif key == "attn":
                 bh, bn, nw, ns = (int(a) for a in val.split("."))
-                kp.ATTN_TUNE.update(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+                prefill = replace(prefill, attention=kp.AttentionTuning(bh, bn, nw, ns))
             elif key == "rows":
-                mg.MAX_ROWS = int(val)
+                grouped = replace(grouped, max_rows=int(val))
+        ours.set_tuning(replace(saved, prefill=prefill, moe=replace(saved.moe, grouped=grouped)))
         for n in (8192, 2048):
             ids = torch.randint(2, vocab, (n,)).tolist()
             try:
@@ -424,7 +423,8 @@ def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
                 rows.append({"what": f"variant {name} {opts}", "n": n, "prefill_ms": t * 1e3, "prefill_best_ms": each[0] * 1e3})
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-    restore()
+    ours.set_tuning(saved)
+    fk.NORM_ROPE_ROWS = saved_nr
 
 
 def main() -> None:
@@ -449,7 +449,7 @@ def main() -> None:
     ap.add_argument(
         "--prefill-variants",
         default="",
-        help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S,hc=BM.BK.W.S.P,hc3=0|1,nr=ROWS;...' (kernels.prefill.FOLD_NORM_ROPE, kernels.moe_grouped, kernels.prefill.ATTN_TUNE / HC_PRE_TUNE, kernels.fused.NORM_ROPE_ROWS)",
+        help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S,hc=BM.BK.W.S.P,hc3=0|1,nr=ROWS;...' (PrefillTuning fold_norm_rope / attention / hc_pre, GroupedMoETuning, kernels.fused.NORM_ROPE_ROWS)",
     )
     ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...' (first context)")
     ap.add_argument(
@@ -652,20 +652,22 @@ def main() -> None:
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
     if args.attn_tune:  # prefill attention kernel variants: 8K prefill per variant
+        from dataclasses import replace
+
         from kernels import prefill as kp
 
         ids = torch.randint(2, vocab, (8192,)).tolist()
+        saved = ours.tuning
         for spec in args.attn_tune.split(";"):
             bh, bn, nw, ns = (int(v) for v in spec.split(","))
-            kp.ATTN_TUNE.clear()
-            kp.ATTN_TUNE.update(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+            ours.set_tuning(replace(saved, prefill=replace(saved.prefill, attention=kp.AttentionTuning(bh, bn, nw, ns))))
             try:
                 t = _sync_time(lambda: ours([(ours.new_state(), ids)]), 1, 3)
                 print(f"attn tune block_h={bh} block_n={bn} warps={nw} stages={ns}: prefill 8192 {t * 1e3:.2f} ms", flush=True)
                 rows.append({"what": f"attn tune {spec}", "prefill8192_ms": t * 1e3})
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-        kp.ATTN_TUNE.clear()
+        ours.set_tuning(saved)
     if args.prefill_variants:
         prefill_variants(args.prefill_variants, ours, vocab, rows)
     for n in [int(x) for x in args.prefill.split(",") if x]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from bench.kernel_helpers import graph_time_ms
 from kernels.moe import moe_experts
-from kernels.moe_gemv import moe_gemv, moe_gemv_reference
+from kernels.moe_gemv import MoEGemvTuning, moe_gemv, moe_gemv_reference
 
 
 def sweep(out_dir: str = ".") -> None:
@@ -42,10 +42,11 @@ def sweep(out_dir: str = ".") -> None:
         results.append({"n": n, "what": "grouped + shared (3 GEMVs)", "ms": base, "tbps": nbytes / base / 1e9})
         for up_cfg in [(8, 512, 4), (16, 256, 4), (4, 1024, 4), (16, 512, 8), (8, 1024, 8), (32, 256, 8)]:
             for down_cfg in [(8, 512, 4), (16, 256, 4), (4, 1024, 4), (16, 512, 8)]:
-                got = moe_gemv(x, w, idx, gate_up, down, 10.0, (sg, su, sd), up_cfg=up_cfg, down_cfg=down_cfg)
+                tuning = MoEGemvTuning(up=up_cfg, down=down_cfg)
+                got = moe_gemv(x, w, idx, gate_up, down, 10.0, (sg, su, sd), tuning=tuning)
                 err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
                 ms = graph_ms(
-                    lambda x=x, w=w, idx=idx, u=up_cfg, d=down_cfg: moe_gemv(x, w, idx, gate_up, down, 10.0, (sg, su, sd), up_cfg=u, down_cfg=d)
+                    lambda x=x, w=w, idx=idx, t=tuning: moe_gemv(x, w, idx, gate_up, down, 10.0, (sg, su, sd), tuning=t)
                 )
                 results.append({"n": n, "what": f"gemv up={up_cfg} down={down_cfg}", "ms": ms, "tbps": nbytes / ms / 1e9, "err": err})
     for r in results:

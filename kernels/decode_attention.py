@@ -225,7 +225,7 @@ if HAS_TRITON:
         Q_NORM: tl.constexpr = False, ROPE: tl.constexpr = 0, QMODE: tl.constexpr = 0, ROPE_OUT: tl.constexpr = False,
         HAS_POS: tl.constexpr = False,
     ):  # fmt: skip
-        launch_dependents()  # a GEMV after this (kernels.gemv.PDL) streams its first weights meanwhile
+        launch_dependents()  # a GEMV after this (kernels.gemv, pdl) streams its first weights meanwhile
         b = tl.program_id(0)
         hb = tl.program_id(1)
         sp = tl.program_id(2)

@@ -236,7 +236,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _collapse_norm_kernel(pre_ptr, x_ptr, w_ptr, out_ptr, H, eps, HC: tl.constexpr, BH: tl.constexpr):
-        launch_dependents()  # a GEMV after this (kernels.gemv.PDL) streams its first weights meanwhile
+        launch_dependents()  # a GEMV after this (kernels.gemv, pdl) streams its first weights meanwhile
         n = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)
         ok = h < H

@@ -14,7 +14,7 @@ reduce kernel::
 ``o_a``): the ``N / groups`` rows of group ``g`` read columns ``[g·K, (g+1)·K)`` of ``x``, and
 ``y`` comes out as the flat ``(1, N)`` the next projection reads. ``out_dtype=torch.float32``
 writes the product rounded to ``x``'s dtype as fp32 (``F.linear(x, W).float()`` in one kernel:
-the lm_head's logits). With ``PDL`` the kernel is a programmatic dependent launch: it starts under
+the lm_head's logits). With ``pdl`` (the default) the kernel is a programmatic dependent launch: it starts under
 the previous kernel's tail and streams its first weight tile before it waits for that kernel.
 """
 
@@ -25,11 +25,6 @@ import torch.nn.functional as F
 
 from kernels._common import HAS_TRITON, INTERPRET, tl, triton, use_triton
 from kernels.moe import _RND
-
-# programmatic dependent launch: the kernel may start while the previous kernel in the stream (or
-# CUDA graph) still runs; it loads its first weight tile (no dependency), then waits for that
-# kernel (``gdc_wait``) before reading ``x`` or writing ``y``; b=1 step −12 to −16 µs (NOTES run 14)
-PDL = True
 
 
 # One token only: a second token's accumulators in the same program (117 registers, half the
@@ -63,10 +58,15 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor, groups: int = 1, out_dtype:
 
 def gemv(
     x: torch.Tensor, w: torch.Tensor, groups: int = 1, out_dtype: torch.dtype | None = None,
-    cfg: tuple[int, int, int] | None = None,
+    cfg: tuple[int, int, int] | None = None, pdl: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """``x (T, groups·K)``, ``w (N, K)`` → ``(T, N)`` in ``out_dtype`` (default ``x``'s); the
-    reference where Triton cannot run, for other than one token, a strided ``w`` or ``x``."""
+    reference where Triton cannot run, for other than one token, a strided ``w`` or ``x``.
+
+    ``pdl``: a programmatic dependent launch: the kernel may start while the previous kernel in
+    the stream (or CUDA graph) still runs; it loads its first weight tile (no dependency), then
+    waits for that kernel (``gdc_wait``) before reading ``x`` or writing ``y``; b=1 step −12 to
+    −16 µs (NOTES run 14)."""
     if not use_triton(x) or x.shape[0] != 1 or not w.is_contiguous() or x.stride(-1) != 1:
         return gemv_reference(x, w, groups, out_dtype)
     n, k = w.shape
@@ -75,7 +75,7 @@ def gemv(
     bn, bk, warps = cfg or config(n, k)
     rpg = n // groups
     assert groups == 1 or rpg % bn == 0, "a program's rows must lie in one group"
-    pdl = PDL and not INTERPRET
+    pdl = pdl and not INTERPRET
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, out, n, k, rpg,
         BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl,

@@ -23,12 +23,16 @@ Weights are transformers' stacked layout: ``gate_up (E, 2I, H)`` (rows ``[:I]`` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kernels.reference import score
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
+
+if TYPE_CHECKING:  # kernels.moe_grouped imports this module
+    from kernels.moe_grouped import GroupedMoETuning
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 _RND = {torch.bfloat16: 1, torch.float16: 2}  # the route kernel's rounding of scores
@@ -145,16 +149,19 @@ def moe_experts(
     down: torch.Tensor,
     limit: float,
     add: torch.Tensor | None = None,
+    grouped: GroupedMoETuning | None = None,
 ) -> torch.Tensor:
     """Routed experts' weighted sum ``(N, H)`` (layout in the module docstring), plus ``add (N, H)``
-    (the shared expert's output) when given: summed in fp32 by the combine kernel, rounded once."""
+    (the shared expert's output) when given: summed in fp32 by the combine kernel, rounded once.
+    ``grouped``: when and how prefill sizes take ``kernels.moe_grouped`` (None: its defaults)."""
     if not use_triton(x):
         out = moe_experts_reference(x, weights, indices, gate_up, down, limit)
         return out if add is None else out + add
     from kernels import moe_grouped
 
-    if moe_grouped.use_prefill_gemm(x, indices):  # prefill sizes: Triton grouped GEMM, SwiGLU fused
-        return moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, limit, add)
+    grouped = grouped or moe_grouped.GROUPED_MOE
+    if moe_grouped.use_prefill_gemm(x, indices, grouped):  # prefill sizes: Triton grouped GEMM, SwiGLU fused
+        return moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, limit, add, grouped)
     return grouped_experts(
         x, weights, indices, gate_up.shape[0], gate_up.shape[1] // 2, limit,
         lambda xs, offs, counts: _grouped_linear(xs, gate_up, offs, counts),

@@ -22,27 +22,40 @@ to the input dtype (as a GEMM writes them), the weighted sum in fp32 and rounded
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kernels._common import HAS_TRITON, tl, triton, use_triton
 from kernels.moe import _RND, moe_experts_reference
 
-# at most this many routed slots (n·k) take this path; more rows re-read fewer distinct experts
-# per row and the grouped GEMM path wins
-MAX_SLOTS = 16
-# (rows per program, K block, num_warps) of the gate/up and the down kernel; the microbench
-# (``python -m bench.moe_gemv_sweep``) sweeps them
-UP_CFG = (4, 1024, 4)
-DOWN_CFG = (4, 1024, 4)
+GemvConfig = tuple[int, int, int]  # (rows per program, K block, num_warps)
+
+
+@dataclass(frozen=True)
+class MoEGemvTuning:
+    """When static decode takes this path, and its launch configs.
+
+    ``max_slots``: at most this many routed slots (n·k) take it; more rows re-read fewer distinct
+    experts per row and the grouped GEMM path wins. ``up``/``down``: ``GemvConfig`` of the gate/up
+    and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them.
+    """
+
+    max_slots: int = 16
+    up: GemvConfig = (4, 1024, 4)
+    down: GemvConfig = (4, 1024, 4)
+
+
+MOE_GEMV = MoEGemvTuning()  # the default
 
 Shared = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate (I, H), up (I, H), down (H, I)
 
 
-def use_gemv(x: torch.Tensor, slots: int) -> bool:
-    """Whether ``moe_gemv`` should run ``slots`` routed (token, expert) pairs of ``x``: a few,
-    with Triton available."""
-    return use_triton(x) and slots <= MAX_SLOTS
+def use_gemv(x: torch.Tensor, slots: int, tuning: MoEGemvTuning = MOE_GEMV) -> bool:
+    """Whether ``moe_gemv`` should run ``slots`` routed (token, expert) pairs of ``x``: a few
+    (``tuning.max_slots``), with Triton available."""
+    return use_triton(x) and slots <= tuning.max_slots
 
 
 def moe_gemv_reference(
@@ -60,8 +73,7 @@ def moe_gemv_reference(
 
 def moe_gemv(
     x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    limit: float, shared: Shared | None = None, *, act: torch.Tensor | None = None,
-    up_cfg: tuple[int, int, int] | None = None, down_cfg: tuple[int, int, int] | None = None,
+    limit: float, shared: Shared | None = None, *, act: torch.Tensor | None = None, tuning: MoEGemvTuning = MOE_GEMV,
 ) -> torch.Tensor:  # fmt: skip
     """``x (N, H)``, ``weights (N, k)`` fp32, ``indices (N, k)`` → ``(N, H)`` (module docstring);
     ``shared`` (same ``limit``) is added as slot ``k`` with weight 1. ``act``: the SwiGLU rows of
@@ -82,11 +94,11 @@ def moe_gemv(
         return out
     if act is None:
         act = torch.empty(n * ks, inter, dtype=x.dtype, device=x.device)
-        _launch_up(x, idx, gate_up, sg, su, act, k, ks, limit, 0, up_cfg)
+        _launch_up(x, idx, gate_up, sg, su, act, k, ks, limit, 0, tuning.up)
     else:
         assert shared is not None and act.shape == (n * ks, inter)
-        _launch_up(x, idx, gate_up, sg, su, act, k, ks, limit, 1, up_cfg)
-    bh, bk, warps = down_cfg or DOWN_CFG
+        _launch_up(x, idx, gate_up, sg, su, act, k, ks, limit, 1, tuning.up)
+    bh, bk, warps = tuning.down
     _gemv_down_kernel[(n, triton.cdiv(hidden, bh))](
         act, idx, w, down, sd, out, hidden, inter, down.stride(0), out.stride(0),
         K=k, KS=ks, BH=bh, BK=bk, RND=_RND.get(x.dtype, 0), num_warps=warps,
@@ -94,21 +106,21 @@ def moe_gemv(
     return out
 
 
-def shared_act(x: torch.Tensor, shared: Shared, k: int, limit: float) -> torch.Tensor:
+def shared_act(x: torch.Tensor, shared: Shared, k: int, limit: float, tuning: MoEGemvTuning = MOE_GEMV) -> torch.Tensor:
     """The ``act`` buffer ``(N·(k+1), I)`` of ``moe_gemv`` with the shared expert's SwiGLU rows
     (slot ``k`` of each token) filled: it needs no routing, so it can run next to the router."""
     n = x.shape[0]
     act = torch.empty(n * (k + 1), shared[0].shape[0], dtype=x.dtype, device=x.device)
     if n:
-        _launch_up(x, x, shared[0], shared[0], shared[1], act, k, k + 1, limit, 2, None)
+        _launch_up(x, x, shared[0], shared[0], shared[1], act, k, k + 1, limit, 2, tuning.up)
     return act
 
 
-def _launch_up(x, idx, gate_up, sg, su, act, k: int, ks: int, limit: float, mode: int, cfg) -> None:
+def _launch_up(x, idx, gate_up, sg, su, act, k: int, ks: int, limit: float, mode: int, cfg: GemvConfig) -> None:
     """The gate/up kernel over every slot (mode 0), the routed slots (1) or the shared slot (2)."""
     n, hidden = x.shape
     inter = act.shape[1]
-    bi, bk, warps = cfg or UP_CFG
+    bi, bk, warps = cfg
     rows = (n * ks, n * k, n)[mode]
     _gemv_up_kernel[(rows, triton.cdiv(inter, bi))](
         x, idx, gate_up, sg, su, act, hidden, inter, x.stride(0), gate_up.stride(0), float(limit),

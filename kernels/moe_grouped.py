@@ -18,20 +18,34 @@ Rows of a tile past the expert's end are clamped on load and masked on store.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._common import HAS_TRITON, dot_precision, mma, tl, triton, use_triton
 
-# (BM, BN, BK, num_warps, num_stages) for the gate/up (BN: gate columns; the tile is BM × 2·BN)
-# and the down GEMM; None = torch._grouped_mm (kernels.moe). The bench sweeps these.
-UP_CFG: tuple[int, int, int, int, int] | None = (64, 128, 64, 4, 4)
-DOWN_CFG: tuple[int, int, int, int, int] | None = (64, 128, 64, 4, 4)
-# N·k slots for which moe_experts takes this path: from MIN_ROWS (decode batches stay on
-# _grouped_mm) to MAX_ROWS. Run 8 (H200, 256 experts): at 2K tokens (12K slots, ~48 rows per expert,
-# weight-bound) up+SwiGLU 2.12 ms vs 2.68, down 1.11 vs 1.33 for _grouped_mm; at 8K (49K slots)
-# _grouped_mm wins (up 3.18 vs 3.73, down 1.72 vs 1.89 ms)
-MIN_ROWS = 4096
-MAX_ROWS = 16384
+GemmConfig = tuple[int, int, int, int, int]  # (BM, BN, BK, num_warps, num_stages)
+
+
+@dataclass(frozen=True)
+class GroupedMoETuning:
+    """When ``kernels.moe.moe_experts`` takes this path, and its launch configs (the bench sweeps them).
+
+    ``up``/``down``: ``GemmConfig`` of the gate/up (BN: gate columns; the tile is BM × 2·BN) and the
+    down GEMM; None = ``torch._grouped_mm`` (kernels.moe) for that GEMM. ``min_rows``..``max_rows``:
+    the N·k slots this path takes (decode batches stay on ``_grouped_mm``). Run 8 (H200, 256
+    experts): at 2K tokens (12K slots, ~48 rows per expert, weight-bound) up+SwiGLU 2.12 ms vs 2.68,
+    down 1.11 vs 1.33 for ``_grouped_mm``; at 8K (49K slots) ``_grouped_mm`` wins (up 3.18 vs 3.73,
+    down 1.72 vs 1.89 ms).
+    """
+
+    up: GemmConfig | None = (64, 128, 64, 4, 4)
+    down: GemmConfig | None = (64, 128, 64, 4, 4)
+    min_rows: int = 4096
+    max_rows: int = 16384
+
+
+GROUPED_MOE = GroupedMoETuning()  # the default
 
 
 def _schedule(offs: torch.Tensor, bm: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,31 +104,31 @@ def grouped_mm_reference(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, 
 
 def moe_experts_prefill(
     x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
-    add: torch.Tensor | None = None,
+    add: torch.Tensor | None = None, tuning: GroupedMoETuning = GROUPED_MOE,
 ) -> torch.Tensor:  # fmt: skip
-    """``kernels.moe.moe_experts`` with this module's grouped GEMMs (``UP_CFG``/``DOWN_CFG``; a
+    """``kernels.moe.moe_experts`` with this module's grouped GEMMs (``tuning.up``/``down``; a
     ``None`` config keeps ``torch._grouped_mm`` for that GEMM); ``add`` as there."""
     from kernels.moe import _grouped_linear, grouped_experts, swiglu_rows
 
     n_exp = gate_up.shape[0]
 
     def up(xs, offs, counts):
-        if UP_CFG is None:
+        if tuning.up is None:
             return swiglu_rows(_grouped_linear(xs, gate_up, offs, counts), limit)
-        return grouped_mm(xs, gate_up, offs, swiglu_limit=limit, cfg=UP_CFG)
+        return grouped_mm(xs, gate_up, offs, swiglu_limit=limit, cfg=tuning.up)
 
     def dn(act, offs, counts):
-        if DOWN_CFG is None:
+        if tuning.down is None:
             return _grouped_linear(act, down, offs, counts)
-        return grouped_mm(act, down, offs, cfg=DOWN_CFG)
+        return grouped_mm(act, down, offs, cfg=tuning.down)
 
     return grouped_experts(x, weights, indices, n_exp, gate_up.shape[1] // 2, limit, up, dn, fused_act=True, add=add)
 
 
-def use_prefill_gemm(x: torch.Tensor, indices: torch.Tensor) -> bool:
+def use_prefill_gemm(x: torch.Tensor, indices: torch.Tensor, tuning: GroupedMoETuning = GROUPED_MOE) -> bool:
     return (
-        use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and MIN_ROWS <= indices.numel() <= MAX_ROWS
-        and (UP_CFG is not None or DOWN_CFG is not None)
+        use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and tuning.min_rows <= indices.numel() <= tuning.max_rows
+        and (tuning.up is not None or tuning.down is not None)
     )  # fmt: skip
 
 

@@ -31,10 +31,13 @@ streams widened, and plain ``ieee`` FMA dots took 1.3 ms). Then ``kernels.mhc.hc
 (gates + Sinkhorn) and ``kernels.fused.collapse_norm``.
 
 Each has a PyTorch reference (the general path's math); off CUDA without the interpreter the
-public functions run those.
+public functions run those. Their launch settings are a ``PrefillTuning`` the caller passes (the
+model holds one, ``engine.model.model.ModelTuning``); the defaults are the measured choices.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -49,18 +52,66 @@ from kernels._common import (
     use_triton,
 )
 
-INDEXER_QUERY_TILE = 4096  # queries per indexer scoring call: (4096, T) fp32 scores
-# indexer_scores_prefill launch (queries per program, rows per tile, warps); the trace script sweeps it
-INDEXER_TUNE: dict = {"block_q": 2, "block_t": 64, "num_warps": 8}
-ATTN_TUNE: dict = {}  # block_h / block_n / num_warps / num_stages for the attention kernel (bench sweeps)
-# Attention._forward_fast, one-sequence prefill: 0 = separate norm_rope passes; 1 = q norm + RoPE
-# in the attention kernel's registers and the output's RoPE undo in its epilogue; 2 = as 1 with the
-# q norm as a logit scale and the rotation as a 64-channel correction dot; 3 = only the output's undo
-# run 8: folding the q norm/RoPE into the kernel (1 or 2) made the attention kernel 9.5 → 15–16 ms
-# at 8K (it sits at the register limit: q 64×512 and the 64×512 fp32 accumulator), more than the
-# 4 ms of passes it saves; folding only the output's undo (3) is neutral to −1 ms
-FOLD_NORM_ROPE = 3
-_HC_PRECISION = "ieee" if INTERPRET else "tf32x3"  # mHC input dots: tf32x3 (near fp32), ieee where unsupported
+
+@dataclass(frozen=True)
+class IndexerTuning:
+    """``prefill_topk``: queries per scoring call (``(query_tile, T)`` fp32 scores) and the
+    ``indexer_scores_prefill`` launch (queries per program, rows per tile, warps; the trace
+    script sweeps it)."""
+
+    query_tile: int = 4096
+    block_q: int = 2
+    block_t: int = 64
+    num_warps: int = 8
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """The attention kernel's launch (``kernels.decode_attention``'s keywords; the bench sweeps them)."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class HcPreTuning:
+    """``hc_pre_block_parts`` launch: rows per program, K step, warps, pipeline stages, and the
+    programs per SM the K splits aim at (at most 8 splits). Run 8's (64, 64, 4, default 3, 2) left
+    the 8K call at 0.42 ms for 268 MB of streams (0.6 TB/s: 384 programs, latency-bound); run 9:
+    8 programs per SM, 0.41 → 0.31 ms. ``bf16x3`` (bf16 streams): the fp32 ``fn`` as three bf16
+    terms (``split_bf16x3``) and three bf16 dots instead of the streams widened to fp32 for
+    ``precision`` (tf32x3: near fp32; ieee: exact FMA dots, where a Triton build lacks tf32x3: a
+    call that fails to build with tf32x3 runs again with ieee)."""
+
+    block_m: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 8
+    bf16x3: bool = True
+    precision: str = "ieee" if INTERPRET else "tf32x3"
+
+
+@dataclass(frozen=True)
+class PrefillTuning:
+    """Every launch setting of this module. ``attention`` None: the heuristic in
+    ``prefill_attention``. ``fold_norm_rope`` (``Attention._forward_fast``, one-sequence prefill):
+    0 = separate norm_rope passes; 1 = q norm + RoPE in the attention kernel's registers and the
+    output's RoPE undo in its epilogue; 2 = as 1 with the q norm as a logit scale and the rotation
+    as a 64-channel correction dot; 3 = only the output's undo. Run 8: folding the q norm/RoPE into
+    the kernel (1 or 2) made the attention kernel 9.5 → 15–16 ms at 8K (it sits at the register
+    limit: q 64×512 and the 64×512 fp32 accumulator), more than the 4 ms of passes it saves;
+    folding only the output's undo (3) is neutral to −1 ms."""
+
+    indexer: IndexerTuning = field(default_factory=IndexerTuning)
+    attention: AttentionTuning | None = None
+    fold_norm_rope: int = 3
+    hc_pre: HcPreTuning = field(default_factory=HcPreTuning)
+
+
+PREFILL = PrefillTuning()  # the default
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -132,6 +183,7 @@ def prefill_attention(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     fold_q: int = 1,
     rope_out: bool = True,
+    tuning: AttentionTuning | None = None,
 ) -> torch.Tensor:
     """Prefill attention of one chunk (layout in the module docstring). → ``(S, H, D)``.
 
@@ -139,7 +191,7 @@ def prefill_attention(
     of ``row_idx (S, K)``). No host sync. ``q_norm_eps`` / ``rope = (cos, sin)`` (``(S, R/2)``,
     row ``i`` for query ``i``): ``q`` is the raw projection; the kernel applies the head RMS norm
     and RoPE as it loads it and un-rotates its output (``fused.norm_rope`` twice, folded in);
-    ``fold_q``/``rope_out`` as ``decode_attention`` takes them."""
+    ``fold_q``/``rope_out`` as ``decode_attention`` takes them; ``tuning``: the launch (None: below)."""
     if not use_triton(q):
         return prefill_attention_reference(
             q, keys, pad, sinks, window, rows, row_len, row_idx, scale, q_norm_eps=q_norm_eps, rope=rope, fold_q=fold_q, rope_out=rope_out
@@ -153,7 +205,7 @@ def prefill_attention(
     i = torch.arange(s, device=q.device, dtype=torch.int32)
     slot = torch.clamp(i, min=pad)  # first real key of query i
     swa_len = i + window - slot
-    tune = dict(ATTN_TUNE)
+    tune = asdict(tuning) if tuning is not None else {}
     if not tune and q.dtype != torch.float32 and q.shape[1] >= 64:
         # all 64 heads of a query per program (each key tile loaded once per query, M=64 dots):
         # 8K prefill 70.1 ms against 74.5 with the decode default (16 heads, 4 warps), run 7;
@@ -187,7 +239,8 @@ def prefill_topk_reference(
 
 
 def prefill_topk(
-    q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, row_len: torch.Tensor, k: int, scale: float
+    q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, row_len: torch.Tensor, k: int, scale: float,
+    tuning: IndexerTuning = PREFILL.indexer,
 ) -> torch.Tensor:
     """Each query's top-``k`` visible indexer rows (local indices, ``-1`` = none). → ``(S, min(k, T))`` int32."""
     if not use_triton(q):
@@ -197,9 +250,10 @@ def prefill_topk(
     s, t = q.shape[0], rows.shape[0]
     row_len = row_len.to(torch.int32)
     out = torch.empty(s, min(k, t), dtype=torch.int32, device=q.device)
-    for a in range(0, s, INDEXER_QUERY_TILE):
-        b = min(a + INDEXER_QUERY_TILE, s)
-        scores = indexer_scores_prefill(q[a:b], weights[a:b], rows, row_len[a:b], scale, t, **INDEXER_TUNE)
+    launch = {"block_q": tuning.block_q, "block_t": tuning.block_t, "num_warps": tuning.num_warps}
+    for a in range(0, s, tuning.query_tile):
+        b = min(a + tuning.query_tile, s)
+        scores = indexer_scores_prefill(q[a:b], weights[a:b], rows, row_len[a:b], scale, t, **launch)
         out[a:b] = mask_topk(scores, k, ordered=False)
     return out
 
@@ -216,27 +270,18 @@ def hc_pre_parts_reference(streams: torch.Tensor, fn: torch.Tensor) -> torch.Ten
     return parts
 
 
-# hc_pre_block_parts launch: rows per program, K step, warps, pipeline stages, and the programs per
-# SM the K splits aim at (at most 8 splits). Run 8's (64, 64, 4, default 3, 2) left the 8K call at
-# 0.42 ms for 268 MB of streams (0.6 TB/s: 384 programs, latency-bound); the bench sweeps these.
-# Run 9: 8 programs per SM, 0.41 → 0.31 ms; ``bf16x3`` (bf16 streams): the fp32 ``fn`` as three bf16
-# terms (``split_bf16x3``) and three bf16 dots instead of the streams widened to fp32 for tf32x3.
-HC_PRE_TUNE = {"block_m": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8, "bf16x3": True}
-
-
 def hc_pre_block_parts(
-    streams: torch.Tensor, fn: torch.Tensor, *, block_m: int | None = None, block_k: int | None = None,
-    splits: int | None = None, fn3: torch.Tensor | None = None,
+    streams: torch.Tensor, fn: torch.Tensor, *, splits: int | None = None, fn3: torch.Tensor | None = None,
+    tuning: HcPreTuning = PREFILL.hc_pre,
 ) -> torch.Tensor:  # fmt: skip
     """The partial sums ``kernels.mhc.hc_mix_parts`` takes, for many tokens: ``(N, S, MP)`` fp32,
     per split of the ``hc·H`` axis ``fn @ x`` (columns ``[:M]``) and ``Σ x²`` (column ``M``);
-    one program per ``block_m`` tokens and split, ``fn`` read once per program. bf16 streams
-    (``HC_PRE_TUNE["bf16x3"]``) take ``fn`` as ``split_bf16x3(fn)`` (``fn3``, computed if not given)."""
+    one program per ``tuning.block_m`` tokens and split, ``fn`` read once per program. bf16 streams
+    (``tuning.bf16x3``) take ``fn`` as ``split_bf16x3(fn)`` (``fn3``, computed if not given)."""
     if not use_triton(streams):
         return hc_pre_parts_reference(streams, fn)
-    split3 = streams.dtype == torch.bfloat16 and HC_PRE_TUNE.get("bf16x3", True)
-    block_m = block_m or HC_PRE_TUNE["block_m"]
-    block_k = block_k or HC_PRE_TUNE["block_k"]
+    split3 = streams.dtype == torch.bfloat16 and tuning.bf16x3
+    block_m, block_k = tuning.block_m, tuning.block_k
     n = streams.shape[0]
     x = streams.reshape(n, -1)
     assert x.stride(-1) == 1 and fn.is_contiguous() and fn.dtype == torch.float32
@@ -247,23 +292,21 @@ def hc_pre_block_parts(
     if splits is None:  # programs_per_sm programs per SM, at most 8 splits (hc_mix_parts adds them serially)
         from kernels._common import num_sms
 
-        splits = max(1, min(8, triton.cdiv(HC_PRE_TUNE["programs_per_sm"] * num_sms(streams.device), nb)))
+        splits = max(1, min(8, triton.cdiv(tuning.programs_per_sm * num_sms(streams.device), nb)))
     per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, per)
     parts = torch.empty(n, splits, mp, dtype=torch.float32, device=streams.device)
-    global _HC_PRECISION
     if n:
         try:
             _hc_pre_block_kernel[(nb, splits)](
                 x, (fn3 if fn3 is not None else split_bf16x3(fn)) if split3 else fn, parts, n, k, m, x.stride(0), per, MP=mp, BM=block_m, BK=block_k,
-                PRECISION=dot_precision(torch.bfloat16) if split3 else _HC_PRECISION, SPLIT3=split3,
-                num_warps=HC_PRE_TUNE["num_warps"], num_stages=HC_PRE_TUNE["num_stages"],
+                PRECISION=dot_precision(torch.bfloat16) if split3 else tuning.precision, SPLIT3=split3,
+                num_warps=tuning.num_warps, num_stages=tuning.num_stages,
             )  # fmt: skip
         except Exception:  # a Triton build without tf32x3: exact fp32 FMA dots instead
-            if _HC_PRECISION == "ieee":
+            if tuning.precision == "ieee":
                 raise
-            _HC_PRECISION = "ieee"
-            return hc_pre_block_parts(streams, fn, block_m=block_m, block_k=block_k, splits=splits, fn3=fn3)
+            return hc_pre_block_parts(streams, fn, splits=splits, fn3=fn3, tuning=replace(tuning, precision="ieee"))
     return parts
 
 
@@ -277,7 +320,7 @@ def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)]).contiguous()
 
 
-def hc_pre_norm(hc, norm, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre_norm(hc, norm, streams: torch.Tensor, tuning: HcPreTuning = PREFILL.hc_pre) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``post, comb, norm(collapse(pre, streams))`` of ``HyperConnection`` ``hc`` and the block's
     ``RMSNorm`` ``norm`` (Triton; the caller checks ``use_triton``)."""
     from kernels.fused import collapse_norm
@@ -291,7 +334,7 @@ def hc_pre_norm(hc, norm, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         if cached is None or cached[0] != key:
             cached = hc._fn_bf16x3 = (key, split_bf16x3(fn))
         fn3 = cached[1]
-    parts = hc_pre_block_parts(streams, fn, fn3=fn3)
+    parts = hc_pre_block_parts(streams, fn, fn3=fn3, tuning=tuning)
     pre, post, comb = hc_mix_parts(
         parts, streams.shape[1] * streams.shape[2], hc.norm_eps, hc.scale, hc.base, hc.hc, hc.iters, hc.hc_eps
     )

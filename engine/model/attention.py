@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from kernels.prefill import PREFILL, PrefillTuning
 from kernels.reference import attend_with_sinks, hide
 from engine.model.config import CSA, SLIDING, ModelConfig
 from engine.model.decode import attend_decode, decode_eligible
@@ -196,8 +197,9 @@ class Indexer(Compressor):
 class Attention(nn.Module):
     """One layer's attention (sliding, CSA or HCA), parameter names as in transformers."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, prefill: PrefillTuning = PREFILL) -> None:
         super().__init__()
+        self.prefill = prefill  # the Triton prefill path's launches (``kernels.prefill``)
         self.layer_type = cfg.layer_types[layer_idx]
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
@@ -313,9 +315,9 @@ class Attention(nn.Module):
         cos, sin = rope
         at = torch.arange(n, device=x.device)  # row of each token in the cos/sin tables
         decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
-        # one prefill sequence: the output's RoPE undo (default, FOLD_NORM_ROPE 3) and optionally
+        # one prefill sequence: the output's RoPE undo (default, fold_norm_rope 3) and optionally
         # the q norm + RoPE (1, 2) run inside the attention kernel, a pass over (N, nh, D) fewer each
-        fold = int(kp.FOLD_NORM_ROPE) if len(seqs) == 1 and not decode else 0
+        fold = self.prefill.fold_norm_rope if len(seqs) == 1 and not decode else 0
         p = self._project_fast(x, rope, at, fold_q=fold in (1, 2))
         if fold:
             return self._output_fast(self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold))
@@ -361,7 +363,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None, fold: int = 0,
     ) -> torch.Tensor:  # fmt: skip
         """``_attend_sequence`` through ``kernels.prefill``: no score tensor, no per-tile loop.
-        ``fold`` (``kernels.prefill.FOLD_NORM_ROPE``) with the ``rope`` tables: 1/2 = ``p.q`` is raw,
+        ``fold`` (``PrefillTuning.fold_norm_rope``) with the ``rope`` tables: 1/2 = ``p.q`` is raw,
         its norm + RoPE and the output's RoPE undo run in the kernel; 3 = only the undo."""
         from kernels import prefill as kp
 
@@ -384,12 +386,14 @@ class Attention(nn.Module):
                 row_len = torch.div(positions[a:b] + 1, self.compressor.rate, rounding_mode="floor")
                 if idx is not None:
                     scale = idx.softmax_scale * idx.weights_scaling
-                    top = kp.prefill_topk(p.idx_q[a:b], p.idx_w[a:b], st.index.rows, row_len, idx.topk, scale)
+                    top = kp.prefill_topk(p.idx_q[a:b], p.idx_w[a:b], st.index.rows, row_len, idx.topk, scale, self.prefill.indexer)
         kw = {}
         if rope is not None and fold:
             tables = (rope[0][a:b], rope[1][a:b])
             kw = {"q_norm_eps": self.eps, "rope": tables, "fold_q": fold if fold in (1, 2) else 0}
-        return kp.prefill_attention(p.q[a:b], keys, pad, self.sinks, self.window, rows, row_len, top, self.scaling, **kw)
+        return kp.prefill_attention(
+            p.q[a:b], keys, pad, self.sinks, self.window, rows, row_len, top, self.scaling, **kw, tuning=self.prefill.attention
+        )
 
     def _project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Projected:
         n = x.shape[0]

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from engine.errors import CheckpointError
 from engine.model.config import ModelConfig
 from engine.model.fp8 import replace_linear
-from engine.model.model import DeepseekV4ForCausalLM
+from engine.model.model import TUNING, DeepseekV4ForCausalLM, ModelTuning
 from kernels.fp8_gemm import Fp8GemmConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -159,8 +159,10 @@ def load_model(
     progress: bool = True,
     fp8: Fp8GemmConfig | None = None,
     fp4_experts: bool = False,
+    tuning: ModelTuning = TUNING,
 ) -> DeepseekV4ForCausalLM:
-    """Build the model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``.
+    """Build the model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``, its
+    kernels set by ``tuning``.
 
     ``fp8``: keep every FP8 block-scaled linear weight as FP8 (``engine.model.fp8.Fp8Linear``, this
     GEMM tiling); None dequantises them to ``dtype`` (the parity path). ``fp4_experts``: keep FP4
@@ -175,7 +177,7 @@ def load_model(
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     files = _shard_files(model_dir)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(cfg, torch_dtype)
+        model = DeepseekV4ForCausalLM(cfg, torch_dtype, tuning)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     loaded: set[str] = set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Literal
 
@@ -26,9 +27,23 @@ from engine.model.layers import (
     hc_merge,
 )
 from engine.model.lm_head import LMHead
-from engine.model.moe import MoE
+from engine.model.moe import MoE, MoETuning
 from engine.model.rope import Rotary
 from engine.model.state import SequenceState
+from kernels.prefill import PrefillTuning
+
+
+@dataclass(frozen=True)
+class ModelTuning:
+    """The model's kernel settings, given where it is built (``load_model``) and passed down to
+    each layer: the Triton prefill path's launches and the experts' path choice. The defaults are
+    the measured choices; benches and tests build the model with others."""
+
+    prefill: PrefillTuning = field(default_factory=PrefillTuning)
+    moe: MoETuning = field(default_factory=MoETuning)
+
+
+TUNING = ModelTuning()  # the default
 
 
 def _ids_positions(
@@ -59,10 +74,11 @@ def _rows(tab: tuple[torch.Tensor, torch.Tensor], first: int, n: int) -> tuple[t
 class DecoderLayer(nn.Module):
     """Attention and MoE blocks, each wrapped in a hyper-connection over ``hc`` streams."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tuning: ModelTuning = TUNING) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, dtype)
-        self.mlp = MoE(cfg, layer_idx, dtype)
+        self.hc_pre = tuning.prefill.hc_pre  # the Triton mHC input's launch
+        self.self_attn = Attention(cfg, layer_idx, dtype, tuning.prefill)
+        self.mlp = MoE(cfg, layer_idx, dtype, tuning.moe)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg)
@@ -85,9 +101,9 @@ class DecoderLayer(nn.Module):
         if self.self_attn.use_fast_prefill(streams):  # CUDA bf16/fp16: Triton mHC input + norm
             from kernels import prefill as kp
 
-            post, comb, x = kp.hc_pre_norm(self.attn_hc, self.input_layernorm, streams)
+            post, comb, x = kp.hc_pre_norm(self.attn_hc, self.input_layernorm, streams, self.hc_pre)
             streams = hc_merge(post, comb, attend(x), streams)
-            post, comb, x = kp.hc_pre_norm(self.ffn_hc, self.post_attention_layernorm, streams)
+            post, comb, x = kp.hc_pre_norm(self.ffn_hc, self.post_attention_layernorm, streams, self.hc_pre)
             return hc_merge(post, comb, self.mlp(x, token_ids), streams)
         post, comb, x = self.attn_hc(streams)  # streams (N, hc, H)
         streams = hc_merge(post, comb, attend(self.input_layernorm(x)), streams, self.attn_hc.fused)
@@ -98,10 +114,10 @@ class DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     """Embedding, decoder layers, final hyper-head and norm (transformers' ``model.*`` names)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tuning: ModelTuning = TUNING) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, tuning) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
@@ -109,11 +125,12 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """The whole model. ``mtp`` holds the multi-token-prediction weights (kept, not yet used)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, tuning: ModelTuning = TUNING) -> None:
         super().__init__()
         self.config = cfg
         self.dtype = dtype
-        self.model = DeepseekV4Model(cfg, dtype)
+        self.tuning = tuning
+        self.model = DeepseekV4Model(cfg, dtype, tuning)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if self.lm_head.weight.device.type == "cpu":
             # Store lm_head as a transposed view of a contiguous (H, V) tensor: CPU BLAS then runs
@@ -137,6 +154,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fast_decode = enabled
             layer.attn_hc.fused = layer.ffn_hc.fused = layer.mlp.fused = enabled
+
+    def set_tuning(self, tuning: ModelTuning) -> None:
+        """Give every layer ``tuning``'s settings (benches compare settings on one set of weights)."""
+        self.tuning = tuning
+        for layer in self.model.layers:
+            layer.hc_pre = tuning.prefill.hc_pre
+            layer.self_attn.prefill = tuning.prefill
+            layer.mlp.experts.tuning = tuning.moe
 
     def new_state(self) -> SequenceState:
         """An empty state for a new sequence, on the model's device and dtype."""

@@ -8,6 +8,8 @@ the weights are computed the same way from the learned gate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,11 +17,24 @@ from torch import nn
 from engine.model import cpu_fused
 from engine.model.config import ModelConfig
 from engine.model.layers import SharedMLP, swiglu
+from kernels.moe_grouped import GroupedMoETuning
 from kernels.reference import score
 
-DENSE_MACS = 1 << 23  # CPU: run all experts densely while that costs at most this many MACs
-FUSED_TOKENS = 64  # CPU: at most this many tokens go through the compiled experts loop
-FUSED_BYTES = 64 << 20  # ... when the experts' weights (read in place, as numpy views) fit in this
+
+@dataclass(frozen=True)
+class MoETuning:
+    """Which experts path runs a batch. CPU: all experts densely while that costs at most
+    ``dense_macs`` MACs; at most ``fused_tokens`` tokens through the compiled experts loop when
+    the experts' weights (read in place, as numpy views) fit in ``fused_bytes``. CUDA half
+    precision: ``grouped``, when prefill sizes take ``kernels.moe_grouped`` and its launches."""
+
+    dense_macs: int = 1 << 23
+    fused_tokens: int = 64
+    fused_bytes: int = 64 << 20
+    grouped: GroupedMoETuning = field(default_factory=GroupedMoETuning)
+
+
+MOE = MoETuning()  # the default
 
 
 def _half_cuda(x: torch.Tensor) -> bool:
@@ -71,8 +86,9 @@ class Experts(nn.Module):
     ``gate_up_proj (E, 2I, H)``: rows ``[:I]`` gate, ``[I:]`` up. ``down_proj (E, H, I)``.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tuning: MoETuning = MOE) -> None:
         super().__init__()
+        self.tuning = tuning
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
@@ -99,9 +115,9 @@ class Experts(nn.Module):
                 moe_experts,  # grouped GEMM + fused SwiGLU/combine (Triton)
             )
 
-            return moe_experts(x, weights, indices, self.gate_up_proj, self.down_proj, self.limit, add)
+            return moe_experts(x, weights, indices, self.gate_up_proj, self.down_proj, self.limit, add, self.tuning.grouped)
         assert add is None, "add is for the CUDA half-precision path"
-        if x.device.type == "cpu" and x.shape[0] * self.gate_up_proj.numel() * 3 // 2 <= DENSE_MACS:
+        if x.device.type == "cpu" and x.shape[0] * self.gate_up_proj.numel() * 3 // 2 <= self.tuning.dense_macs:
             return self._dense(x, weights, indices)
         flat_experts = indices.reshape(-1)  # (N*k,)
         order = torch.argsort(flat_experts, stable=True)
@@ -142,10 +158,10 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """One MoE block: routed experts + the shared expert on the same input."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tuning: MoETuning = MOE) -> None:
         super().__init__()
         self.gate = Router(cfg, cfg.mlp_layer_types[layer_idx] == "hash_moe", dtype)
-        self.experts = Experts(cfg, dtype)
+        self.experts = Experts(cfg, dtype, tuning)
         self.shared_experts = SharedMLP(cfg, dtype)
         self.fused = True  # CPU decode: routed + shared experts in one compiled loop (cpu_fused)
         self._packed: tuple | None = None
@@ -163,11 +179,12 @@ class MoE(nn.Module):
     def _fused_weights(self, x: torch.Tensor) -> tuple | None:
         """The transposed weights of ``cpu_fused.experts`` when it should run ``x``: a few fp32
         CPU tokens, small experts; rebuilt whenever a weight changes (loaders ``copy_`` in)."""
-        if not (self.fused and x.shape[0] <= FUSED_TOKENS and cpu_fused.usable(x)) or self.experts.fp4 is not None:
+        tuning = self.experts.tuning
+        if not (self.fused and x.shape[0] <= tuning.fused_tokens and cpu_fused.usable(x)) or self.experts.fp4 is not None:
             return None
         ex, sh = self.experts, self.shared_experts
         params = (ex.gate_up_proj, ex.down_proj, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
-        if any(p.dtype != torch.float32 for p in params) or sum(p.numel() for p in params) * 4 > FUSED_BYTES:
+        if any(p.dtype != torch.float32 for p in params) or sum(p.numel() for p in params) * 4 > tuning.fused_bytes:
             return None
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self._packed_key:

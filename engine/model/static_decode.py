@@ -21,7 +21,7 @@ is ``kernels.decode_attention`` over (ring, row pool); CSA's rows come from
 ``kernels.indexer.indexer_scores`` over the fixed ``Tc`` columns (``-inf`` past each sequence's
 complete rows) and ``torch.topk`` with a fixed ``k`` (``-1`` for missing rows). The MoE runs the
 Triton grouped kernel (``Experts`` on CUDA bf16), whose expert counts stay on the device; a step
-of at most ``kernels.moe_gemv.MAX_SLOTS`` routed slots (batch 1-2) runs the routed and the shared
+of at most ``MoEGemvTuning.max_slots`` routed slots (batch 1-2) runs the routed and the shared
 expert as two weight-streaming GEMV kernels instead (``kernels.moe_gemv``); at batch 1 the dense
 projections (x projections, q_b, o_a, o_b, router, lm_head) are weight-streaming GEMV kernels too
 (``kernels.gemv``, programmatic dependent launches in the graph). The fused step runs
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,24 +71,39 @@ from kernels.indexer import indexer_scores, mask_topk
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import moe_experts, route
 from kernels.moe_fp8 import moe_experts_fp8
-from kernels.moe_gemv import moe_gemv, shared_act, use_gemv
+from kernels.moe_gemv import MoEGemvTuning, moe_gemv, shared_act, use_gemv
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# the fused step forks independent branches onto a side stream (captured into the graph as
-# parallel nodes): the CSA indexer (else the kv path) next to the q projection, the shared expert
-# next to the router; at batch 1 most kernels fill a few SMs, so the chains overlap (NOTES run 12)
-SIDE_STREAM = True
-# split-K ways of the mHC input dot (``fused.hc_pre_parts``) at most: at batch 1 its 1.5 MB fp32
-# ``fn`` read by 8 programs took 9.5 µs; ``hc_mix_parts`` adds many splits in tiles
-HC_SPLITS = 64
-# decode attention un-rotates its output in its last kernel (the split combine, else the main
-# kernel's epilogue) instead of a norm_rope pass after it; b=1 step the same within noise, one
-# launch less per layer (run 13; one split without the combine at b=1 was 8 µs slower)
-ATTN_ROPE_OUT = True
-# the fused step's dense projections at batch 1 (merged x projection, q_b, the indexer's q_b, o_a,
-# o_b, router, lm_head) through the weight-streaming GEMV kernel (``kernels.gemv``) instead of
-# cuBLAS (small-tile GEMMs and split-K reduces at ~2.2-3.5 TB/s; NOTES run 14)
-DENSE_GEMV = True
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """The fused step's choices (defaults measured on an H200; the slice bench sweeps them).
+
+    ``side_stream``: fork independent branches onto a side stream (captured into the graph as
+    parallel nodes): the CSA indexer (else the kv path) next to the q projection, the shared expert
+    next to the router; at batch 1 most kernels fill a few SMs, so the chains overlap (NOTES run 12).
+    ``hc_splits``: split-K ways of the mHC input dot (``fused.hc_pre_parts``) at most: at batch 1
+    its 1.5 MB fp32 ``fn`` read by 8 programs took 9.5 µs; ``hc_mix_parts`` adds many splits in tiles.
+    ``attn_rope_out``: decode attention un-rotates its output in its last kernel (the split
+    combine, else the main kernel's epilogue) instead of a norm_rope pass after it; b=1 step the
+    same within noise, one launch less per layer (run 13; one split without the combine at b=1 was
+    8 µs slower). ``dense_gemv``: the dense projections at batch 1 (merged x projection, q_b, the
+    indexer's q_b, o_a, o_b, router, lm_head) through the weight-streaming GEMV kernel
+    (``kernels.gemv``, a programmatic dependent launch with ``gemv_pdl``) instead of cuBLAS
+    (small-tile GEMMs and split-K reduces at ~2.2-3.5 TB/s; NOTES run 14). ``moe_gemv``: when the
+    routed + shared experts of a few slots run as two GEMV kernels, and their launches.
+    """
+
+    side_stream: bool = True
+    hc_splits: int = 64
+    attn_rope_out: bool = True
+    dense_gemv: bool = True
+    gemv_pdl: bool = True
+    moe_gemv: MoEGemvTuning = field(default_factory=MoEGemvTuning)
+
+
+DECODE = DecodeTuning()  # the default
 
 
 @dataclass
@@ -147,12 +162,14 @@ class StaticDecoder:
         buckets: Sequence[int] = BUCKETS,
         fused: bool = True,
         merge_proj: bool = True,
+        tuning: DecodeTuning = DECODE,
     ) -> None:
         from engine.model.fp8 import keeps_native_weights
 
         if keeps_native_weights(model):  # the slot step reads bf16 weights directly (merged projections, GEMVs)
             raise ValueError("the slot decoders need dequantised weights: load with load_model(fp8=None, fp4_experts=False)")
         self.model = model
+        self.tuning = tuning
         self.cfg = model.config
         self.device = model.device
         self.dtype = model.dtype
@@ -210,7 +227,7 @@ class StaticDecoder:
                     cos, sin = rot.cos_sin(every, dt)
                     self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
         self.merge_proj = merge_proj and self.fused
-        self.dense_gemv = DENSE_GEMV and self.fused
+        self.dense_gemv = tuning.dense_gemv and self.fused
         if self.merge_proj:  # our own concatenated copy; the model's parameters stay as they are
             with torch.inference_mode():
                 for layer, lp in zip(model.model.layers, self.pools):
@@ -224,7 +241,7 @@ class StaticDecoder:
                     lp.xproj = torch.cat([m.weight for m in mods]).contiguous()
                     lp.xsplit = tuple(m.weight.shape[0] for m in mods)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._side = torch.cuda.Stream(dev) if SIDE_STREAM and self.fused and dev.type == "cuda" else None
+        self._side = torch.cuda.Stream(dev) if tuning.side_stream and self.fused and dev.type == "cuda" else None
         # fp32 contiguous copies of the mHC parameters (a bf16 checkpoint's fn/scale/base would be
         # cast on every call: 3 launches per block)
         self._hc32: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -455,7 +472,7 @@ class StaticDecoder:
             streams = fk.hc_merge(post, comb, self._moe_fused(layer.mlp, x, ids), streams)
         head, norm = model.model.hc_head, model.model.norm
         fn, scale, base = self._hc32[id(head)]
-        parts = fk.hc_pre_parts(streams, fn, max_splits=HC_SPLITS)
+        parts = fk.hc_pre_parts(streams, fn, max_splits=self.tuning.hc_splits)
         hc = streams.shape[1]
         pre, _, _ = hc_mix_parts(parts, hc * streams.shape[2], head.norm_eps, scale, base, hc, 0, head.eps, head=True)
         hidden = fk.collapse_norm(pre, streams, norm.weight, norm.eps)  # norm(hc_head(streams)): (b, H)
@@ -464,22 +481,22 @@ class StaticDecoder:
     def _linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for one token."""
         if self.dense_gemv and use_dense_gemv(x):
-            return gemv(x, w, out_dtype=out_dtype)
+            return gemv(x, w, out_dtype=out_dtype, pdl=self.tuning.gemv_pdl)
         y = F.linear(x, w)
         return y if out_dtype is None else y.to(out_dtype)
 
     def _output(self, attn: Attention, out: torch.Tensor) -> torch.Tensor:
         """The attention's output projections (``Attention._output_fast``): grouped ``o_a``, ``o_b``."""
         if self.dense_gemv and use_dense_gemv(out):
-            grouped = gemv(out.reshape(out.shape[0], -1), attn.o_a_proj.weight, attn.o_groups)
-            return gemv(grouped, attn.o_b_proj.weight)
+            grouped = gemv(out.reshape(out.shape[0], -1), attn.o_a_proj.weight, attn.o_groups, pdl=self.tuning.gemv_pdl)
+            return gemv(grouped, attn.o_b_proj.weight, pdl=self.tuning.gemv_pdl)
         return attn._output_fast(out)
 
     def _hyper_connection_fused(self, hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``_hyper_connection`` + the block's input ``RMSNorm`` in three kernels: split-K norm and
         mixes, gates + Sinkhorn, collapse + norm."""
         fn, scale, base = self._hc32[id(hc)]
-        parts = fk.hc_pre_parts(streams, fn, max_splits=HC_SPLITS)
+        parts = fk.hc_pre_parts(streams, fn, max_splits=self.tuning.hc_splits)
         pre, post, comb = hc_mix_parts(parts, streams.shape[1] * streams.shape[2], hc.norm_eps, scale, base, hc.hc, hc.iters, hc.hc_eps)
         return post, comb, fk.collapse_norm(pre, streams, norm.weight, norm.eps)
 
@@ -535,7 +552,7 @@ class StaticDecoder:
         if row_idx is not None:
             kv_path()
         join()
-        kw = {"rope": (cos, sin), "rope_pos": pos, "fold_q": 0} if ATTN_ROPE_OUT else {}
+        kw = {"rope": (cos, sin), "rope_pos": pos, "fold_q": 0} if self.tuning.attn_rope_out else {}
         if comp is None:
             out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling, **kw)
         else:
@@ -543,7 +560,7 @@ class StaticDecoder:
                 q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
                 swa_slot=slots, scale=attn.scaling, max_rows=tc, **kw,
             )  # fmt: skip
-        if not ATTN_ROPE_OUT:
+        if not self.tuning.attn_rope_out:
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
         return self._output(attn, out)
 
@@ -571,14 +588,14 @@ class StaticDecoder:
         half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
         few = (
             self.gemv_experts and getattr(ex, "fp8", None) is None and sh.limit == ex.limit
-            and use_gemv(x, x.shape[0] * gate.top_k)
+            and use_gemv(x, x.shape[0] * gate.top_k, self.tuning.moe_gemv)
         )  # fmt: skip
         if not (half or few):
             return self._moe(moe, x, ids)
         if few:  # the shared expert's gate/up next to the router (side stream), then two GEMV kernels
             shared = (sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
             with self._branch() as join:
-                act = shared_act(x, shared, gate.top_k, ex.limit)
+                act = shared_act(x, shared, gate.top_k, ex.limit, self.tuning.moe_gemv)
         if not half:  # fp32 (tests): the general path's router
             weights, indices = gate(x, ids)
         else:
@@ -589,7 +606,7 @@ class StaticDecoder:
                 weights, indices = route(logits, gate.top_k, gate.scaling, bias=gate.e_score_correction_bias, scoring_func=gate.scoring_func)
         if few:
             join()
-            return moe_gemv(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, shared, act=act)
+            return moe_gemv(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, shared, act=act, tuning=self.tuning.moe_gemv)
         with self._branch() as join:
             shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
         routed = self._routed(ex, x, weights, indices)
@@ -601,7 +618,7 @@ class StaticDecoder:
         fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts
         if fp8 is not None:
             return moe_experts_fp8(x, weights, indices, *fp8, ex.limit)
-        return moe_experts(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit)
+        return moe_experts(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, grouped=ex.tuning.grouped)
 
     def _forward_plain(self, b: int) -> torch.Tensor:
         """The fixed-shape step body on ``self._inputs[:, :b]`` (no host reads). → ``(b, V)`` fp32."""

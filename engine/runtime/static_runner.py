@@ -20,18 +20,20 @@ import torch
 from engine.model.host_decode import HostDecoder
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import SequenceState
-from engine.model.static_decode import StaticDecoder
+from engine.model.static_decode import DECODE, DecodeTuning, StaticDecoder
 from engine.runtime.sequence import Sequence
 
 
 class StaticRunner:
     """Slot bookkeeping between an ``EngineCore`` and one ``StaticDecoder``."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, max_slots: int, max_tokens: int, use_graphs: bool | None = None) -> None:
+    def __init__(
+        self, model: DeepseekV4ForCausalLM, max_slots: int, max_tokens: int, use_graphs: bool | None = None, tuning: DecodeTuning = DECODE
+    ) -> None:
         if model.device.type == "cpu" and not use_graphs:
             self.decoder: StaticDecoder = HostDecoder(model, max_slots, max_tokens)
         else:
-            self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs)
+            self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs, tuning=tuning)
         self.max_tokens = max_tokens
         self._free = list(range(max_slots - 1, -1, -1))
         self._slot: dict[int, int] = {}  # id(seq) -> slot

@@ -60,12 +60,7 @@ def test_moe_experts_prefill(dtype) -> None:
     down = (torch.randn(e, h, i, generator=g, device=DEV) * i**-0.5).to(dtype)
     indices = torch.stack([torch.randperm(e, device="cpu")[:top] for _ in range(n)]).to(DEV)
     weights = torch.rand(n, top, generator=g, device=DEV)
-    old = moe_grouped.UP_CFG, moe_grouped.DOWN_CFG
-    if SMALL:
-        moe_grouped.UP_CFG = moe_grouped.DOWN_CFG = (16, 16, 16, 4, 1)
-    try:
-        got = moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, 1.0)
-    finally:
-        moe_grouped.UP_CFG, moe_grouped.DOWN_CFG = old
+    tuning = moe_grouped.GroupedMoETuning(up=(16, 16, 16, 4, 1), down=(16, 16, 16, 4, 1)) if SMALL else moe_grouped.GROUPED_MOE
+    got = moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, 1.0, tuning=tuning)
     want = moe_experts_reference(x.float(), weights, indices, gate_up.float(), down.float(), 1.0)
     assert rel_err(got, want) <= TOL[dtype]

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from kernels.prefill import (
+    HcPreTuning,
+    IndexerTuning,
     hc_pre_block_parts,
     hc_pre_norm,
     hc_pre_parts_reference,
@@ -74,8 +76,9 @@ def test_prefill_attention(dtype, mode, prev) -> None:
     assert rel_err(got, want) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("query_tile", [4096, 7])  # one scoring call, or tiles of 7 queries
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_topk(dtype) -> None:
+def test_prefill_topk(dtype, query_tile) -> None:
     s, hi, di, t, k = (24, 4, 16, 9, 4) if SMALL else (1500, 64, 128, 400, 128)
     g = torch.Generator(device=DEV).manual_seed(5)
     q = torch.randn(s, hi, di, generator=g, device=DEV).to(dtype)
@@ -83,7 +86,7 @@ def test_prefill_topk(dtype) -> None:
     rows = torch.randn(t, di, generator=g, device=DEV).to(dtype)
     row_len = ((torch.arange(s, device=DEV) + 3) // 3).clamp(max=t)
     scale = di**-0.5 * hi**-0.5
-    got = prefill_topk(q, w, rows, row_len, k, scale)
+    got = prefill_topk(q, w, rows, row_len, k, scale, IndexerTuning(query_tile=query_tile))
     want = prefill_topk_reference(q, w, rows, row_len, k, scale)
     assert got.shape == want.shape == (s, min(k, t)) and got.dtype == torch.int32
     # same count of picked rows per query, each visible, and the picked scores are the top ones
@@ -95,13 +98,14 @@ def test_prefill_topk(dtype) -> None:
     assert rel_err(pick(got), pick(want)) <= 1e-5
 
 
+@pytest.mark.parametrize("tuning", [HcPreTuning(), HcPreTuning(block_m=16, block_k=32, bf16x3=False)], ids=["default", "m16-k32-widened"])
 @pytest.mark.parametrize("n", [1, 70, 300])
-def test_hc_pre_block_parts(n) -> None:
+def test_hc_pre_block_parts(n, tuning) -> None:
     hc, h = 4, (32 if SMALL else 4096)
     g = torch.Generator(device=DEV).manual_seed(n)
     streams = torch.randn(n, hc, h, generator=g, device=DEV).to(torch.bfloat16)
     fn = torch.randn((2 + hc) * hc, hc * h, generator=g, device=DEV) * 0.01
-    got = hc_pre_block_parts(streams, fn)
+    got = hc_pre_block_parts(streams, fn, tuning=tuning)
     want = hc_pre_parts_reference(streams, fn)
     m = fn.shape[0]
     assert got.shape[0] == n and got.shape[2] == want.shape[2]

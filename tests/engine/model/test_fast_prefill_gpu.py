@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 DEV = kernel_test_device()
 
 from engine.model.loader import load_model
+from engine.model.model import ModelTuning
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -33,14 +34,14 @@ def _set(model, fast: bool) -> None:
 
 @pytest.mark.parametrize("fold", [0, 3] if DEV == "cpu" else [0, 1, 2, 3])
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "small_windows_model_dir"])
-def test_fast_prefill_matches_general_path(request, fixture, fold, monkeypatch) -> None:
+def test_fast_prefill_matches_general_path(request, fixture, fold) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = load_model(request.getfixturevalue(fixture), dtype="float32", device=DEV, progress=False)
-    n = 300 if DEV == "cuda" else 66
-    ids = _ids(n, 1)
     from kernels import prefill as kp
 
-    monkeypatch.setattr(kp, "FOLD_NORM_ROPE", fold)  # kernels.prefill: norm/RoPE folded into attention
+    tuning = ModelTuning(prefill=kp.PrefillTuning(fold_norm_rope=fold))  # norm/RoPE folded into attention
+    model = load_model(request.getfixturevalue(fixture), dtype="float32", device=DEV, progress=False, tuning=tuning)
+    n = 300 if DEV == "cuda" else 66
+    ids = _ids(n, 1)
 
     calls = []
     real = kp.prefill_attention

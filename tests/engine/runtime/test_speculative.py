@@ -110,10 +110,10 @@ def test_sampled_requests_give_the_plain_samplers_tokens_for_every_seed(trained,
     # top_k: a draw over 40 candidates, not the near-uniform 129k a high temperature makes of this
     # model's random rows (there a logit's last-bit rounding, which differs with the batch in any
     # engine, moves a CDF boundary by a sizeable share of a token's width)
-    params = [SamplingParams(max_tokens=12, temperature=temperature, top_k=40, seed=s, ignore_eos=True, **extra[s % 4]) for s in range(16)]
+    params = [SamplingParams(max_tokens=12, temperature=temperature, top_k=40, seed=s, ignore_eos=True, **extra[s % 4]) for s in range(12)]
     reqs = lambda: [GenerateRequest(f"f{i}", text, p) for i, p in enumerate(params)]  # noqa: E731
     base = run(_engine(ckpt, model, None)[0], reqs())
-    engine, reg = _engine(ckpt, model, 3, max_num_seqs=16)
+    engine, reg = _engine(ckpt, model, 3, max_num_seqs=12)
     out = run(engine, reqs())
     assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}
     for r, o in out.items():  # the same log-probabilities, up to the batch's float rounding
@@ -123,7 +123,7 @@ def test_sampled_requests_give_the_plain_samplers_tokens_for_every_seed(trained,
     if temperature == 1.0:
         assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"]
     else:
-        assert len({tuple(o.tokens) for o in base.values()}) > 8  # the seeds really sample
+        assert len({tuple(o.tokens) for o in base.values()}) > 6  # the seeds really sample
 
 
 def test_opted_out_requests_are_never_drafted(trained) -> None:
@@ -170,6 +170,7 @@ def test_kv_store_resume_mid_conversation_stays_exact(trained) -> None:
     assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"] > 0
 
 
+@pytest.mark.slow  # the grammar's compile is most of it
 def test_structured_output_with_speculation_gives_the_plain_tokens(trained) -> None:
     """A grammar advances per accepted token (a draft it forbids is just rejected)."""
     from deepserve.protocol import OutputConstraint

@@ -30,6 +30,7 @@ lands exactly on it once and the boundary snapshot is taken there, after accepta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,17 @@ class SpecResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token when the request asks
     drafted: int = 0  # drafts verified this step
     accepted: int = 0  # of which accepted
+
+
+class Feed(NamedTuple):
+    """A sequence's rows for its MTP window after a step: ``streams[i]`` at ``first_pos + i``,
+    followed by ``next_ids[i]``; ``propose``: it is at its end and running, so it wants drafts."""
+
+    seq: Sequence
+    streams: torch.Tensor  # (S, hc, H)
+    next_ids: list[int]
+    first_pos: int
+    propose: bool
 
 
 class SpecDecoder:
@@ -90,18 +102,16 @@ class SpecDecoder:
         streams = self.model(chunks, logits="streams")  # (N, hc, H)
         rows = self._verify_rows(batch, fed, streams)
         greedy = self._greedy_targets(batch, rows)
-        results, feeds, ends = [], [], []
+        results, feeds = [], []
         start = 0
         for (seq, _), (real, drafts), m, hidden, g in zip(batch, fed, marks, rows, greedy):
             res = self._accept(seq, real, drafts, m, hidden, g)
-            consumed = streams[start : start + res.consumed]  # (consumed, hc, H): the rows now in the state
             first = seq.num_computed
-            feeds.append((seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first))
-            if hidden is not None and res.finish_reason is None:
-                ends.append(len(feeds) - 1)
+            consumed = streams[start : start + res.consumed]  # (consumed, hc, H): the rows now in the state
+            feeds.append(Feed(seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first, hidden is not None and res.finish_reason is None))
             start += real + len(drafts)
             results.append(res)
-        self._draft(feeds, ends)
+        self._draft(feeds)
         return results
 
     def _clamp(self, seq: Sequence, drafts: list[int]) -> list[int]:
@@ -171,22 +181,21 @@ class SpecDecoder:
             rewind(self.model, seq.state, m, res.consumed)
         return res
 
-    def _draft(self, feeds: list[tuple[Sequence, torch.Tensor, list[int], int]], ends: list[int]) -> None:
+    def _draft(self, feeds: list[Feed]) -> None:
         """Step 4: feed the consumed rows to each MTP window; new drafts for the sequences at their end."""
-        live = [f for f in feeds if f[1].shape[0] and len(f[2]) == f[1].shape[0]]
-        for seq, *_ in feeds:
-            seq.draft_ids = []
+        for f in feeds:
+            f.seq.draft_ids = []
+        live = [f for f in feeds if len(f.next_ids) == f.streams.shape[0]]  # a finished run lacks its last next token
         if not live:
             return
-        for seq, *_ in live:
-            if seq.draft is None:
-                seq.draft = self.drafter.new_state()
-        last = self.drafter.feed([s.draft for s, *_ in live], [r for _, r, _, _ in live], [t for *_, t, _ in live], [p for *_, p in live])
-        want = {id(feeds[i][0]) for i in ends}
-        pick = [j for j, f in enumerate(live) if id(f[0]) in want]
+        for f in live:
+            if f.seq.draft is None:
+                f.seq.draft = self.drafter.new_state()
+        states = [f.seq.draft for f in live]
+        last = self.drafter.feed(states, [f.streams for f in live], [f.next_ids for f in live], [f.first_pos for f in live])  # type: ignore[misc]
+        pick = [j for j, f in enumerate(live) if f.propose]
         if not pick:
             return
-        seqs = [live[j][0] for j in pick]
-        drafts = self.drafter.propose([s.draft for s in seqs], last[torch.tensor(pick, device=last.device)], self.k)
-        for seq, d in zip(seqs, drafts):
-            seq.draft_ids = d
+        drafts = self.drafter.propose([states[j] for j in pick], last[torch.tensor(pick, device=last.device)], self.k)  # type: ignore[misc]
+        for j, d in zip(pick, drafts):
+            live[j].seq.draft_ids = d

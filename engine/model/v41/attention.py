@@ -33,7 +33,17 @@ from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
 from kernels.reference import apply_rope_eager as apply_rope
 
-QUERY_TILE = 256  # queries per attention / indexer tile: bounds the (nh, tile, L) logits of long prefills
+
+@dataclass(frozen=True)
+class V41Tuning:
+    """The V4.1 model's settings, given where it is built (``load_v41_model``) and passed down to
+    each layer. ``query_tile``: queries per attention / indexer tile, bounds the ``(nh, tile, L)``
+    logits of long prefills."""
+
+    query_tile: int = 256
+
+
+V41_TUNING = V41Tuning()  # the default
 
 
 @dataclass
@@ -96,8 +106,9 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """An index source's sparse indexer; the group's KV source also owns the key projection."""
 
-    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING) -> None:
         super().__init__()
+        self.query_tile = tuning.query_tile
         self.ratio = cfg.compress_ratios[layer_idx]
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.softmax_scale, self.heads_scaling = cfg.index_head_dim**-0.5, cfg.index_n_heads**-0.5
@@ -125,8 +136,8 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.heads_scaling  # (S, Hi)
         complete = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # (S,) rows < this are complete
         picks, valid, cands = [], [], []
-        for t0 in range(0, s, QUERY_TILE):
-            r = slice(t0, t0 + QUERY_TILE)
+        for t0 in range(0, s, self.query_tile):
+            r = slice(t0, t0 + self.query_tile)
             scores = torch.einsum("bshd,btd->bsht", q[r].float()[None], keys.float()[None])[0].relu_() * self.softmax_scale  # (s, Hi, T)
             scores = (scores * weights[r].unsqueeze(-1)).sum(dim=1)  # (s, T)
             scores = scores.masked_fill(torch.arange(t, device=keys.device)[None, :] >= complete[r, None], float("-inf"))
@@ -160,8 +171,9 @@ def candidate_blocks(scores: torch.Tensor, complete: torch.Tensor, topk_blocks: 
 class Attention(nn.Module):
     """One V4.1 layer's attention (native parameter names)."""
 
-    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING) -> None:
         super().__init__()
+        self.query_tile = tuning.query_tile
         self.layer_idx = layer_idx
         self.ratio = cfg.compress_ratios[layer_idx]
         self.rope_kind = "compress" if self.ratio else "main"
@@ -179,7 +191,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         is_source = layer_idx in cfg.kv_source_layer_ids
         self.compressor = Compressor(cfg, self.ratio, dtype) if is_source else None
-        self.indexer = Indexer(cfg, layer_idx, dtype) if layer_idx in cfg.index_source_layer_ids else None
+        self.indexer = Indexer(cfg, layer_idx, dtype, tuning) if layer_idx in cfg.index_source_layer_ids else None
 
     def empty_source(self, dtype: torch.dtype, device: torch.device) -> SourceState | None:
         """A fresh ``SourceState`` for a KV-source layer (None for the others)."""
@@ -246,7 +258,7 @@ class Attention(nn.Module):
         self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:  # fmt: skip
         """``q (S, nh, D)`` over [ring, new keys ``kv (S, D)``, compressed rows] → ``(S, nh, D)``,
-        ``QUERY_TILE`` queries at a time; keeps the last ``W-1`` window keys as the layer's ring."""
+        ``query_tile`` queries at a time; keeps the last ``W-1`` window keys as the layer's ring."""
         st = c.state
         ring = st.windows[self.layer_idx]
         keys = torch.cat([ring, kv])  # (R+S, D): positions first-R .. last
@@ -255,8 +267,8 @@ class Attention(nn.Module):
         if extra is not None:
             keys = torch.cat([keys, extra[0]])  # (R+S+T, D)
         out = torch.empty_like(q)
-        for t0 in range(0, q.shape[0], QUERY_TILE):
-            t = slice(t0, t0 + QUERY_TILE)
+        for t0 in range(0, q.shape[0], self.query_tile):
+            t = slice(t0, t0 + self.query_tile)
             pos = positions[t, None]
             hidden = (key_pos[None, :] > pos) | (key_pos[None, :] <= pos - self.window)  # (s, R+S)
             mask = torch.zeros(hidden.shape, dtype=torch.float32, device=kv.device).masked_fill(hidden, float("-inf"))

@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError
 from engine.model.loader import DTYPES, _is_scale_of_some, _scale_name, _shard_files, copy_checked, dequantize, shard_key_files
+from engine.model.v41.attention import V41_TUNING, V41Tuning
 from engine.model.v41.config import V41Config
 from engine.model.v41.engram import NgramHasher
 from engine.model.v41.model import DeepseekV41ForCausalLM
@@ -62,9 +63,10 @@ def bind_hasher(cfg: V41Config, model_dir: Path) -> NgramHasher | None:
 
 
 def load_v41_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu", tuning: V41Tuning = V41_TUNING,
 ) -> DeepseekV41ForCausalLM:  # fmt: skip
-    """Build the V4.1 model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``."""
+    """Build the V4.1 model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``,
+    its layers set by ``tuning``."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -75,7 +77,7 @@ def load_v41_model(
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     files = _shard_files(model_dir)
     with torch.device(device):
-        model = DeepseekV41ForCausalLM(cfg, torch_dtype, hasher)
+        model = DeepseekV41ForCausalLM(cfg, torch_dtype, hasher, tuning)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     loaded: set[str] = set()

@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.model.lm_head import LMHead
 from engine.model.rope import Rotary
-from engine.model.v41.attention import Attention, Chunk, Shared
+from engine.model.v41.attention import V41_TUNING, Attention, Chunk, Shared, V41Tuning
 from engine.model.v41.config import V41Config
 from engine.model.v41.engram import Engram, NgramHasher
 from engine.model.v41.layers import MoE, HyperSite, RMSNorm, collapse, expand
@@ -32,9 +32,9 @@ from engine.model.v41.state import V41SequenceState
 class DecoderLayer(nn.Module):
     """Engram (on its layers), then attention and MoE, each inside a single-pass mHC site."""
 
-    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING) -> None:
         super().__init__()
-        self.attn = Attention(cfg, layer_idx, dtype)
+        self.attn = Attention(cfg, layer_idx, dtype, tuning)
         self.ffn = MoE(cfg, dtype)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -62,10 +62,10 @@ class DecoderLayer(nn.Module):
 class DeepseekV41Model(nn.Module):
     """Embedding, decoder layers and the final norm (native names: ``embed``, ``layers``, ``norm``)."""
 
-    def __init__(self, cfg: V41Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: V41Config, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING) -> None:
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, tuning) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -73,12 +73,14 @@ class DeepseekV41ForCausalLM(nn.Module):
     """The whole V4.1 text model. ``hasher`` (engram checkpoints) is bound by the loader from the
     checkpoint's own tokenizer; ``mtp`` keeps the DSpark draft layers' tensors (not yet used)."""
 
-    def __init__(self, cfg: V41Config, dtype: torch.dtype = torch.float32, hasher: NgramHasher | None = None) -> None:
+    def __init__(
+        self, cfg: V41Config, dtype: torch.dtype = torch.float32, hasher: NgramHasher | None = None, tuning: V41Tuning = V41_TUNING
+    ) -> None:
         super().__init__()
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("an engram model needs the NgramHasher of its checkpoint's tokenizer")
         self.config, self.dtype, self.hasher = cfg, dtype, hasher
-        self.model = DeepseekV41Model(cfg, dtype)
+        self.model = DeepseekV41Model(cfg, dtype, tuning)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.rotary = {
             "main": Rotary(cfg.rope_main, cfg.qk_rope_head_dim, cfg.max_position_embeddings),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.model.v41.attention import V41Tuning
 from engine.model.v41.loader import load_v41_model
 from tests.engine.model.v41.conftest import BAR, CASES, cached_bar, fixture_case
 
@@ -81,14 +82,13 @@ def test_cached_equals_one_shot_exactly_where_no_rounding_flips() -> None:
     assert (one - chunked).abs().max().item() < 1e-5
 
 
-def test_query_tiles_do_not_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Long prefills run attention and the indexer ``QUERY_TILE`` queries at a time; tiny tiles
-    give the one-tile logits to float32 noise."""
-    from engine.model.v41 import attention
-
+def test_query_tiles_do_not_change_the_result() -> None:
+    """Long prefills run attention and the indexer ``V41Tuning.query_tile`` queries at a time;
+    tiny tiles give the one-tile logits to float32 noise."""
     model, ref = _model("flash_shape")
     ids = ref["prompts"][0]["prompt_ids"]
     whole = model([(model.new_state(), ids)])[0]
-    monkeypatch.setattr(attention, "QUERY_TILE", 5)
-    tiled = model([(model.new_state(), ids)])[0]
+    small = load_v41_model(fixture_case("flash_shape")[0], dtype="float32", tuning=V41Tuning(query_tile=5))
+    assert all(layer.attn.query_tile == 5 for layer in small.model.layers)
+    tiled = small([(small.new_state(), ids)])[0]
     assert (whole - tiled).abs().max().item() < 1e-5

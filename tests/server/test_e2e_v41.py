@@ -128,3 +128,16 @@ def test_anthropic_messages_with_system(v41_stack: LiveStack) -> None:
     m = c.messages.create(model=MODEL, system="Answer briefly.", max_tokens=8,
                           messages=[{"role": "user", "content": "Name a colour."}])  # fmt: skip
     assert m.usage.output_tokens <= 8 and m.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_prefix_hit_shows_in_usage(client: openai.OpenAI) -> None:
+    """A repeated long prompt resumes from the KV store's V4.1 records: cached tokens in usage
+    (whole 128-token units), the same greedy answer."""
+    long = [{"role": "system", "content": "Facts: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))},
+            {"role": "user", "content": "Which item is 5?"}]  # fmt: skip
+    first = client.chat.completions.create(model=MODEL, messages=long, max_tokens=8, temperature=0, extra_body=NO_THINK)
+    again = client.chat.completions.create(model=MODEL, messages=long, max_tokens=8, temperature=0, extra_body=NO_THINK)
+    assert first.usage.prompt_tokens > 256
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 256 and cached % 128 == 0, cached
+    assert again.choices[0].message.content == first.choices[0].message.content

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from deepserve.protocol import FinishReason, TokenLogprob
+from engine.errors import CheckpointError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.mtp import Drafter, MTPLayer
@@ -71,6 +72,8 @@ class SpecDecoder:
     """Drafts and verifies for the engine core (module docstring)."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, sampler: Sampler, config: SpeculativeConfig) -> None:
+        if not isinstance(model, DeepseekV4ForCausalLM):
+            raise CheckpointError("speculative decoding drafts with DeepSeek-V4's MTP layer; this model family has none yet")
         self.model, self.sampler, self.config = model, sampler, config
         self.k = config.num_speculative_tokens
         self.drafter = Drafter(model, MTPLayer.from_model(model))

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from deepserve.protocol import GenerateRequest, SamplingParams
+from engine.errors import CheckpointError
 from engine.model.loader import load_model
 from engine.model.tiny_mtp import TrainConfig, sentence
 from engine.runtime.builder import build_engine
@@ -141,6 +142,13 @@ def test_speculative_config_is_validated(trained) -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 0}')
     assert SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3}') == SpeculativeConfig("mtp", 3)
+    ckpt, model = trained
+    saved, model.mtp = model.mtp, {}
+    try:
+        with pytest.raises(CheckpointError, match="no MTP layer"):
+            _engine(ckpt, model, 2)
+    finally:
+        model.mtp = saved
 
 
 def test_kv_store_resume_mid_conversation_stays_exact(trained) -> None:

@@ -47,8 +47,9 @@ def resolve_max_tokens(conv_req: Any, prompt_len: int, context_len: int) -> int:
         )
     try:
         return int(conv_req.resolve_max_tokens(prompt_len, context_len))
-    except Exception as exc:  # deepseek_recipe.ConversionError
-        raise from_conversion_error(exc) from None
+    except Exception as exc:  # deepseek_recipe.ConversionError: its refusal here is prompt + max_tokens > context
+        err = from_conversion_error(exc)
+        raise ContextLengthExceeded(err.message, param=err.param or "messages") from None
 
 
 def client_sampling(body: dict[str, Any]) -> tuple[float, float]:

@@ -210,8 +210,6 @@ def from_conversion_error(exc: Exception) -> GatewayError:
         kind, code, param = err.get("type"), err.get("code"), err.get("param")
     except (ValueError, KeyError, TypeError, AttributeError):
         message, kind, code, param = str(exc), None, None, None
-    if "maximum context length" in message:
-        return ContextLengthExceeded(message, param=param or "messages")
     if status >= 500:  # conversion never fails because of us; keep the client's 4xx space honest
         status = 400
     return GatewayError(message, status=status, type=kind or "invalid_request_error", code=code, param=param)

@@ -96,7 +96,7 @@ class SpecDecoder:
             if seq.state is None:  # new, or preempted: a fresh main state and MTP window
                 seq.state, seq.draft, seq.draft_ids = self.model.new_state(), None, []
             real = min(n, seq.remaining)
-            drafts = seq.draft_ids[: n - real] if real == seq.remaining else []
+            drafts = seq.draft_ids[: min(n - real, self._room(seq))] if real == seq.remaining else []
             drafts = self._clamp(seq, drafts) if units else drafts
             ids = seq.tokens[seq.num_computed : seq.num_computed + real] + drafts
             marks.append(mark(seq.state) if drafts else None)
@@ -116,6 +116,13 @@ class SpecDecoder:
             results.append(res)
         self._draft(feeds)
         return results
+
+    @staticmethod
+    def _room(seq: Sequence) -> int:
+        """Drafts that can still become output: a verify of ``d`` yields up to ``d + 1`` tokens, so
+        none past ``max_tokens`` (nor, then, past the context length) is fed."""
+        assert seq.sampling is not None
+        return max(0, seq.request.sampling.max_tokens - seq.sampling.step - 1)
 
     def _clamp(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """``drafts`` cut so the verify ends at the next unit boundary at the latest."""

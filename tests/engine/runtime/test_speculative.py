@@ -210,3 +210,12 @@ def test_preempted_speculative_sequences_resume_exactly(trained) -> None:
     out = run(engine, reqs())
     assert engine.scheduler.num_preemptions > 0
     assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}
+
+
+def test_no_draft_is_fed_past_max_tokens(trained) -> None:
+    """7 tokens at k = 3: the prefill's token, a verify of 3 drafts (4 tokens), then room for 2
+    tokens only, so 1 draft — 4 drafts in all, not 6."""
+    ckpt, model = trained
+    engine, reg = _engine(ckpt, model, 3)
+    out = run(engine, [GenerateRequest("m", sentence(TrainConfig(), 1030, 5), SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))])
+    assert len(out["m"].tokens) == 7 and _counts(reg)["num_draft_tokens"] == 4

@@ -12,9 +12,9 @@ code, ``WorkerUnavailable`` for the others. An answer without a code (not a deep
 a proxy in between) is classed by its status: ``WorkerRejected`` (``invalid_request``) for a 4xx,
 ``WorkerUnavailable`` (``unavailable``) for a 5xx or 401/403/408/429 (our internal token refused:
 the worker's or our configuration, not the request); could not connect or connection dropped:
-``WorkerUnavailable`` (``connect=True`` when the worker could not be reached at all); a stream
-that ended without a finish event, or a line that is not JSON: ``WorkerUnavailable``
-(``engine_error``).
+``WorkerUnavailable`` (``connect=True`` when the worker could not be reached at all); a worker
+that sent nothing within a deadline: ``WorkerUnavailable`` (``timeout``); a stream that ended
+without a finish event, or a line that is not JSON: ``WorkerUnavailable`` (``engine_error``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import aiohttp
 from deepserve.internal_auth import InternalAuth
 from deepserve.protocol import KV_ROWS_FORMAT, ErrorCode, GenerateRequest, LoadReport, TokenEvent, parse_error_body
 from router.errors import WorkerRejected, WorkerUnavailable
-from router.http1 import ConnectError, Http1Pool, HttpError, StatusError
+from router.http1 import ConnectError, DeadlineError, Http1Pool, HttpError, StatusError
 
 try:  # optional: several times faster than json for our small lines
     import orjson
@@ -160,7 +160,9 @@ class WorkerClient:
             return WorkerUnavailable(str(exc), self.url, connect=True)
         if isinstance(exc, StatusError):
             return self.status_error(exc.status, exc.body)
-        if isinstance(exc, HttpError):  # dropped connection, a deadline passed
+        if isinstance(exc, DeadlineError):  # the worker went silent (hung, stopped)
+            return WorkerUnavailable(str(exc), self.url, code=ErrorCode.TIMEOUT)
+        if isinstance(exc, HttpError):  # a dropped connection
             return WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url)
         return WorkerUnavailable(f"{type(exc).__name__}: {exc}", self.url, code=ErrorCode.ENGINE_ERROR)
 

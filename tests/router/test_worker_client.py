@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from deepserve.protocol import GenerateRequest, OutputConstraint, SamplingParams, TokenEvent
+from deepserve.protocol import ErrorCode, GenerateRequest, OutputConstraint, SamplingParams, TokenEvent, error_body, parse_error_body
 from router.errors import WorkerRejected, WorkerUnavailable
+from router.http1 import ConnectError, DeadlineError, ProtocolError, StatusError
 from router.worker_client import WorkerClient, encode_request, event_from_dict
 
 
@@ -35,6 +36,32 @@ def test_encode_request_equals_to_dict():
 )
 def test_event_from_dict_matches_protocol(d):
     assert event_from_dict(d) == TokenEvent.from_dict(d)
+
+
+def _body(code: ErrorCode) -> bytes:
+    return json.dumps(error_body(code, "why")).encode()
+
+
+@pytest.mark.parametrize(
+    "exc,cls,code",
+    [
+        (StatusError(503, _body(ErrorCode.ENGINE_FULL)), WorkerUnavailable, ErrorCode.ENGINE_FULL),
+        (StatusError(400, _body(ErrorCode.CONTEXT_LENGTH_EXCEEDED)), WorkerRejected, ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+        (StatusError(502, _body(ErrorCode.ENGINE_ERROR)), WorkerUnavailable, ErrorCode.ENGINE_ERROR),
+        (StatusError(400, b"bad"), WorkerRejected, ErrorCode.INVALID_REQUEST),  # no code: by status
+        (StatusError(401, b"token"), WorkerUnavailable, ErrorCode.UNAVAILABLE),  # our token, not the request
+        (StatusError(500, b"boom"), WorkerUnavailable, ErrorCode.UNAVAILABLE),
+        (ConnectError("refused"), WorkerUnavailable, ErrorCode.UNAVAILABLE),
+        (DeadlineError("silent"), WorkerUnavailable, ErrorCode.TIMEOUT),
+        (ProtocolError("dropped"), WorkerUnavailable, ErrorCode.UNAVAILABLE),
+        (ValueError("not JSON"), WorkerUnavailable, ErrorCode.ENGINE_ERROR),
+    ],
+)
+def test_error_for_keeps_the_workers_code(exc, cls, code):
+    err = WorkerClient("http://127.0.0.1:1").error_for(exc)
+    assert type(err) is cls and err.code is code and err.retryable == (cls is WorkerUnavailable)
+    if exc.__class__ is StatusError and parse_error_body(exc.body) is not None:
+        assert str(err) == "why"  # the worker's message, not the HTTP text around it
 
 
 def chunked(*parts: bytes) -> bytes:

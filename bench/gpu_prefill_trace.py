@@ -283,7 +283,6 @@ def micro(hc_variants: str, nr_variants: str) -> list[str]:
             except Exception as exc:  # noqa: BLE001
                 lines.append(f"hc_pre_block_parts n={n} {v}: failed {exc!r}"[:200])
             print(lines[-1], flush=True)
-    saved_nr = (fk.NORM_ROPE_ROWS, fk.NORM_ROPE_MIN_ROWS)
     rot = Rotary(RopeParams(rope_type="default", theta=10000.0), 64, 65536)
     for n in (8192, 2048):
         q = torch.randn(n, 64 * 512, device="cuda").to(torch.bfloat16).view(n, 64, 512)
@@ -291,13 +290,12 @@ def micro(hc_variants: str, nr_variants: str) -> list[str]:
         at = torch.arange(n, device="cuda")
         want = fk.norm_rope_reference(q, None, 2, 1e-6, cos, sin, at)
         for v in [a for a in nr_variants.split(";") if a]:
-            fk.NORM_ROPE_ROWS, fk.NORM_ROPE_MIN_ROWS = int(v), 1
-            got = fk.norm_rope(q, None, 2, 1e-6, cos, sin, at)
+            nr = fk.NormRopeTuning(rows=int(v), min_rows=1)
+            got = fk.norm_rope(q, None, 2, 1e-6, cos, sin, at, tuning=nr)
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            t = do_bench(lambda q=q, c=cos, s=sin, a=at: fk.norm_rope(q, None, 2, 1e-6, c, s, a), warmup=20, rep=100, return_mode="median")
+            t = do_bench(lambda q=q, c=cos, s=sin, a=at, nr=nr: fk.norm_rope(q, None, 2, 1e-6, c, s, a, tuning=nr), warmup=20, rep=100, return_mode="median")
             lines.append(f"norm_rope q n={n} rows/program {v}: {t * 1e3:7.1f} us  {2 * q.numel() * 2 / t / 1e9:6.2f} TB/s  err {err:.1e}")
             print(lines[-1], flush=True)
-    fk.NORM_ROPE_ROWS, fk.NORM_ROPE_MIN_ROWS = saved_nr
     return lines
 
 

@@ -373,14 +373,13 @@ def fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows) -> None:
 
 def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
     """2K and 8K prefill (median of 5 single runs after one warm-up; to run 9: the mean of 3) per variant of the
-    model's ``ModelTuning`` (folded norm/RoPE, attention, mHC input and MoE grouped GEMM launches)
-    and ``kernels.fused.NORM_ROPE_ROWS``; the model's tuning is restored after."""
+    model's ``ModelTuning`` (folded norm/RoPE, attention, mHC input, norm_rope and MoE grouped GEMM
+    launches); the model's tuning is restored after."""
     from dataclasses import replace
 
-    from kernels import fused as fk
     from kernels import prefill as kp
 
-    saved, saved_nr = ours.tuning, fk.NORM_ROPE_ROWS
+    saved = ours.tuning
 
     def cfg(v: str):
         return None if v == "torch" else tuple(int(a) for a in v.split("."))
@@ -388,7 +387,6 @@ def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
     for item in spec.split(";"):
         name, _, opts = item.partition(":")
         prefill, grouped = saved.prefill, saved.moe.grouped
-        fk.NORM_ROPE_ROWS = saved_nr
         for kv in opts.split(","):
             if not kv:
                 continue
@@ -399,8 +397,8 @@ def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
                 prefill = replace(prefill, hc_pre=hc)
             elif key == "hc3":  # HcPreTuning.bf16x3: 0 = tf32x3 dots on widened streams
                 prefill = replace(prefill, hc_pre=replace(prefill.hc_pre, bf16x3=bool(int(val))))
-            elif key == "nr":  # kernels.fused.NORM_ROPE_ROWS (1 = run 8's one row per program)
-                fk.NORM_ROPE_ROWS = int(val)
+            elif key == "nr":  # NormRopeTuning.rows (1 = run 8's one row per program)
+                prefill = replace(prefill, norm_rope=replace(prefill.norm_rope, rows=int(val)))
             elif key == "fold":
                 prefill = replace(prefill, fold_norm_rope=int(val))
             elif key == "up":
@@ -424,7 +422,6 @@ def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
     ours.set_tuning(saved)
-    fk.NORM_ROPE_ROWS = saved_nr
 
 
 def main() -> None:
@@ -449,7 +446,7 @@ def main() -> None:
     ap.add_argument(
         "--prefill-variants",
         default="",
-        help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S,hc=BM.BK.W.S.P,hc3=0|1,nr=ROWS;...' (PrefillTuning fold_norm_rope / attention / hc_pre, GroupedMoETuning, kernels.fused.NORM_ROPE_ROWS)",
+        help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S,hc=BM.BK.W.S.P,hc3=0|1,nr=ROWS;...' (PrefillTuning fold_norm_rope / attention / hc_pre / norm_rope rows, GroupedMoETuning)",
     )
     ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...' (first context)")
     ap.add_argument(

@@ -21,6 +21,8 @@ results equal it to float rounding and in bf16 to the last bit in most elements.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +31,19 @@ from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
 if HAS_TRITON:
     from kernels._common import launch_dependents
 
-# norm_rope: rows of D per program for calls of at least NORM_ROPE_MIN_ROWS rows (prefill); the
-# bench sweeps them (bench/gpu_prefill_trace.py --micro)
-NORM_ROPE_ROWS = 8
-NORM_ROPE_MIN_ROWS = 16384
+
+
+@dataclass(frozen=True)
+class NormRopeTuning:
+    """``norm_rope``'s launch: ``rows`` rows of D per program for calls of at least ``min_rows``
+    rows (prefill), one row per program below; the bench sweeps them (bench/gpu_prefill_trace.py
+    --micro)."""
+
+    rows: int = 8
+    min_rows: int = 16384
+
+
+NORM_ROPE = NormRopeTuning()  # the default
 
 # ---- references (the general path's ops) -----------------------------------------------------
 
@@ -139,6 +150,7 @@ def norm_rope(
     x: torch.Tensor, weight: torch.Tensor | None, mode: int, eps: float,
     cos_tab: torch.Tensor | None = None, sin_tab: torch.Tensor | None = None, pos: torch.Tensor | None = None,
     pos_div: int = 1, sign: float = 1.0, *, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None,
+    tuning: NormRopeTuning = NORM_ROPE,
 ) -> torch.Tensor:  # fmt: skip
     """See ``norm_rope_reference``; ``x (N, G, D)`` with unit last stride → contiguous ``(N, G, D)``;
     or, with ``out (R, D)`` contiguous and ``out_rows (N·G,)`` int64, row ``i`` of the result is
@@ -158,7 +170,7 @@ def norm_rope(
     # rows per program: one (x, 4 warps) for decode-size calls; for prefill-size calls (the q pass
     # at 8K is 512K rows of 512) 8 rows, so each thread moves 16-byte vectors and far fewer
     # programs are scheduled (run 9: one row per program ran at ~1.9 TB/s)
-    br = NORM_ROPE_ROWS if rows >= NORM_ROPE_MIN_ROWS else 1
+    br = tuning.rows if rows >= tuning.min_rows else 1
     br = max(1, min(br, 8192 // bd))
     if rows:
         _norm_rope_kernel[(triton.cdiv(rows, br),)](

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from kernels.fused import NormRopeTuning
 from kernels._common import (
     HAS_TRITON,
     INTERPRET,
@@ -103,12 +104,14 @@ class PrefillTuning:
     as a 64-channel correction dot; 3 = only the output's undo. Run 8: folding the q norm/RoPE into
     the kernel (1 or 2) made the attention kernel 9.5 → 15–16 ms at 8K (it sits at the register
     limit: q 64×512 and the 64×512 fp32 accumulator), more than the 4 ms of passes it saves;
-    folding only the output's undo (3) is neutral to −1 ms."""
+    folding only the output's undo (3) is neutral to −1 ms. ``norm_rope``: the launch of the
+    prefill path's ``kernels.fused.norm_rope`` passes."""
 
     indexer: IndexerTuning = field(default_factory=IndexerTuning)
     attention: AttentionTuning | None = None
     fold_norm_rope: int = 3
     hc_pre: HcPreTuning = field(default_factory=HcPreTuning)
+    norm_rope: NormRopeTuning = field(default_factory=NormRopeTuning)
 
 
 PREFILL = PrefillTuning()  # the default

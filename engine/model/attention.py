@@ -322,7 +322,8 @@ class Attention(nn.Module):
         if fold:
             return self._output_fast(self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold))
         out = self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence_fast)
-        return self._output_fast(fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0))  # undo the values' rotation
+        undo = fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0, tuning=self.prefill.norm_rope)  # undo the values' rotation
+        return self._output_fast(undo)
 
     def _output_fast(self, out: torch.Tensor) -> torch.Tensor:
         """``_output`` with the grouped product written straight into ``(N, G, o_lora)`` rows
@@ -343,18 +344,19 @@ class Attention(nn.Module):
 
         n = x.shape[0]
         cos, sin = rope
-        q_res = fk.norm_rope(self.q_a_proj(x)[:, None], self.q_a_norm.weight, 1, self.q_a_norm.eps)[:, 0]  # (N, qr)
+        nr = self.prefill.norm_rope
+        q_res = fk.norm_rope(self.q_a_proj(x)[:, None], self.q_a_norm.weight, 1, self.q_a_norm.eps, tuning=nr)[:, 0]  # (N, qr)
         q = self.q_b_proj(q_res).view(n, self.n_heads, self.head_dim)
         if not fold_q:
-            q = fk.norm_rope(q, None, 2, self.eps, cos, sin, at)
-        kv = fk.norm_rope(self.kv_proj(x)[:, None], self.kv_norm.weight, 1, self.kv_norm.eps, cos, sin, at)[:, 0]
+            q = fk.norm_rope(q, None, 2, self.eps, cos, sin, at, tuning=nr)
+        kv = fk.norm_rope(self.kv_proj(x)[:, None], self.kv_norm.weight, 1, self.kv_norm.eps, cos, sin, at, tuning=nr)[:, 0]
         comp_kv = comp_gate = idx_kv = idx_gate = idx_q = idx_w = None
         if self.compressor is not None:
             comp_kv, comp_gate = self.compressor.kv_proj(x), self.compressor.gate_proj(x)
         idx = self.indexer
         if idx is not None:
             idx_kv, idx_gate = idx.kv_proj(x), idx.gate_proj(x)
-            idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, at)
+            idx_q = fk.norm_rope(idx.q_b_proj(q_res).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, at, tuning=nr)
             idx_w = idx.scorer.weights_proj(x)  # (N, Hi)
         return Projected(q, kv, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
 

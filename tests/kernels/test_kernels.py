@@ -332,14 +332,13 @@ def test_fused_hyper_head(n) -> None:
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("rows_per_program", [1, 8])  # the decode-size and the prefill-size launch
-def test_fused_norm_rope(dtype, mode, rows_per_program, monkeypatch) -> None:
+def test_fused_norm_rope(dtype, mode, rows_per_program) -> None:
     from engine.model.config import RopeParams
     from engine.model.rope import Rotary
     from kernels import fused as fk
 
     # 3 tokens x 5 heads = 15 rows: with 8 rows per program the second program is partly masked
-    monkeypatch.setattr(fk, "NORM_ROPE_MIN_ROWS", 1 if rows_per_program > 1 else 1 << 30)
-    monkeypatch.setattr(fk, "NORM_ROPE_ROWS", rows_per_program)
+    nr = fk.NormRopeTuning(rows=rows_per_program, min_rows=1 if rows_per_program > 1 else 1 << 30)
     n, heads, d, rope_dim = 3, 5, (128 if SMALL else 512), 64
     g = torch.Generator().manual_seed(22)
     x = torch.randn(n, heads, d + 16, generator=g).to(DEV, dtype)[..., :d]  # strided rows
@@ -349,13 +348,13 @@ def test_fused_norm_rope(dtype, mode, rows_per_program, monkeypatch) -> None:
     pos = torch.tensor([0, 7, 4099], device=DEV)
     for sign, div in ((1.0, 1), (-1.0, 1), (1.0, 4)):
         want = fk.norm_rope_reference(x, w, mode, 1e-6, cos, sin, pos, div, sign)
-        got = fk.norm_rope(x, w, mode, 1e-6, cos, sin, pos, div, sign)
+        got = fk.norm_rope(x, w, mode, 1e-6, cos, sin, pos, div, sign, tuning=nr)
         assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
-    assert rel_err(fk.norm_rope(x, w, mode, 1e-6), fk.norm_rope_reference(x, w, mode, 1e-6, None, None, None)) <= 1e-2
+    assert rel_err(fk.norm_rope(x, w, mode, 1e-6, tuning=nr), fk.norm_rope_reference(x, w, mode, 1e-6, None, None, None)) <= 1e-2
     # scattered into rows of a pool (the static decode's window ring); the other rows untouched
     pool = torch.randn(40, d, generator=g).to(DEV, dtype)
     dst = torch.randperm(40, generator=g)[: n * heads].to(DEV)
-    got = fk.norm_rope(x, w, mode, 1e-6, cos, sin, pos, out=pool.clone(), out_rows=dst)
+    got = fk.norm_rope(x, w, mode, 1e-6, cos, sin, pos, out=pool.clone(), out_rows=dst, tuning=nr)
     want = fk.norm_rope_reference(x, w, mode, 1e-6, cos, sin, pos).reshape(-1, d)
     assert rel_err(got[dst], want) <= (1e-5 if dtype == torch.float32 else 1e-2)
     keep = torch.ones(40, dtype=torch.bool, device=DEV)

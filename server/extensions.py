@@ -2,7 +2,8 @@
 
 Sampling extensions (vLLM / SGLang / OpenAI) become ``SamplingParams`` keywords: ``top_k``,
 ``min_p``, the three penalties, ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``prompt_logprobs`` (rendered by ``server.prompt_logprobs``).
+``prompt_logprobs`` (rendered by ``server.prompt_logprobs``), and deepserve's ``speculative``
+(``false``: this request never drafts-and-verifies on an engine with speculative decoding on).
 Gateway-side settings: ``n`` choices, ``priority``, ``skip_special_tokens``, ``parallel_tool_calls``,
 chat ``echo``, ``truncate_prompt_tokens`` and the ``stream_options`` usage switches. Every bad value is a 400 naming the field.
 """
@@ -130,6 +131,8 @@ def sampling_extensions(body: dict[str, Any], vocab: int) -> dict[str, Any]:
     prompt_logprobs = _prompt_logprobs(body)
     if prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs
+    if not bool_field(body, "speculative", True):
+        out["speculative"] = False
     return out
 
 

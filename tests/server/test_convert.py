@@ -58,6 +58,7 @@ def test_extensions_reach_the_engine_request(catalog):
     assert s.stop_token_ids == (catalog.eos_token_id, 9, 10) and not s.ignore_eos
     s = build(catalog, {"ignore_eos": True, "stop_token_ids": [9]}).sampling
     assert s.ignore_eos and s.stop_token_ids == (9,)  # EOS must not stop an ignore_eos request
+    assert not build(catalog, {"speculative": False}).sampling.speculative and build(catalog, {}).sampling.speculative
     with pytest.raises(InvalidRequest) as err:
         build(catalog, {"max_tokens": 3, "min_tokens": 4})
     assert err.value.param == "min_tokens"
@@ -89,10 +90,13 @@ def test_sampling_extensions_validation():
     V = 129280
     assert sampling_extensions({"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}, V) == {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1}
     assert sampling_extensions({"top_k": -1}, V) == {}  # vLLM's "off"
+    assert sampling_extensions({"speculative": False}, V) == {"speculative": False}  # deepserve's opt-out
+    assert sampling_extensions({"speculative": True}, V) == {}
     bad_values = [
         ("presence_penalty", 3), ("frequency_penalty", "x"), ("top_k", -2), ("top_k", True), ("min_p", 2),
         ("logit_bias", {"129280": 1}), ("logit_bias", {"5": 101}), ("logit_bias", [1]), ("logit_bias", {"x": 1}),
         ("stop_token_ids", [-1]), ("stop_token_ids", "1"), ("min_tokens", -1), ("ignore_eos", "yes"),
+        ("speculative", "no"),
     ]
     for key, value in bad_values:
         with pytest.raises(InvalidRequest) as err:

@@ -33,18 +33,20 @@ def test_cuda_fp32_matches_the_reference(case: str) -> None:
     chosen-token logprobs within 1e-4 at nearly every step. A GPU reduction rounds the last bits
     of an activation differently than the CPU, and where one sits on an FP8/FP4 rounding midpoint
     (see ``test_v41_knife_edge``) the stored value moves by one grid step, which moves later
-    logprobs by up to ~1e-2 on these random models; such steps are bounded and counted."""
+    logprobs by up to ~1e-2 on these random models; such steps are bounded and counted, and a
+    greedy pick may differ only where the reference's top-2 margin is inside that bound."""
     ckpt, ref = fixture_case(case)
     model = load_v41_model(ckpt, dtype="float32", device="cuda")
     diffs = []
     for p in ref["prompts"]:
         st = model.new_state()
         logits = model([(st, p["prompt_ids"])])[0]
-        for want, want_lp in zip(p["greedy_tokens"], p["greedy_logprobs"]):
+        for want, want_lp, margin in zip(p["greedy_tokens"], p["greedy_logprobs"], p["top2_margin"]):
             logp = torch.log_softmax(logits.float(), dim=-1).cpu()
-            assert int(logp.argmax()) == want
             diffs.append(abs(float(logp[want]) - want_lp))
-            logits = model([(st, [want])])[0]
+            # a different pick only where the reference's own runner-up is within that bound
+            assert int(logp.argmax()) == want or margin <= 2e-2, (case, want, int(logp.argmax()), margin)
+            logits = model([(st, [want])])[0]  # teacher-forced: later steps still compare
     near = sum(d <= BAR for d in diffs) / len(diffs)
     assert max(diffs) <= 1e-2 and near >= 0.9, (case, max(diffs), near)
 

@@ -78,6 +78,7 @@ def _engine(args: argparse.Namespace) -> int:
         static_max_tokens=args.static_max_tokens,
         grammar_timeout_s=args.grammar_timeout,
         speculative=speculative,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     run_worker(
         WorkerConfig(
@@ -151,6 +152,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--worker-id", default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="N",
+                   help="largest prefill chunk while other requests share the step (fair prefill; default half of --max-num-batched-tokens)")
     e.add_argument("--max-model-len", type=int, default=65536)
     e.add_argument("--max-queue", type=int, default=4096, help="requests a rank holds (running and waiting) before it answers 503 engine_full")
     e.add_argument("--state-memory-bytes", type=int, default=2 << 30)

@@ -50,6 +50,8 @@ class EngineConfig:
     engine thread); past it the request fails as invalid.
     ``speculative``: speculative decoding with the MTP layer (``engine/runtime/speculative.py``);
     None = off.
+    ``long_prefill_token_threshold``: the largest prefill chunk while other sequences share the
+    step (vLLM's name; fair prefill); None = half of ``max_num_batched_tokens``.
     """
 
     max_num_batched_tokens: int = 2048
@@ -65,13 +67,23 @@ class EngineConfig:
     static_max_tokens: int = 8192  # tokens per static slot; longer sequences decode on the general path
     grammar_timeout_s: float = 10.0
     speculative: SpeculativeConfig | None = None
+    long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 1")
         if self.state_memory_bytes <= 0:
             raise ValueError("state_memory_bytes must be > 0")
         if not self.grammar_timeout_s > 0:
             raise ValueError("grammar_timeout_s must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """The largest prefill chunk in a step shared with other sequences."""
+        if self.long_prefill_token_threshold is not None:
+            return min(self.long_prefill_token_threshold, self.max_num_batched_tokens)
+        return max(1, self.max_num_batched_tokens // 2)

@@ -16,6 +16,9 @@ sequence limit (``max_num_seqs``):
    the steps) or whose grammar is still compiling (on the grammar pool). Admission never preempts.
 4. A chunk never runs past ``snapshot_at`` (the prompt's last whole KV unit), so the state at
    that boundary exists once and can be stored exactly.
+5. Fair prefill: while other sequences are running or waiting, a prefill chunk is at most
+   ``long_prefill_token_threshold`` tokens (default half the budget), so a long prompt never takes a
+   whole step from the decodes behind it or from a short prompt just arrived.
 
 The scheduler only decides; the engine core runs the batch and samples.
 """
@@ -71,6 +74,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        cap = self.config.prefill_chunk_cap if len(self.running) + len(self.waiting) > 1 else budget
         self.running.sort(key=lambda s: s.sort_key)
         scheduled: set[int] = set()
         for seq in list(self.running):
@@ -78,7 +82,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, cap)
             while not self._grow(seq, n):
                 victim = self._victim(exclude=scheduled | {id(seq)})
                 if victim is None:
@@ -96,7 +100,7 @@ class Scheduler:
                 break
             if seq.kv_load is not None or seq.grammar is not None:
                 continue  # its prefix is still loading from the KV store, or its grammar compiling
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, cap)
             if not self._grow(seq, n):
                 break
             self.waiting.remove(seq)
@@ -107,9 +111,11 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _chunk(seq: Sequence, budget: int) -> int:
+    def _chunk(seq: Sequence, budget: int, cap: int) -> int:
         """Tokens to feed this step: all that remain (a decoding sequence: its next token and its
-        drafts), within budget, stopping at a snapshot point."""
+        drafts), within budget, a prefill chunk within ``cap``, stopping at a snapshot point."""
+        if seq.remaining > 1:
+            budget = min(budget, cap)
         n = min(seq.remaining + (len(seq.draft_ids) if seq.remaining == 1 else 0), budget)
         if seq.snapshot_at is not None and seq.num_computed < seq.snapshot_at:
             n = min(n, seq.snapshot_at - seq.num_computed)

@@ -26,12 +26,14 @@ def model_config(tiny_model_dir) -> ModelConfig:
     return ModelConfig.from_dir(tiny_model_dir)
 
 
-def scheduler(model_config: ModelConfig, *, blocks: int, budget: int = 512, max_seqs: int = 4) -> Scheduler:
-    """A scheduler whose pool holds exactly ``blocks`` block slots (``blocks * 128`` tokens)."""
+def scheduler(model_config: ModelConfig, *, blocks: int, budget: int = 512, max_seqs: int = 4, prefill_cap: int | None = 0) -> Scheduler:
+    """A scheduler whose pool holds exactly ``blocks`` block slots (``blocks * 128`` tokens);
+    ``prefill_cap`` 0: fair prefill off (chunks up to the budget), None: its default."""
     block, boundary = state_bytes(model_config, torch.float32)
     pool = StatePool(model_config, torch.float32, max_seqs * boundary + blocks * block, max_seqs)
     assert pool.num_blocks == blocks
-    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, state_memory_bytes=1)
+    threshold = budget if prefill_cap == 0 else prefill_cap
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, state_memory_bytes=1, long_prefill_token_threshold=threshold)
     return Scheduler(config, pool)
 
 
@@ -66,6 +68,32 @@ def test_token_budget_chunks_prefill_and_mixes_it_with_decodes(model_config) -> 
     assert fed(step(s)) == {"a": 1, "b": 2}  # a decodes, b finishes its prompt in the same batch
     assert fed(step(s)) == {"a": 1, "b": 1}
     assert a.status is b.status is Status.RUNNING and not s.waiting
+
+
+def test_fair_prefill_admits_a_short_prompt_beside_a_long_one(model_config) -> None:
+    """A long prompt alone takes the whole budget; once a short one arrives, the long one's chunk
+    is capped (half the budget by default) and the short one is prefilled in the same step."""
+    s = scheduler(model_config, blocks=16, budget=64, prefill_cap=None)
+    long = seq("long", 1000, arrival=0)
+    s.add(long)
+    assert fed(step(s)) == {"long": 64}
+    short = seq("short", 20, arrival=1)
+    s.add(short)
+    assert fed(step(s)) == {"long": 32, "short": 20}
+    assert fed(step(s)) == {"long": 32, "short": 1}  # short decodes while long keeps its half
+    s.remove(short)
+    assert fed(step(s)) == {"long": 64}  # alone again: the whole budget
+
+
+def test_fair_prefill_threshold_is_configurable_and_decodes_keep_their_turn(model_config) -> None:
+    s = scheduler(model_config, blocks=16, budget=64, prefill_cap=16)
+    a, b = seq("a", 4, arrival=0), seq("b", 500, arrival=1)
+    s.add(a)
+    s.add(b)
+    assert fed(step(s)) == {"a": 4, "b": 16}
+    assert fed(step(s)) == {"a": 1, "b": 16}
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=0)
 
 
 def test_sequence_limit_and_priority_order_admission(model_config) -> None:

@@ -52,12 +52,13 @@ def _bench_json(url: str, workload: str, n: int, pacing: Pacing, tmp_path, endpo
 
 
 def test_fit_from_a_bench_run_recovers_the_fake_workers_timings(start_fake_worker, tmp_path) -> None:
-    url = start_fake_worker("--ttft", "0.05", "--itl", "0.02", "--prefill-per-token", "1e-4")
+    # a fixed time large against the few ms of loopback HTTP a loaded 2-core machine adds
+    url = start_fake_worker("--ttft", "0.15", "--itl", "0.02", "--prefill-per-token", "1e-4")
     doc = _bench_json(url, "chat:max_input=800,max_output=10", 16, Pacing(concurrency=1), tmp_path)
     rows = fitmod.rows_from_bench(doc)
     cost, _ = fitmod.fit(rows, CostModel(), "bench")
     assert cost.prefill.per_token_s == pytest.approx(1e-4, rel=0.15)
-    assert cost.prefill.fixed_s == pytest.approx(0.05, rel=0.15)
+    assert cost.prefill.fixed_s == pytest.approx(0.15, rel=0.15)
     assert cost.decode_step_s(1, 500) == pytest.approx(0.02, rel=0.05)
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import engine_bench
 
 
+@pytest.mark.slow  # a bench script's smoke run (the engine's parity with transformers is pinned by tests/engine)
 def test_engine_bench_smoke(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "engine_bench.json"
     argv = [

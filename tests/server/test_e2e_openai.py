@@ -287,5 +287,5 @@ def test_metrics_cover_the_stack(live_stack, client):
 
 
 def test_fuzz_live(live_stack):
-    seen = fuzz(live_stack.url, max_examples=30, max_tokens=4, headers={"Authorization": f"Bearer {E2E_KEY}"})
+    seen = fuzz(live_stack.url, max_examples=15, max_tokens=4, headers={"Authorization": f"Bearer {E2E_KEY}"})
     assert seen.get("2xx", 0) > 0

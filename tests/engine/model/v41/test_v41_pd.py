@@ -29,6 +29,7 @@ def v41_cluster(tmp_path_factory: pytest.TempPathFactory):
         w.terminate()
 
 
+@pytest.mark.slow  # the default suite pins V4.1 records by test_kv_units_v41 and the worker resume; V4 PD by test_router_real_workers
 def test_v41_disaggregated_equals_colocated(v41_cluster) -> None:
     reqs = _requests(4, seed=11, max_tokens=16, lengths=(150, 300, 40, 260))
     c = v41_cluster

@@ -62,6 +62,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.engine_client import make_engine_client
+    from server.metrics import GatewayMetrics
 
     config = GatewayConfig.from_args(args)
     _logging(config.log_level)
@@ -87,8 +88,9 @@ def run_gateway(args: argparse.Namespace) -> int:
             return bool(await probe())
         return await asyncio.to_thread(up_module.http_ok, health_url)
 
-    app = create_app(config, client, lifecycle=lifecycle, health_probe=health)
-    uvicorn.run(app, access_log=args.access_log, **config.uvicorn_options())
+    gm = GatewayMetrics()
+    app = create_app(config, client, gateway_metrics=gm, lifecycle=lifecycle, health_probe=health)
+    uvicorn.run(app, access_log=args.access_log, **config.uvicorn_options(on_reject=gm.reject))
     return 0
 
 

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from server.response_store import ResponseStoreConfig
 
@@ -126,15 +126,15 @@ class GatewayConfig:
             parse_served_name(spec, "v4")  # raises on a bad family suffix
 
     # ---- derived ------------------------------------------------------------------------------
-    def uvicorn_options(self) -> dict[str, Any]:
+    def uvicorn_options(self, on_reject: Callable[[str], None] | None = None) -> dict[str, Any]:
         """``uvicorn.Config`` keywords: address, log level, root path, TLS, and the HTTP protocol
-        with the header-read timeout and the connection cap."""
+        with the header-read timeout and the connection cap (refusals reported to ``on_reject``)."""
         from server.http_guard import guarded_http
 
         return {
             "host": self.host, "port": self.port, "log_level": self.log_level, "root_path": self.root_path,
             "ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile,
-            "http": guarded_http(self.header_timeout_s, self.max_connections),
+            "http": guarded_http(self.header_timeout_s, self.max_connections, on_reject),
         }
 
     def response_store(self) -> ResponseStoreConfig:

@@ -10,13 +10,15 @@ when installed, else h11) so that
   are governed by the gateway's own deadlines (``body_timeout_s``, ``request_timeout_s``);
 - at most ``max_connections`` connections are open; one beyond that gets ``503`` (with
   ``Retry-After``) and is closed at once, before anything is read from it.
+Each refusal is reported to ``on_reject`` (``"header_timeout"`` or ``"connection_cap"``; the
+gateway counts them in ``deepserve_http_rejected``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Callable
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -31,8 +33,9 @@ TIMED_OUT = _answer("408 Request Timeout", "The request headers were not receive
 BUSY = _answer("503 Service Unavailable", "Too many open connections. Please retry.", "retry-after: 1\r\n")
 
 
-def guarded_http(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
+def guarded_http(header_timeout_s: float, max_connections: int, on_reject: Callable[[str], None] | None = None) -> type[asyncio.Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)``; see the module docstring."""
+    report = on_reject or (lambda reason: None)
 
     class GuardedHTTP(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
@@ -40,6 +43,7 @@ def guarded_http(header_timeout_s: float, max_connections: int) -> type[asyncio.
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
+                report("connection_cap")
                 transport.write(BUSY)
                 transport.close()
                 return
@@ -69,6 +73,7 @@ def guarded_http(header_timeout_s: float, max_connections: int) -> type[asyncio.
             if cycle is not None and not cycle.response_complete:
                 return  # a request is in progress: its headers arrived in time
             if not self.transport.is_closing():
+                report("header_timeout")
                 self.transport.write(TIMED_OUT)
                 self.transport.close()
 

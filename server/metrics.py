@@ -52,6 +52,8 @@ REJECT_REASONS = (
     "engine_error",
     "client_disconnect",
     "server_error",
+    "header_timeout",  # server/http_guard.py: request headers not in time (408)
+    "connection_cap",  # server/http_guard.py: beyond --max-connections (503)
 )
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 

@@ -347,7 +347,7 @@ def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False)
             metrics_sources=[(w.name, w.url + "/metrics") for w in workers.workers],
         )
         log.info("deepserve up: gateway on http://%s:%d (%d workers)", config.host, config.port, len(workers.workers))
-        server = uvicorn.Server(uvicorn.Config(app, access_log=access_log, **config.uvicorn_options()))
+        server = uvicorn.Server(uvicorn.Config(app, access_log=access_log, **config.uvicorn_options(on_reject=gm.reject)))
         asyncio.run(server.serve())
         return 0
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ import pytest
 
 from server.app import create_app
 from server.config import GatewayConfig
+from server.metrics import GatewayMetrics
 from tests.server.conftest import MODEL, serve
 from tests.server.fake_engine import FakeEngine
 
@@ -25,8 +26,9 @@ def guarded(catalog) -> Iterator[Any]:
 
     def make(**config: Any) -> tuple[str, tuple[str, int]]:
         cfg = GatewayConfig(served_model_names=(MODEL,), **config)
-        http = cfg.uvicorn_options()["http"]
-        url = stack.enter_context(serve(create_app(cfg, FakeEngine(), catalog=catalog), http=http))
+        gm = GatewayMetrics(process_metrics=False)
+        http = cfg.uvicorn_options(on_reject=gm.reject)["http"]
+        url = stack.enter_context(serve(create_app(cfg, FakeEngine(), catalog=catalog, gateway_metrics=gm), http=http))
         host, port = url.removeprefix("http://").split(":")
         return url, (host, int(port))
 
@@ -46,6 +48,14 @@ def _read_all(sock: socket.socket, timeout: float) -> bytes:
     return out
 
 
+def _rejected(url: str, reason: str) -> float:
+    """``deepserve_http_rejected_total{reason=...}`` from the gateway's /metrics."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'deepserve_http_rejected_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no deepserve_http_rejected_total for {reason!r}")
+
+
 def test_half_sent_headers_get_408_and_the_connection_closed(guarded) -> None:
     url, addr = guarded(header_timeout_s=0.3)
     with socket.create_connection(addr) as sock:
@@ -55,6 +65,7 @@ def test_half_sent_headers_get_408_and_the_connection_closed(guarded) -> None:
         elapsed = time.monotonic() - t0
     assert answer.startswith(b"HTTP/1.1 408") and 0.25 < elapsed < 3
     assert httpx.get(url + "/health").status_code == 200  # complete requests are served as before
+    assert _rejected(url, "header_timeout") == 1.0
 
 
 def test_trickled_headers_do_not_extend_the_deadline(guarded) -> None:
@@ -100,3 +111,4 @@ def test_connections_beyond_the_cap_get_503(guarded) -> None:
     while httpx.get(url + "/health").status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(url + "/health").status_code == 200
+    assert _rejected(url, "connection_cap") >= 1.0  # the refused one (and any /health poll while full)

@@ -25,6 +25,7 @@ import deepseek_recipe as dr
 from starlette.responses import Response
 
 from server.errors import GatewayError, InvalidRequest, NotFound
+from server.extensions import bool_field
 from server.handler import Answer, collect
 from server.response_store import ResponseStore, StoredResponse
 from server.state import Gateway
@@ -44,15 +45,6 @@ def lookup(store: ResponseStore, response_id: str, owner: str, param: str | None
     if entry is None or entry.owner != owner:
         raise not_found(response_id, param)
     return entry
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"Invalid type for '{name}': expected a boolean.", param=name)
-    return value
 
 
 def _items(value: Any) -> list[Any]:
@@ -82,8 +74,8 @@ class ResponsesFlow:
     @classmethod
     def read(cls, gw: Gateway, body: dict[str, Any], owner: str) -> ResponsesFlow:
         """Validate ``store`` / ``background`` / ``previous_response_id`` (400 / 404 naming them)."""
-        keep = _flag(body, "store", True)
-        background = _flag(body, "background", False)
+        keep = bool_field(body, "store", True)
+        background = bool_field(body, "background", False)
         if background and not keep:
             raise InvalidRequest("background mode requires 'store' to be true.", param="background")
         if background and body.get("stream") is True:

@@ -31,18 +31,20 @@ def run(engine: EngineCore, long: list[int], short: list[int], new_tokens: int) 
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     out: dict[str, list[int]] = {"long": [], "short": []}
     first: dict[str, float] = {}
-    t_long = time.perf_counter()
-    engine.add_request(GenerateRequest("long", long, greedy))
-    steps = [engine.step()]
-    t_short = time.perf_counter()
-    engine.add_request(GenerateRequest("short", short, greedy))
-    while True:
-        for ev in steps.pop() if steps else engine.step():
+
+    def step() -> None:
+        for ev in engine.step():
             out[ev.request_id] += ev.token_ids
             if ev.token_ids and ev.request_id not in first:
                 first[ev.request_id] = time.perf_counter()
-        if not engine.has_work():
-            break
+
+    t_long = time.perf_counter()
+    engine.add_request(GenerateRequest("long", long, greedy))
+    step()
+    t_short = time.perf_counter()
+    engine.add_request(GenerateRequest("short", short, greedy))
+    while engine.has_work():
+        step()
     return {"short_ttft_s": first["short"] - t_short, "long_ttft_s": first["long"] - t_long, "tokens": out}
 
 

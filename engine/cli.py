@@ -145,7 +145,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--backend", default=env("DEEPSERVE_ENGINE_BACKEND", "reference"), choices=backend_names(),
                    help="reference: deepserve's engine, every DP rank in this process; deepinfer: DeepInfer (SM100), one DP rank per process")  # fmt: skip
     e.add_argument("--dp-rank", type=int, default=None, help="deepinfer: the DP rank (0 .. dp-1) this process serves")
-    e.add_argument("--ep", type=int, default=0, help="deepinfer: expert-parallel size (default: --dp)")
+    e.add_argument("--ep", type=int, default=0,
+                   help="expert-parallel size. reference: N > 1 runs N rank processes (one per GPU; gloo processes with --device cpu), "
+                        "each a DP rank, the routed experts split over them; deepinfer: EP size (default: --dp)")  # fmt: skip
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--device", default="cpu")
     e.add_argument("--served-model-name", default="deepseek-v4")

@@ -6,6 +6,9 @@ the router hashes prompts with, and how the ranks step:
 
 - ``lockstep=False`` (the reference backend): every DP rank lives in this process; the engine
   thread steps each rank that has work, one after another.
+- ``--ep N`` on the reference backend: the worker process serves ``N`` ranks, each a process of
+  its own stepping in lockstep with the others (``reference/ep_group.py``, ``reference/ep_rank.py``);
+  to this process they are ``lockstep=False`` proxies, and their KV events come in ``events``.
 - ``lockstep=True`` (DeepInfer): each DP rank is its own process, and all ranks of the group
   step together (an MoE all-to-all needs every rank in every step; an idle rank runs a
   placeholder forward). Such a process serves one rank (``ranks`` has one entry whose
@@ -41,6 +44,7 @@ from engine.runtime.config import EngineConfig
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from kvstore.events import KVEventLog
     from kvstore.store import TieredStore
 
 HandoffKind = Literal["units", "record"]
@@ -90,7 +94,7 @@ class BackendContext:
     role: Role = "mixed"
     dp: int = 1
     dp_rank: int | None = None  # lockstep backends: the global DP rank this process serves
-    expert_parallel: int = 0  # DeepInfer's EP size (0: = dp)
+    expert_parallel: int = 0  # reference: > 1 = that many rank processes (experts split); DeepInfer's EP size (0: = dp)
     dtype: str = "auto"
     device: str = "cpu"
     served_model_name: str = "deepseek-v4"
@@ -105,6 +109,7 @@ class BackendGroup:
     unit_tokens: int
     fingerprint: str = ""  # KV unit key fingerprint ("" without a store)
     store: TieredStore | None = None
+    events: KVEventLog | None = None  # the KV events /kv_events serves (default: the store's)
     lockstep: bool = False
     close: Callable[[], None] = lambda: None
 

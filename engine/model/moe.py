@@ -8,6 +8,7 @@ the weights are computed the same way from the learned gate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -164,10 +165,15 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, tuning)
         self.shared_experts = SharedMLP(cfg, dtype)
         self.fused = True  # CPU decode: routed + shared experts in one compiled loop (cpu_fused)
+        # expert parallelism: ``(moe, x, token_ids) -> out`` running the routed experts over the
+        # group (engine.parallel.group.ExpertGroup.attach); None on one device
+        self.ep: Callable[[MoE, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._packed: tuple | None = None
         self._packed_key: tuple[tuple[int, int], ...] | None = None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:
+            return self.ep(self, x, token_ids)
         weights, indices = self.gate(x, token_ids)
         if _half_cuda(x):  # the shared expert's output joins the routed sum inside the combine kernel
             return self.experts(x, weights, indices, add=self.shared_experts(x))

@@ -147,6 +147,39 @@ def ep_routed(
     return combine(back, pos, weights, indices, x)
 
 
+def ep_routed_varlen(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ex, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``ep_routed`` for the general path (prefill chunks, decode off the slots): each rank sends
+    only its own slots, ``n`` may differ between ranks (0 on a rank that only joins the step).
+
+    The per-peer slot counts go first (one ``all_to_all_single`` of ``R`` ints, read on the
+    host: this path is never captured in a CUDA graph), then the rows with uneven splits, so
+    nothing is padded to a capacity (a 2K-token prefill chunk would be ``R · 2K · k`` rows at
+    fixed capacity). Slots bound for one rank keep their slot order; the combine is
+    ``combine``'s, so the sum is the one ``Experts.forward`` makes on one device.
+    """
+    world = dist.get_world_size(group)
+    n, k = indices.shape
+    n_loc = ex.ep_count
+    flat = indices.reshape(-1)  # (n·k,) global expert per slot (token, j)
+    dest = torch.div(flat, n_loc, rounding_mode="floor")  # (n·k,) owning rank
+    order = torch.argsort(dest, stable=True)  # slots grouped by destination, slot order within
+    sent = torch.bincount(dest, minlength=world)  # (R,) slots to each rank
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got, sent, group=group)
+    out_splits, in_splits = got.tolist(), sent.tolist()  # the one host sync
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # (n·k, H) in send order
+    eid = (flat - dest * n_loc).index_select(0, order)  # (n·k,) local expert id at the receiver
+    recv = x.new_empty(sum(out_splits), x.shape[1])
+    recv_e = eid.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, rows, out_splits, in_splits, group=group)
+    dist.all_to_all_single(recv_e, eid, out_splits, in_splits, group=group)
+    y = _local_experts(recv, recv_e, ex) if recv.shape[0] else recv  # (Σ got, H) unweighted
+    back = x.new_empty(n * k, x.shape[1])
+    dist.all_to_all_single(back, y, in_splits, out_splits, group=group)
+    pos = torch.empty_like(order).index_copy_(0, order, torch.arange(n * k, device=x.device))  # slot -> row of back
+    return combine(back, pos, weights, indices, x)
+
+
 def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``out[n] = Σ_j weights[n, j] · y[pos[n·k + j]]`` as one GPU combines: the Triton kernel
     (fp32 sum in ``j`` order) on CUDA bf16/fp16, else ``Experts.forward``'s weighted

@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from engine.errors import CapacityError, ContextLengthExceeded, InvalidRequestError
+from engine.errors import CapacityError, ContextLengthExceeded, EngineError, InvalidRequestError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import SequenceState
@@ -32,6 +32,9 @@ from engine.runtime.speculative import SpecDecoder, SpecResult
 from engine.runtime.state_pool import StatePool
 from engine.runtime.static_runner import StaticRunner
 from engine.sampling import Sampler
+
+if TYPE_CHECKING:
+    from engine.parallel.group import ExpertGroup
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +69,12 @@ class EngineCore:
         kv: KVConnector | None = None,
         metrics: EngineMetrics | None = None,
         dp_rank: int = 0,
+        ep: ExpertGroup | None = None,
     ) -> None:
+        """``ep``: this rank's expert-parallel group (``engine.parallel.group``): the model's routed
+        experts are cut to this rank's share and every step runs the group's phases."""
         self.model = model
+        self.ep = ep
         self.sampler = sampler
         self.config = config
         self.kv = kv
@@ -80,12 +87,18 @@ class EngineCore:
         self._kv_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
         self._kv_loading: set[Future] = set()
         self.spec: SpecDecoder | None = None
+        if ep is not None:
+            if config.speculative is not None:
+                raise EngineError("speculative decoding is not supported with expert parallelism (--ep)")
+            ep.attach(model)
         if config.speculative is not None:  # raises CheckpointError when the checkpoint has no MTP layer
             self.spec = SpecDecoder(model, sampler, config.speculative)
         self.static: StaticRunner | None = None
         if config.static_decode is not False:  # None (default): on, CUDA graphs on GPU, host slots on CPU
             try:
-                self.static = StaticRunner(model, config.max_num_seqs, min(config.static_max_tokens, config.max_model_len))
+                max_tokens = min(config.static_max_tokens, config.max_model_len)
+                decoder = None if ep is None else ep.decoder(model, config.max_num_seqs, max_tokens)
+                self.static = StaticRunner(model, config.max_num_seqs, max_tokens, decoder=decoder)
             except (RuntimeError, ValueError) as e:  # e.g. no memory left for the slot pools
                 if config.static_decode:
                     raise
@@ -201,6 +214,8 @@ class EngineCore:
             for seq in out.preempted:  # recompute preemption: the slot's state goes too
                 self.static.release(seq, keep_state=False)
         if not out.scheduled:
+            if self.ep is not None:
+                self._run(out)  # the group steps: this rank joins its phases with 0 rows
             if (self.kv is not None and self._kv_loading) or compiling:
                 wait(self._kv_loading | set(compiling), timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
             return events
@@ -275,15 +290,25 @@ class EngineCore:
             general.append(i)
             chunks.append((seq.state, seq.tokens[seq.num_computed : seq.num_computed + n]))
         seqs = [out.scheduled[i][0] for i in general]
+        run_static, run_general = bool(static), bool(general)
+        if self.ep is not None:  # every rank runs each phase some rank has rows for (engine.parallel.group)
+            run_static, run_general = self.ep.any(run_static, run_general)
+        slotted = None
+        if run_static:  # phase 1 (under EP possibly 0 slots here)
+            assert self.static is not None
+            slotted = self.static.step([out.scheduled[i][0] for i in static])  # logits or hidden states
+        hidden = not static or self.static.output == "hidden"  # type: ignore[union-attr]
+        if general:  # phase 2
+            rest = self._forward(seqs, chunks, "hidden" if hidden else "last")  # (B, H) or (B, V)
+        elif run_general:
+            self.ep.join_general(self.model)  # type: ignore[union-attr]
         if not static:
-            return HeadRows(self.model.head, self._forward(seqs, chunks, "hidden"))  # (B, H)
-        assert self.static is not None
-        slotted = self.static.step([out.scheduled[i][0] for i in static])  # logits or hidden states
-        hidden = self.static.output == "hidden"
+            return HeadRows(self.model.head, rest) if general else torch.empty(0)
+        assert slotted is not None
         if general:
             rows = slotted.new_empty(len(out.scheduled), slotted.shape[1])
             rows[static] = slotted
-            rows[general] = self._forward(seqs, chunks, "hidden" if hidden else "last")
+            rows[general] = rest
             slotted = rows
         return HeadRows(self.model.head, slotted) if hidden else slotted
 

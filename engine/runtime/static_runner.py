@@ -28,9 +28,18 @@ class StaticRunner:
     """Slot bookkeeping between an ``EngineCore`` and one ``StaticDecoder``."""
 
     def __init__(
-        self, model: DeepseekV4ForCausalLM, max_slots: int, max_tokens: int, use_graphs: bool | None = None, tuning: DecodeTuning = DECODE
+        self,
+        model: DeepseekV4ForCausalLM,
+        max_slots: int,
+        max_tokens: int,
+        use_graphs: bool | None = None,
+        tuning: DecodeTuning = DECODE,
+        decoder: StaticDecoder | None = None,
     ) -> None:
-        if model.device.type == "cpu" and not use_graphs:
+        """``decoder``: one built already (an expert-parallel rank's ``EPDecoder``), else one made here."""
+        if decoder is not None:
+            self.decoder = decoder
+        elif model.device.type == "cpu" and not use_graphs:
             self.decoder: StaticDecoder = HostDecoder(model, max_slots, max_tokens)
         else:
             self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs, tuning=tuning)

@@ -43,6 +43,18 @@ class _Abort:
     request_id: str
 
 
+def refusal(request: GenerateRequest, exc: Exception) -> TokenEvent:
+    """The error event of a request that ``add_request`` refused with ``exc``."""
+    if isinstance(exc, CodedError):  # ours: says what is wrong
+        message, code = str(exc), exc.code
+    elif isinstance(exc, ValueError):  # a request field the engine refuses
+        message, code = str(exc), ErrorCode.INVALID_REQUEST
+    else:
+        log.error("adding request %s failed", request.request_id, exc_info=exc)
+        message, code = "the engine could not take the request", ErrorCode.ENGINE_ERROR
+    return TokenEvent(request.request_id, finish_reason="error", error=message, num_prompt_tokens=len(request.prompt_token_ids), error_code=code)
+
+
 class EngineLoop:
     """Owns the engine backends (the DP ranks this process serves) and the thread that steps them.
 
@@ -157,17 +169,7 @@ class EngineLoop:
                     self.cores[cmd.rank].add_request(cmd.request)
                 except Exception as exc:  # noqa: BLE001 (one request's failure is that request's)
                     self._sinks.pop(rid, None)
-                    if isinstance(exc, CodedError):  # ours: says what is wrong
-                        message, code = str(exc), exc.code
-                    elif isinstance(exc, ValueError):  # a request field the engine refuses
-                        message, code = str(exc), ErrorCode.INVALID_REQUEST
-                    else:
-                        log.exception("adding request %s failed", rid)
-                        message, code = "the engine could not take the request", ErrorCode.ENGINE_ERROR
-                    ev = TokenEvent(
-                        rid, finish_reason="error", error=message, num_prompt_tokens=len(cmd.request.prompt_token_ids), error_code=code
-                    )
-                    cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, ev)
+                    cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, refusal(cmd.request, exc))
             else:
                 entry = self._sinks.get(cmd.request_id)
                 if entry is not None:

@@ -1,7 +1,8 @@
 """The engine worker's HTTP surface (deepserve/protocol/messages.py), served with aiohttp.
 
 One process serves the DP ranks its engine backend gives it (``--backend``, ``engine.backends``):
-all ``dp`` ranks over one loaded model (reference), or one rank of a lockstep group (deepinfer:
+all ``dp`` ranks over one loaded model (reference), ``N`` rank processes of an expert-parallel
+group (reference with ``--ep N``), or one rank of a lockstep group (deepinfer:
 each rank its own worker process and port). Routes:
 ``POST /internal/generate`` (NDJSON token events), ``POST /internal/abort``, ``GET /load``,
 ``GET /health``, ``GET /kv_events``, ``GET /metrics``. SIGTERM drains: ``/health`` turns 503, new
@@ -59,7 +60,7 @@ class WorkerConfig:
     open_metrics: bool = False  # serve /metrics without the token (scrapers on a trusted network)
     backend: str = "reference"  # engine.backends.registry name
     dp_rank: int | None = None  # lockstep backends (deepinfer): the one DP rank this process serves
-    expert_parallel: int = 0  # deepinfer: EP size (0 = dp)
+    expert_parallel: int = 0  # reference: N > 1 rank processes, experts split; deepinfer: EP size (0 = dp)
 
 
 class Worker:
@@ -84,6 +85,7 @@ class Worker:
         )
         self.backend = build_backend(config.backend, ctx, self.registry)
         self.store = self.backend.store
+        self.events = self.backend.events or (self.store.events if self.store is not None else None)
         self.fingerprint = self.backend.fingerprint
         self.loop = EngineLoop(list(self.backend.ranks), self.worker_id, lockstep=self.backend.lockstep)
 
@@ -164,9 +166,9 @@ class Worker:
             since = int(request.query.get("since", "0"))
         except ValueError:
             return _error(ErrorCode.INVALID_REQUEST, "since must be an integer")
-        if self.store is None:
+        if self.events is None:
             return web.json_response({"seq": 0, "events": [], "complete": True})
-        batch = self.store.events_snapshot() if request.query.get("snapshot") == "1" else self.store.events_since(since)
+        batch = self.events.snapshot() if request.query.get("snapshot") == "1" else self.events.since(since)
         if request.query.get("format") == KV_ROWS_FORMAT:
             return web.json_response({"seq": batch.seq, "rows": [e.to_row() for e in batch.events], "complete": batch.complete})
         return web.json_response({"seq": batch.seq, "events": [e.to_dict() for e in batch.events], "complete": batch.complete})

@@ -25,7 +25,12 @@ if TYPE_CHECKING:
 
 
 def build_reference(ctx: BackendContext, registry: CollectorRegistry | None) -> BackendGroup:
-    """Load the checkpoint once and build ``ctx.dp`` cores over it (state budget split evenly)."""
+    """Load the checkpoint once and build ``ctx.dp`` cores over it (state budget split evenly);
+    with ``ctx.expert_parallel`` > 1, that many rank processes instead (``ep_group``)."""
+    if ctx.expert_parallel > 1:
+        from engine.backends.reference.ep_group import build_expert_parallel
+
+        return build_expert_parallel(ctx, registry)
     if ctx.device == "cpu":
         configure_cpu_threads()
         configure_cpu_allocator()

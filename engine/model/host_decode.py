@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.model import cpu_fused, cpu_layer, cpu_slots
+from engine.model import cpu_fused, cpu_layer, cpu_slots, slot_rewind
 from kernels.reference import attend_with_sinks, hide
 from engine.model.attention import Attention, Compressor, Indexer, Projected
 from engine.model.decode import pad_bias, pick_rows, pool_windows
@@ -76,8 +76,8 @@ class HostDecoder(StaticDecoder):
 
     output = "hidden"
 
-    def __init__(self, model, max_slots: int, max_tokens: int, compiled: bool = True) -> None:
-        super().__init__(model, max_slots, max_tokens, use_graphs=False, fused=False, merge_proj=False)
+    def __init__(self, model, max_slots: int, max_tokens: int, compiled: bool = True, verify_width: int = 1) -> None:
+        super().__init__(model, max_slots, max_tokens, use_graphs=False, fused=False, merge_proj=False, verify_width=verify_width)
         self.compiled = compiled  # layers (cpu_layer), attention and compressors (cpu_slots) compiled where they run
         self._packed: list[cpu_layer.LayerWeights | None] | None = None
         self._comp_arrays: dict[int, cpu_slots.CompressArrays] = {}  # by id of the CompPool
@@ -86,16 +86,41 @@ class HostDecoder(StaticDecoder):
     def step(self, slots: Sequence[int], token_ids: Sequence[int], bucket: int | None = None) -> torch.Tensor:
         """One decode token per listed slot → the last hidden states ``(n, H)`` (``bucket`` is
         accepted for the runner's interface and ignored: nothing is padded here)."""
+        assert self._pending is None, "accept the pending verify first"
         self._check(slots, token_ids)
+        if any(not 0 <= t < self.cfg.vocab_size for t in token_ids):
+            raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
+        streams, compiled = self._layers(slots, list(token_ids), [self.num_tokens[s] for s in slots], 1)
+        for s, t in zip(slots, token_ids):
+            self.num_tokens[s] += 1
+            self.token_ids[s].append(int(t))
+        return self._final(streams, compiled)
+
+    @torch.inference_mode()
+    def verify(self, slots: Sequence[int], token_rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``StaticDecoder.verify`` on the host: ``verify_width`` tokens per slot in one pass of
+        the layers (projections and experts over every column, each offset's attention after the
+        one before) → hidden ``(n, width, H)`` and streams ``(n, width, hc, H)``; ``accept`` next."""
+        width, n = self.verify_width, len(slots)
+        positions = self._check_verify(slots, token_rows)
+        ids = [int(r[j]) for j in range(width) for r in token_rows]  # offset-major columns
+        pos = [p + j for j in range(width) for p in positions]
+        snap = slot_rewind.snapshot(self.pools, self._windows, torch.tensor(pos), torch.tensor(list(slots) * width), n)
+        streams, compiled = self._layers(slots, ids, pos, width)
+        hidden = self._final(streams, compiled)
+        self._pending = (list(slots), positions, [list(r) for r in token_rows], n, snap)
+        return hidden.view(width, n, -1).transpose(0, 1), streams.view(width, n, *streams.shape[1:]).transpose(0, 1)
+
+    def _layers(self, slots: Sequence[int], token_ids: list[int], positions: list[int], width: int) -> tuple[torch.Tensor, bool]:
+        """Every layer over offset-major columns (``width`` offsets of the slots) → the final
+        streams ``(N, hc, H)`` and whether the compiled layers ran; writes the slots' state."""
         model, cfg = self.model, self.cfg
-        if any(not 0 <= t < cfg.vocab_size for t in token_ids):
-            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
-        positions = [self.num_tokens[s] for s in slots]
-        st = self._indices(slots, positions)
+        n = len(slots)
+        steps = [self._indices(slots, positions[j * n : (j + 1) * n]) for j in range(width)]
         ids = torch.tensor(token_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        embeds = model.model.embed_tokens(ids)  # (n, H)
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (n, hc, H)
+        embeds = model.model.embed_tokens(ids)  # (N, H)
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (N, hc, H)
         rotary = model.rotary["compress"]
         packed = self._layer_weights() if self.compiled else [None] * len(self.pools)
         compiled = any(w is not None for w in packed)
@@ -107,18 +132,29 @@ class HostDecoder(StaticDecoder):
         host = {kind: (c.numpy(), s.numpy()) for kind, (c, s) in ropes.items()} if compiled else {}
         for layer, lp, w in zip(model.model.layers, self.pools, packed):
             attn: Attention = layer.self_attn
-            attend = lambda p, attn=attn, lp=lp: self._attend(attn, lp, p, st, rotary)
+            attend = lambda p, attn=attn, lp=lp: self._attend_offsets(attn, lp, p, steps, rotary)
             if w is not None:
                 streams = torch.from_numpy(cpu_layer.decode_layer(w, np.ascontiguousarray(streams.numpy()), ids.numpy(), *host[attn.rope_kind], attend))
             else:
                 rope = ropes[attn.rope_kind]
                 streams = layer.blocks(streams, ids, lambda x, attn=attn, rope=rope, attend=attend: attn.project_attend(x, rope, attend))
-        for s, t in zip(slots, token_ids):
-            self.num_tokens[s] += 1
-            self.token_ids[s].append(int(t))
+        return streams, compiled
+
+    def _final(self, streams: torch.Tensor, compiled: bool) -> torch.Tensor:
+        """The head's input ``(N, H)`` from the final streams (the compiled hyper-head and norm where the layers were compiled)."""
         if compiled:
-            return cpu_layer.final_hidden(model, np.ascontiguousarray(streams.numpy()))
-        return model.model.norm(model.model.hc_head(streams))
+            return cpu_layer.final_hidden(self.model, np.ascontiguousarray(streams.numpy()))
+        return self.model.model.norm(self.model.model.hc_head(streams))
+
+    def _attend_offsets(self, attn: Attention, lp: LayerPool, p: Projected, steps: list[_Step], rotary: Rotary) -> torch.Tensor:
+        """``_attend`` of each offset's columns in order (a verify), or of the one step."""
+        if len(steps) == 1:
+            return self._attend(attn, lp, p, steps[0], rotary)
+        n = p.q.shape[0] // len(steps)
+        return torch.cat([
+            self._attend(attn, lp, Projected(*(None if t is None else t[j * n : (j + 1) * n] for t in p)), st, rotary)
+            for j, st in enumerate(steps)
+        ])  # fmt: skip
 
     @property
     def _compiled_here(self) -> bool:

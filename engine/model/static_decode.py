@@ -30,6 +30,14 @@ projection; the shared expert next to the router), captured as parallel branches
 Index rows the layers share (window ring row and length, compressed row count and start) are
 computed on the host with the step's inputs.
 
+Native weights (``load_model(fp8=..., fp4_experts=True)``: the checkpoint's FP8 linears and FP4
+experts kept as stored): an ``Fp8Linear`` runs through ``kernels.fp8_gemm`` (activations quantised
+per 1×128 group) and at batch 1 through ``kernels.fp8_gemv`` (the same function, dequantised in
+registers); the merged x projection becomes one GEMM per run of same-kind weights
+(``fp8.merge_weights``: the FP8 q_a + kv, the bf16 compressor and indexer projections); FP4 routed
+experts run through ``kernels.moe_fp4``'s grouped kernel at every batch size, the FP8 shared
+expert through the FP8 linears. Dense (bf16) weights stay the parity path.
+
 Prefill stays on the general path: ``load(slot, state)`` imports a ``SequenceState`` (normal
 mode, not a replay) into a slot, ``export(slot)`` gives it back. ``step(slots, token_ids)``
 runs one decode token for each listed slot and returns the float32 logits ``(n, V)``; with
@@ -50,7 +58,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import Attention, Compressor
+from engine.model.fp8 import Fp8Linear, Fp8Weight, Weight, merge_weights, weight_of
+from engine.model import slot_rewind
+from engine.model.attention import Attention, Compressor, Projected
 from engine.model.layers import (
     HyperConnection,
     collapse,
@@ -65,11 +75,15 @@ from kernels import fused as fk
 from kernels._common import use_triton
 from kernels.compressor import gated_pool
 from kernels.decode_attention import decode_attention
+from kernels.fp8_gemm import DEFAULT as FP8_GEMM
+from kernels.fp8_gemm import Fp8GemmConfig, fp8_linear
+from kernels.fp8_gemv import fp8_gemv
 from kernels.gemv import gemv
 from kernels.gemv import use_gemv as use_dense_gemv
 from kernels.indexer import indexer_scores, mask_topk
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import moe_experts, route
+from kernels.moe_fp4 import moe_experts_fp4
 from kernels.moe_fp8 import moe_experts_fp8
 from kernels.moe_gemv import MoEGemvTuning, moe_gemv, shared_act, use_gemv
 
@@ -93,6 +107,7 @@ class DecodeTuning:
     (``kernels.gemv``, a programmatic dependent launch with ``gemv_pdl``) instead of cuBLAS
     (small-tile GEMMs and split-K reduces at ~2.2-3.5 TB/s; NOTES run 14). ``moe_gemv``: when the
     routed + shared experts of a few slots run as two GEMV kernels, and their launches.
+    ``fp8``: the FP8 GEMM's tiling for native FP8 linears (above batch 1, or without ``dense_gemv``).
     """
 
     side_stream: bool = True
@@ -101,6 +116,7 @@ class DecodeTuning:
     dense_gemv: bool = True
     gemv_pdl: bool = True
     moe_gemv: MoEGemvTuning = field(default_factory=MoEGemvTuning)
+    fp8: Fp8GemmConfig = FP8_GEMM
 
 
 DECODE = DecodeTuning()  # the default
@@ -124,10 +140,10 @@ class LayerPool:
     swa: torch.Tensor  # (S+1, W, D)
     comp: CompPool | None
     index: CompPool | None
-    # the fused step's projections of the attention input x in one GEMM (``merge_proj``):
-    # rows [q_a | kv | comp kv | comp gate | indexer kv | indexer gate | indexer weights]
-    xproj: torch.Tensor | None = None
-    xsplit: tuple[int, ...] = ()
+    # the fused step's projections of the attention input x (``merge_proj``), rows
+    # [q_a | kv | comp kv | comp gate | indexer kv | indexer gate | indexer weights] in one GEMM
+    # per run of same-kind weights (``fp8.merge_weights``), each with its parts' widths
+    xproj: list[tuple[Weight, tuple[int, ...]]] = field(default_factory=list)
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
@@ -163,11 +179,8 @@ class StaticDecoder:
         fused: bool = True,
         merge_proj: bool = True,
         tuning: DecodeTuning = DECODE,
+        verify_width: int = 1,
     ) -> None:
-        from engine.model.fp8 import keeps_native_weights
-
-        if keeps_native_weights(model):  # the slot step reads bf16 weights directly (merged projections, GEMVs)
-            raise ValueError("the slot decoders need dequantised weights: load with load_model(fp8=None, fp4_experts=False)")
         self.model = model
         self.tuning = tuning
         self.cfg = model.config
@@ -175,6 +188,11 @@ class StaticDecoder:
         self.dtype = model.dtype
         self.max_slots, self.max_tokens = max_slots, max_tokens
         self.scratch = max_slots
+        self.verify_width = verify_width  # tokens per slot a ``verify`` step may feed (1: none)
+        self._pending: tuple[list[int], list[int], list[list[int]], int, list[torch.Tensor]] | None = None  # a verify awaiting ``accept``
+        rates = [c.rate for layer in model.model.layers for c in (layer.self_attn.compressor,) if c is not None]
+        if verify_width > 1 and (verify_width > min(rates, default=verify_width) or verify_width >= self.cfg.sliding_window):
+            raise ValueError(f"a verify of {verify_width} tokens per slot needs at most the smallest compression rate and fewer than the window")
         self.use_graphs = (
             self.device.type == "cuda" if use_graphs is None else use_graphs
         )
@@ -204,14 +222,15 @@ class StaticDecoder:
                     keys.append(("rows", attn.compressor.rate, lp.comp.rows.shape[1] - 1))
                 self._derived += [k for k in keys if k not in self._derived]
             rows = 3 + 2 * len(self._derived)
+            cols = bmax * verify_width  # a verify step's columns: offset-major, ``bucket`` per offset
             self._inputs = torch.zeros(
-                rows, bmax, dtype=torch.long, device=dev
+                rows, cols, dtype=torch.long, device=dev
             )  # ids, positions, slots, then the derived rows
             # two pinned host copies of the inputs: a step writes one while the other's copy to the
             # device may still be queued behind the previous step
             pinned = dev.type == "cuda"
             self._host = [
-                torch.zeros(rows, bmax, dtype=torch.long, pin_memory=pinned)
+                torch.zeros(rows, cols, dtype=torch.long, pin_memory=pinned)
                 for _ in range(2)
             ]
             self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
@@ -238,9 +257,8 @@ class StaticDecoder:
                         if attn.indexer is not None:
                             idx = attn.indexer
                             mods += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
-                    lp.xproj = torch.cat([m.weight for m in mods]).contiguous()
-                    lp.xsplit = tuple(m.weight.shape[0] for m in mods)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+                    lp.xproj = merge_weights([weight_of(m) for m in mods])
+        self._graphs: dict[int | tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}  # bucket, or (bucket, width) of a verify
         self._side = torch.cuda.Stream(dev) if tuning.side_stream and self.fused and dev.type == "cuda" else None
         # fp32 contiguous copies of the mHC parameters (a bf16 checkpoint's fn/scale/base would be
         # cast on every call: 3 launches per block)
@@ -336,6 +354,7 @@ class StaticDecoder:
     @torch.inference_mode()
     def export(self, slot: int) -> SequenceState:
         """``slot``'s state as a general-path ``SequenceState`` (copies)."""
+        assert self._pending is None, "accept the pending verify first"
         n = self.num_tokens[slot]
         layers = []
         for layer, lp in zip(self.model.model.layers, self.pools):
@@ -379,26 +398,15 @@ class StaticDecoder:
         ``bucket`` (one of ``self.buckets``, at least ``n``) forces the padded batch size; with it
         ``n`` may be 0 (every row scratch: expert-parallel ranks must all run each step)."""
         n = len(slots)
+        assert self._pending is None, "accept the pending verify first"
         self._check(slots, token_ids, empty_ok=bucket is not None)
         if bucket is not None and (bucket not in self.buckets or bucket < n):
             raise ValueError(f"bucket {bucket} is not a bucket of at least {n} rows")
         b = bucket_for(n, self.buckets) if bucket is None else bucket
         if self.use_graphs and b not in self._graphs:
             self._capture(b)
-        turn = self._turn = 1 - self._turn
-        host, copied = self._host[turn], self._copied[turn]
-        if copied is not None:
-            copied.synchronize()  # the copy two steps ago has left this buffer
-        host[0, :n] = torch.as_tensor(token_ids, dtype=torch.long)
-        host[1, :n] = torch.as_tensor(
-            [self.num_tokens[s] for s in slots], dtype=torch.long
-        )
-        host[2, :n] = torch.as_tensor(slots, dtype=torch.long)
-        host[0, n:b], host[1, n:b], host[2, n:b] = 0, 0, self.scratch
-        self._derive(host, b)
-        self._inputs[:, :b].copy_(host[:, :b], non_blocking=True)
-        if copied is not None:
-            copied.record()
+        pad = b - n
+        self._stage(list(token_ids) + [0] * pad, [self.num_tokens[s] for s in slots] + [0] * pad, list(slots) + [self.scratch] * pad)
         if self.use_graphs:
             graph, out = self._graphs[b]
             graph.replay()
@@ -408,6 +416,83 @@ class StaticDecoder:
             self.num_tokens[s] += 1
             self.token_ids[s].append(int(t))
         return out[:n]
+
+    @torch.inference_mode()
+    def verify(self, slots: Sequence[int], token_rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each listed slot its ``verify_width`` tokens (its next token, then the drafts) in
+        one fixed-shape step (one CUDA graph per bucket and width) → the final hidden states
+        ``(n, width, H)`` and the final streams ``(n, width, hc, H)`` (before the hyper-head) of
+        every offset, views of buffers the next step reuses. Offset ``j`` of a slot sees the keys
+        and compressed rows of the offsets before it, exactly as ``width`` plain steps would.
+        ``accept`` must follow before the slots are stepped, verified or exported again."""
+        width, n = self.verify_width, len(slots)
+        positions = self._check_verify(slots, token_rows)
+        b = bucket_for(n, self.buckets)
+        if self.use_graphs and (b, width) not in self._graphs:
+            self._capture(b, width)
+        pad = b - n
+        ids, pos, cols = [], [], []
+        for j in range(width):  # offset-major columns: offset j of slot i at j·b + i
+            ids += [int(r[j]) for r in token_rows] + [0] * pad
+            pos += [p + j for p in positions] + [0] * pad
+            cols += list(slots) + [self.scratch] * pad
+        self._stage(ids, pos, cols)
+        if self.use_graphs:
+            graph, out = self._graphs[b, width]
+            graph.replay()
+        else:
+            out = self._forward(b, width)
+        hidden, streams, snap = out
+        self._pending = (list(slots), positions, [list(r) for r in token_rows], b, snap)
+        return hidden.view(width, b, -1)[:, :n].transpose(0, 1), streams.view(width, b, *streams.shape[1:])[:, :n].transpose(0, 1)
+
+    def _check_verify(self, slots: Sequence[int], token_rows: Sequence[Sequence[int]]) -> list[int]:
+        """``ValueError`` unless each slot gets ``verify_width`` tokens in range and has room for
+        them; the slots' positions."""
+        width = self.verify_width
+        if width < 2 or len(token_rows) != len(slots) or any(len(r) != width for r in token_rows):
+            raise ValueError(f"a verify feeds {width} tokens per slot (verify_width)")
+        assert self._pending is None, "accept the pending verify first"
+        self._check(slots, [r[0] for r in token_rows])
+        if any(not 0 <= t < self.cfg.vocab_size for r in token_rows for t in r):
+            raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
+        for s in slots:
+            if self.num_tokens[s] + width > self.max_tokens:
+                raise ValueError(f"slot {s} has no room for {width} more tokens ({self.max_tokens})")
+        return [self.num_tokens[s] for s in slots]
+
+    @torch.inference_mode()
+    def accept(self, kept: Sequence[int]) -> None:
+        """End the pending ``verify``: slot ``i`` keeps its first ``kept[i]`` tokens (``1 ..
+        width``); what the others wrote is undone (``engine/model/slot_rewind.py``)."""
+        assert self._pending is not None, "no verify to accept"
+        slots, positions, rows, b, snap = self._pending
+        if len(kept) != len(slots) or any(not 1 <= k <= self.verify_width for k in kept):
+            raise ValueError(f"kept counts {list(kept)} for {len(slots)} slots of {self.verify_width} tokens")
+        self._pending = None
+        slot_rewind.restore(self.pools, self._windows, snap, slots, positions, kept, b, self.verify_width)
+        for s, p, r, k in zip(slots, positions, rows, kept):
+            self.num_tokens[s] = p + k
+            self.token_ids[s].extend(r[:k])
+
+    @property
+    def _windows(self) -> list[int]:
+        return [layer.self_attn.window for layer in self.model.model.layers]
+
+    def _stage(self, ids: list[int], pos: list[int], slots: list[int]) -> None:
+        """Write a step's columns (padding included) and their derived rows to the device inputs."""
+        cols = len(ids)
+        turn = self._turn = 1 - self._turn
+        host, copied = self._host[turn], self._copied[turn]
+        if copied is not None:
+            copied.synchronize()  # the copy two steps ago has left this buffer
+        host[0, :cols] = torch.as_tensor(ids, dtype=torch.long)
+        host[1, :cols] = torch.as_tensor(pos, dtype=torch.long)
+        host[2, :cols] = torch.as_tensor(slots, dtype=torch.long)
+        self._derive(host, cols)
+        self._inputs[:, :cols].copy_(host[:, :cols], non_blocking=True)
+        if copied is not None:
+            copied.record()
 
     def _derive(self, host: torch.Tensor, b: int) -> None:
         """Fill the derived rows of ``host[:, :b]`` (see ``__init__``) from its positions and slots."""
@@ -432,41 +517,50 @@ class StaticDecoder:
         if len(set(slots)) != n:
             raise ValueError("a slot appears twice in one step")
 
-    def _capture(self, b: int) -> None:
-        """Warm up (Triton compiles, rope tables) and capture bucket ``b`` on scratch inputs."""
-        init = torch.zeros(self._inputs.shape[0], b, dtype=torch.long)
+    def _capture(self, b: int, width: int = 1) -> None:
+        """Warm up (Triton compiles, rope tables) and capture bucket ``b`` (of a verify of
+        ``width`` tokens per slot) on scratch inputs."""
+        cols = b * width
+        init = torch.zeros(self._inputs.shape[0], cols, dtype=torch.long)
         init[2] = self.scratch
-        self._derive(init, b)
-        self._inputs[:, :b] = init.to(self.device)
+        self._derive(init, cols)
+        self._inputs[:, :cols] = init.to(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(b)
+                self._forward(b, width)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._forward(b)
+            out = self._forward(b, width)
         torch.cuda.synchronize(self.device)
-        self._graphs[b] = (graph, out)
+        self._graphs[b if width == 1 else (b, width)] = (graph, out)
 
     @torch.inference_mode()
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int, width: int = 1):
+        """A step over ``b`` slots → logits ``(b, V)``; a verify (``width > 1``, offset-major
+        columns) → final hidden ``(b·width, H)``, final streams and the rewind snapshot."""
         if self.fused:
-            return self._forward_fused(b)
-        return self._forward_plain(b)
+            return self._forward_fused(b, width)
+        return self._forward_plain(b, width)
 
-    def _forward_fused(self, b: int) -> torch.Tensor:
+    def _forward_fused(self, b: int, width: int = 1):
         """``_forward_plain`` with the glue in ``kernels.fused`` (same math, same roundings)."""
         model, cfg = self.model, self.cfg
-        ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
-        embeds = model.model.embed_tokens(ids)  # (b, H)
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
-        derived = {key: (self._inputs[3 + 2 * i, :b], self._inputs[4 + 2 * i, :b]) for i, key in enumerate(self._derived)}
+        n = b * width
+        ids, pos, slots = self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n]
+        snap = slot_rewind.snapshot(self.pools, self._windows, pos, slots, b) if width > 1 else None
+        embeds = model.model.embed_tokens(ids)  # (n, H)
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (n, hc, H)
+        derived = {key: (self._inputs[3 + 2 * i, :n], self._inputs[4 + 2 * i, :n]) for i, key in enumerate(self._derived)}
         for layer, lp in zip(model.model.layers, self.pools):
             attn = layer.self_attn
             post, comb, x = self._hyper_connection_fused(layer.attn_hc, streams, layer.input_layernorm)
-            out = self._attention_fused(attn, lp, x, pos, slots, derived)
+            if width == 1:
+                out = self._attention_fused(attn, lp, x, pos, slots, derived)
+            else:
+                out = self._attention_verify(attn, lp, x, pos, slots, derived, b)
             streams = fk.hc_merge(post, comb, out, streams)
             post, comb, x = self._hyper_connection_fused(layer.ffn_hc, streams, layer.post_attention_layernorm)
             streams = fk.hc_merge(post, comb, self._moe_fused(layer.mlp, x, ids), streams)
@@ -475,11 +569,18 @@ class StaticDecoder:
         parts = fk.hc_pre_parts(streams, fn, max_splits=self.tuning.hc_splits)
         hc = streams.shape[1]
         pre, _, _ = hc_mix_parts(parts, hc * streams.shape[2], head.norm_eps, scale, base, hc, 0, head.eps, head=True)
-        hidden = fk.collapse_norm(pre, streams, norm.weight, norm.eps)  # norm(hc_head(streams)): (b, H)
+        hidden = fk.collapse_norm(pre, streams, norm.weight, norm.eps)  # norm(hc_head(streams)): (n, H)
+        if width > 1:
+            return hidden, streams, snap
         return self._linear(hidden, model.lm_head.weight, torch.float32)
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for one token."""
+    def _linear(self, x: torch.Tensor, w: Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for one token; an
+        ``Fp8Weight`` through the FP8 GEMV (one token) or the block-scaled FP8 GEMM."""
+        if isinstance(w, Fp8Weight):
+            if self.dense_gemv and use_dense_gemv(x):
+                return fp8_gemv(x, w.q, w.s, out_dtype=out_dtype, pdl=self.tuning.gemv_pdl)
+            return fp8_linear(x, w.q, w.s, self.tuning.fp8, out_dtype=out_dtype)
         if self.dense_gemv and use_dense_gemv(x):
             return gemv(x, w, out_dtype=out_dtype, pdl=self.tuning.gemv_pdl)
         y = F.linear(x, w)
@@ -489,7 +590,7 @@ class StaticDecoder:
         """The attention's output projections (``Attention._output_fast``): grouped ``o_a``, ``o_b``."""
         if self.dense_gemv and use_dense_gemv(out):
             grouped = gemv(out.reshape(out.shape[0], -1), attn.o_a_proj.weight, attn.o_groups, pdl=self.tuning.gemv_pdl)
-            return gemv(grouped, attn.o_b_proj.weight, pdl=self.tuning.gemv_pdl)
+            return self._linear(grouped, weight_of(attn.o_b_proj))
         return attn._output_fast(out)
 
     def _hyper_connection_fused(self, hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -509,8 +610,8 @@ class StaticDecoder:
         compressor)."""
         b = x.shape[0]
         cos, sin = self._rope_tab[attn.rope_kind]
-        if lp.xproj is not None:  # one GEMM for every projection of x, then column views
-            parts = list(self._linear(x, lp.xproj).split(lp.xsplit, dim=-1))
+        if lp.xproj:  # one GEMM per run of merged projections of x, then column views
+            parts = [p for w, widths in lp.xproj for p in self._linear(x, w).split(widths, dim=-1)]
         else:
             parts = [attn.q_a_proj(x), attn.kv_proj(x)]
             if attn.compressor is not None:
@@ -530,7 +631,7 @@ class StaticDecoder:
             if idx is not None:
                 with self._branch() as join:
                     self._compress_fused(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
-                    idx_q = fk.norm_rope(self._linear(q_res, idx.q_b_proj.weight).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+                    idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
                     scores = indexer_scores(
                         idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
                         idx.softmax_scale * idx.weights_scaling, t_max=tc,
@@ -548,7 +649,7 @@ class StaticDecoder:
         if row_idx is None:  # no indexer on the side stream: the kv path goes there
             with self._branch() as join:
                 kv_path()
-        q = fk.norm_rope(self._linear(q_res, attn.q_b_proj.weight).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
         if row_idx is not None:
             kv_path()
         join()
@@ -562,6 +663,59 @@ class StaticDecoder:
             )  # fmt: skip
         if not self.tuning.attn_rope_out:
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
+        return self._output(attn, out)
+
+    def _attention_verify(
+        self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+        derived: dict[tuple, tuple[torch.Tensor, torch.Tensor]], b: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """``_attention_fused`` over a verify's offset-major columns: the projections of all of
+        them at once, then offset by offset (each after the one before has attended, since its ring
+        write replaces a key the earlier offsets read) the window ring, compressors, indexer and
+        attention of ``b`` columns; no side stream."""
+        n = x.shape[0]
+        cos, sin = self._rope_tab[attn.rope_kind]
+        ccos, csin = self._rope_tab.get("compress", (cos, sin))
+        comp, idx = attn.compressor, attn.indexer
+        mods = [attn.q_a_proj, attn.kv_proj]
+        if comp is not None:
+            mods += [comp.kv_proj, comp.gate_proj] + ([idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj] if idx is not None else [])
+        parts = [p for w, widths in lp.xproj for p in self._linear(x, w).split(widths, dim=-1)] if lp.xproj else [m(x) for m in mods]
+        q_res = fk.norm_rope(parts[0][:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
+        q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(n, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        idx_q = None
+        if idx is not None:
+            idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+        ring_row, swa_len = derived["ring", attn.window]
+        outs = []
+        for c in range(0, n, b):
+            at = slice(c, c + b)
+            fk.norm_rope(
+                parts[1][at, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos[at],
+                out=lp.swa.view(-1, attn.head_dim), out_rows=ring_row[at],
+            )  # fmt: skip
+            kw = {"rope": (cos, sin), "rope_pos": pos[at], "fold_q": 0} if self.tuning.attn_rope_out else {}
+            if comp is None:
+                outs.append(decode_attention(q[at], lp.swa, swa_len[at], attn.sinks, swa_slot=slots[at], scale=attn.scaling, **kw))
+                continue
+            tc = lp.comp.rows.shape[1] - 1
+            row_len, row_start = derived["rows", comp.rate, tc]
+            self._compress_fused(comp, lp.comp, parts[2][at], parts[3][at], pos[at], slots[at], ccos, csin)
+            row_idx = None
+            if idx is not None:
+                self._compress_fused(idx, lp.index, parts[4][at], parts[5][at], pos[at], slots[at], ccos, csin)
+                scores = indexer_scores(
+                    idx_q[at], parts[6][at], lp.index.rows.view(-1, idx.width), row_start[at], row_len[at],
+                    idx.softmax_scale * idx.weights_scaling, t_max=tc,
+                )  # fmt: skip
+                row_idx = mask_topk(scores, idx.topk, ordered=False)
+            outs.append(decode_attention(
+                q[at], lp.swa, swa_len[at], attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start[at], row_len[at], row_idx,
+                swa_slot=slots[at], scale=attn.scaling, max_rows=tc, **kw,
+            ))  # fmt: skip
+        out = torch.cat(outs)
+        if not self.tuning.attn_rope_out:
+            out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)
         return self._output(attn, out)
 
     @contextmanager
@@ -586,9 +740,10 @@ class StaticDecoder:
     def _moe_fused(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
         half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        native_shared = isinstance(sh.gate_proj, Fp8Linear)
         few = (
-            self.gemv_experts and getattr(ex, "fp8", None) is None and sh.limit == ex.limit
-            and use_gemv(x, x.shape[0] * gate.top_k, self.tuning.moe_gemv)
+            self.gemv_experts and getattr(ex, "fp8", None) is None and ex.fp4 is None and not native_shared
+            and sh.limit == ex.limit and use_gemv(x, x.shape[0] * gate.top_k, self.tuning.moe_gemv)
         )  # fmt: skip
         if not (half or few):
             return self._moe(moe, x, ids)
@@ -608,22 +763,31 @@ class StaticDecoder:
             join()
             return moe_gemv(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, shared, act=act, tuning=self.tuning.moe_gemv)
         with self._branch() as join:
-            shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
+            if native_shared:  # FP8 GEMV / GEMM through _linear
+                act = fk.swiglu(self._linear(x, weight_of(sh.gate_proj)), self._linear(x, weight_of(sh.up_proj)), sh.limit)
+                shared = self._linear(act, weight_of(sh.down_proj))
+            else:
+                shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
         routed = self._routed(ex, x, weights, indices)
         join()
         return routed + shared
 
     def _routed(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed experts on CUDA bf16/fp16 (``engine.parallel.ep.EPDecoder`` overrides this)."""
+        if ex.fp4 is not None:  # the checkpoint's FP4 experts (load_model(fp4_experts=True))
+            return moe_experts_fp4(x, weights, indices, *ex.fp4, ex.limit)
         fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts
         if fp8 is not None:
             return moe_experts_fp8(x, weights, indices, *fp8, ex.limit)
         return moe_experts(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, grouped=ex.tuning.grouped)
 
-    def _forward_plain(self, b: int) -> torch.Tensor:
-        """The fixed-shape step body on ``self._inputs[:, :b]`` (no host reads). → ``(b, V)`` fp32."""
+    def _forward_plain(self, b: int, width: int = 1):
+        """The fixed-shape step body on ``self._inputs[:, :b]`` (no host reads). → ``(b, V)`` fp32;
+        a verify: ``width`` offsets of ``b`` columns (``_forward``)."""
         model, cfg = self.model, self.cfg
-        ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]
+        n = b * width
+        ids, pos, slots = self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n]
+        snap = slot_rewind.snapshot(self.pools, self._windows, pos, slots, b) if width > 1 else None
         embeds = model.model.embed_tokens(ids)  # (b, H)
         streams = (
             embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -642,6 +806,7 @@ class StaticDecoder:
                 slots,
                 ropes[attn.rope_kind],
                 model.rotary["compress"],
+                b,
             )
             streams = hc_merge(post, comb, out, streams)
             post, comb, x = _hyper_connection(layer.ffn_hc, streams)
@@ -651,56 +816,45 @@ class StaticDecoder:
                 self._moe(layer.mlp, layer.post_attention_layernorm(x), ids),
                 streams,
             )
-        hidden = model.model.norm(model.model.hc_head(streams))  # (b, H)
+        hidden = model.model.norm(model.model.hc_head(streams))  # (n, H)
+        if width > 1:
+            return hidden, streams, snap
         return F.linear(hidden, model.lm_head.weight).float()
 
-    def _attention(
-        self,
-        attn: Attention,
-        lp: LayerPool,
-        x: torch.Tensor,
-        pos: torch.Tensor,
-        slots: torch.Tensor,
-        rope,
-        rotary: Rotary,
-    ) -> torch.Tensor:
-        b = x.shape[0]
+    def _attention(self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, rope, rotary: Rotary, b: int) -> torch.Tensor:
+        """One layer's attention over ``b`` columns at a time (a verify's offsets in order)."""
+        n = x.shape[0]
         cos, sin = rope
         p = attn._project(x, rope)
+        outs = [self._attend_slots(attn, lp, Projected(*(None if t is None else t[c : c + b] for t in p)), pos[c : c + b], slots[c : c + b], rotary) for c in range(0, n, b)]
+        out = apply_rope(torch.cat(outs), cos, -sin)  # undo the rotation values picked up as keys
+        grouped = attn.o_a_proj(out.reshape(n, attn.o_groups, -1)).flatten(1)
+        return attn.o_b_proj(grouped)
+
+    def _attend_slots(self, attn: Attention, lp: LayerPool, p: Projected, pos: torch.Tensor, slots: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """The window ring, compressors, indexer and attention of one token per slot → ``(b, nh, D)``."""
         w = attn.window
         lp.swa.index_put_((slots, pos % w), p.kv)
         swa_len = torch.clamp(pos + 1, max=w)
         if attn.compressor is None:
-            out = decode_attention(
-                p.q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling
-            )
-        else:
-            comp = attn.compressor
-            self._compress(comp, lp.comp, p.comp_kv, p.comp_gate, pos, slots, rotary)
-            tc = lp.comp.rows.shape[1] - 1
-            row_len = torch.div(pos + 1, comp.rate, rounding_mode="floor")
-            row_start = slots * (tc + 1)
-            row_idx = None
-            idx = attn.indexer
-            if idx is not None:
-                self._compress(idx, lp.index, p.idx_kv, p.idx_gate, pos, slots, rotary)
-                scores = indexer_scores(
-                    p.idx_q,
-                    p.idx_w,
-                    lp.index.rows.view(-1, idx.width),
-                    row_start,
-                    row_len,
-                    idx.softmax_scale * idx.weights_scaling,
-                    t_max=tc,
-                )
-                row_idx = mask_topk(scores, idx.topk)  # (b, k) local rows, -1 = none
-            out = decode_attention(
-                p.q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
-                swa_slot=slots, scale=attn.scaling, max_rows=tc,
+            return decode_attention(p.q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling)
+        comp = attn.compressor
+        self._compress(comp, lp.comp, p.comp_kv, p.comp_gate, pos, slots, rotary)
+        tc = lp.comp.rows.shape[1] - 1
+        row_len = torch.div(pos + 1, comp.rate, rounding_mode="floor")
+        row_start = slots * (tc + 1)
+        row_idx = None
+        idx = attn.indexer
+        if idx is not None:
+            self._compress(idx, lp.index, p.idx_kv, p.idx_gate, pos, slots, rotary)
+            scores = indexer_scores(
+                p.idx_q, p.idx_w, lp.index.rows.view(-1, idx.width), row_start, row_len, idx.softmax_scale * idx.weights_scaling, t_max=tc,
             )  # fmt: skip
-        out = apply_rope(out, cos, -sin)  # undo the rotation values picked up as keys
-        grouped = attn.o_a_proj(out.reshape(b, attn.o_groups, -1)).flatten(1)
-        return attn.o_b_proj(grouped)
+            row_idx = mask_topk(scores, idx.topk)  # (b, k) local rows, -1 = none
+        return decode_attention(
+            p.q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
+            swa_slot=slots, scale=attn.scaling, max_rows=tc,
+        )  # fmt: skip
 
     def _compress(
         self,
@@ -755,10 +909,10 @@ class StaticDecoder:
         cp.rows.view(-1, d).index_copy_(0, dst, rows)
 
     def _moe(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if not (x.is_cuda and x.dtype == torch.float32):
+        if not (x.is_cuda and x.dtype == torch.float32) or moe.experts.fp4 is not None:
             return moe(
                 x, ids
-            )  # CPU: the general path; CUDA bf16/fp16: the Triton grouped kernel
+            )  # CPU: the general path; CUDA bf16/fp16 or FP4 experts: the Triton grouped kernels
         # CUDA fp32 (tests): the per-expert loop reads counts on the host; gather each slot's
         # expert weights instead (fixed shapes, fine at test sizes)
         weights, indices = moe.gate(x, ids)

@@ -2,7 +2,8 @@
 
 Steps, each failing with a ``GatewayError`` (rendered by the app's exception handler):
 authenticate (401) -> read the body with its size and time limits (413/408) -> parse JSON (400)
--> model known (404) -> rate limit (429) -> deepseek-recipe conversion (400) -> encode the prompt
+-> model known (404) -> a prompt that cannot fit the context whatever its tokens (400,
+``server/size_check.py``) -> rate limit (429) -> deepseek-recipe conversion (400) -> encode the prompt
 (both on the render pool for large bodies, ``server/render_pool.py``) -> resolve ``max_tokens``
 against the context (400) -> admission (503) -> engine.
 
@@ -17,7 +18,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, Literal, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol
 
 import deepseek_recipe as dr
 from starlette.requests import Request
@@ -33,6 +34,7 @@ from server.generation import ClientDisconnected, Run, race_disconnect
 from server.prompt_logprobs import with_chat_prompt_logprobs
 from server.reasoning_cap import cap_sampling, requested_cap
 from server.request_id import ids
+from server.size_check import check_prompt_size
 from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
 from server.structured import with_auto_tool_choice
@@ -102,13 +104,13 @@ class AnswerHooks(Protocol):
     def body(self, body: dict[str, Any]) -> dict[str, Any]:
         """The body to convert (the same object when unchanged)."""
 
-    def detach(self, answer: Answer) -> Response | None:
+    async def detach(self, answer: Answer) -> Response | None:
         """Take the answer over (a background run) and return the immediate reply; None: answer now."""
 
-    def finish(self, text: str) -> str:
+    async def finish(self, text: str) -> str:
         """The whole answer's JSON as it is sent, from the one made (not streaming)."""
 
-    def event(self, name: str, text: str) -> str:
+    async def event(self, name: str, text: str) -> str:
         """A streamed named event's JSON as it is sent, from the one made."""
 
 
@@ -130,7 +132,7 @@ class Answer:
             run.close()
 
 
-async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Callable[[dict[str, Any], str], AnswerHooks] | None = None) -> Response:
+async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Callable[[dict[str, Any], str], Awaitable[AnswerHooks]] | None = None) -> Response:
     """The shared path (module docstring); ``make_hooks(body, key)``: the endpoint's hooks."""
     gw: Gateway = request.app.state.gateway
     started = time.perf_counter()
@@ -140,10 +142,11 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
     body = parse_object(raw)
     check_fields(body, proto.route)
     model = check_model(gw, body)
+    catalog = gw.catalog
+    check_prompt_size(body, proto.route, catalog.context_len, catalog.max_token_bytes)
     if gw.limiter.enabled:
         gw.limiter.admit(key)
-    catalog = gw.catalog
-    hooks = make_hooks(body, key) if make_hooks is not None else None
+    hooks = await make_hooks(body, key) if make_hooks is not None else None
     recipe_body = proto.prepare_body(hooks.body(body) if hooks is not None else body)
     extras = parse_extras(body, catalog.vocab_size, chat=proto.chat)
     cap = requested_cap(body, proto.route)
@@ -198,7 +201,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
             route.prompt.inc(len(prompt))
             runs.append(Run(gw, route, key, greq, processor, started=started, skip_ids=skip, keep_ids=bool(stops)))
         if hooks is not None:
-            reply = hooks.detach(answer)
+            reply = await hooks.detach(answer)
             if reply is not None:
                 detached = True  # the background run owns the answer now
                 return reply
@@ -309,7 +312,7 @@ async def collect(answer: Answer) -> str:
     else:
         text = merge_answers(texts, answer.shaper.extras, answer.echo, [answer.stop_text(i) for i in range(len(runs))])
         text = with_chat_prompt_logprobs(text, runs[0].gw.catalog, runs[0])
-    return text if answer.hooks is None else answer.hooks.finish(text)
+    return text if answer.hooks is None else await answer.hooks.finish(text)
 
 
 async def _complete(request: Request, answer: Answer) -> Response:
@@ -340,10 +343,10 @@ async def _frames(head: tuple[int, list[Any]], batches: AsyncIterator[tuple[int,
     try:
         i, batch = head
         if batch:
-            yield _frame_all(batch, name, i, shaper, hooks).encode()
+            yield (await _hooked(batch, name, hooks) if hooks is not None else _frame_all(batch, name, i, shaper)).encode()
         async for i, batch in batches:
             if batch:
-                yield _frame_all(batch, name, i, shaper, hooks).encode()
+                yield (await _hooked(batch, name, hooks) if hooks is not None else _frame_all(batch, name, i, shaper)).encode()
         final = shaper.final() if shaper is not None else None
         tail = (data_frame(final) if final else "") + (proto.done or "")
         if tail:
@@ -357,14 +360,17 @@ async def _frames(head: tuple[int, list[Any]], batches: AsyncIterator[tuple[int,
         answer.close()
 
 
-def _frame_all(batch: list[Any], name: Any, i: int = 0, shaper: ChatStreamShaper | None = None, hooks: AnswerHooks | None = None) -> str:
+def _frame_all(batch: list[Any], name: Any, i: int = 0, shaper: ChatStreamShaper | None = None) -> str:
     if shaper is not None:
         return "".join([f"data: {shaper.shape(i, c.to_json())}\n\n" for c in batch])
     if name is None:
         return "".join([f"data: {c.to_json()}\n\n" for c in batch])
-    if hooks is not None:
-        return "".join([event_frame(n, hooks.event(n, c.to_json())) for c in batch for n in [name(c)]])
     return "".join([event_frame(name(c), c.to_json()) for c in batch])
+
+
+async def _hooked(batch: list[Any], name: Any, hooks: AnswerHooks) -> str:
+    """Named events as the endpoint's hooks rewrite them (Responses: stored on completion)."""
+    return "".join([event_frame(n, await hooks.event(n, c.to_json())) for c in batch for n in [name(c)]])
 
 
 def stream_error(exc: GatewayError, flavor: Flavor, named_events: bool) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import deepseek_recipe as dr
 
 from server.config import GatewayConfig, ModelFamily, ServedModel
+from server.size_check import max_token_bytes
 
 # The engine's default context length (``engine.runtime.config.EngineConfig.max_model_len``): a
 # gateway told nothing assumes it, even when config.json allows more, so the two agree.
@@ -38,10 +39,11 @@ def single_token_id(tokenizer: dr.Tokenizer, spelling: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def special_token_ids(path: Path) -> frozenset[int]:
-    """Ids of the added tokens ``tokenizer.json`` marks ``special`` (BOS, EOS, pad, placeholders;
-    not the structural ones such as ``</think>``, which DeepSeek's file marks non-special)."""
-    added = json.loads(path.read_text()).get("added_tokens") or []
+def special_token_ids(spec: dict[str, Any]) -> frozenset[int]:
+    """Ids of the added tokens a parsed ``tokenizer.json`` marks ``special`` (BOS, EOS, pad,
+    placeholders; not the structural ones such as ``</think>``, which DeepSeek's file marks
+    non-special)."""
+    added = spec.get("added_tokens") or []
     return frozenset(int(t["id"]) for t in added if t.get("special"))
 
 
@@ -61,6 +63,7 @@ class ModelCatalog:
     created: int  # reported by /v1/models
     special_ids: frozenset[int] = frozenset()  # tokenizer.json's special added tokens (skip_special_tokens)
     root: str = ""  # the checkpoint directory (or tokenizer package) the names serve, for model cards
+    max_token_bytes: int | None = None  # the longest token in bytes (server.size_check; None: no early check)
 
     def encoding_for(self, version: Any) -> Any:
         return self.encodings[version]
@@ -87,6 +90,7 @@ class ModelCatalog:
         served = {m.name: m for m in served_list}
 
         tokenizer = dr.Tokenizer.from_file(str(tok_path))
+        tok_spec = json.loads(tok_path.read_text())
         encodings: dict[Any, Any] = {}
         for m in served_list:
             version = VERSIONS[m.family]
@@ -121,6 +125,7 @@ class ModelCatalog:
             thinking_end_id=think_end,
             vocab_size=vocab_size,
             created=int(time.time()),
-            special_ids=special_token_ids(tok_path),
+            special_ids=special_token_ids(tok_spec),
             root=str(Path(config.model_dir).resolve()) if config.model_dir else CANONICAL_NAMES[family],
+            max_token_bytes=max_token_bytes(tok_spec),
         )

@@ -45,6 +45,7 @@ from server.handler import SSEResponse, check_model, parse_object, stream_error
 from server.model import ModelCatalog
 from server.prompt_logprobs import legacy_echo, of_run
 from server.schemas import COMPLETIONS, ERROR_RESPONSES, json_body
+from server.size_check import check_prompt_size
 from server.sse import DONE
 from server.state import Gateway
 
@@ -301,9 +302,10 @@ async def create_completion(request: Request) -> Response:
     body = parse_object(raw)
     check_fields(body, ROUTE)
     model = check_model(gw, body)
+    catalog = gw.catalog
+    check_prompt_size(body, ROUTE, catalog.context_len, catalog.max_token_bytes)
     if gw.limiter.enabled:
         gw.limiter.admit(key)
-    catalog = gw.catalog
     p = await gw.render.run(len(raw), parse_completion, body, catalog)  # tokenises text prompts
     constraint = completion_constraint(body, compact=gw.config.compact_json)
     rid, engine_rid = request_ids(request, "cmpl-")

@@ -20,12 +20,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from kvstore.config import KVStoreConfig
 from server.config import GatewayConfig
 from server.engine_client import EngineClient
 from server.errors import GatewayError, InvalidRequest, NotFound
 from server.metrics import GatewayMetrics, route_label
 from server.model import ModelCatalog
 from server.request_id import RequestIdMiddleware
+from server.response_store_redis import open_response_store
 from server.routes import chat, completions, health, messages, metrics, models, responses, tokens
 from server.state import Gateway, HealthProbe
 
@@ -41,6 +43,7 @@ def create_app(
     health_probe: HealthProbe | None = None,
     metrics_sources: list[tuple[str, str]] | None = None,
     lifecycle: Callable[[], AsyncContextManager[Any]] | None = None,
+    kv: KVStoreConfig | None = None,
 ) -> FastAPI:
     """The gateway app over ``engine_client`` (a Router, a WorkerClient, or a test double).
 
@@ -50,14 +53,17 @@ def create_app(
     ``lifecycle``: entered in the lifespan, inside the server's event loop (start/stop the engine
     client there: a Router's background tasks and HTTP sessions belong to that loop). The
     caller owns ``engine_client``; without ``lifecycle`` the app neither starts nor closes it.
+    ``kv``: the KV store's settings (``KVStoreConfig.from_env()`` in a process): their Redis holds
+    the stored Responses when ``config.responses_store`` says so (``server/response_store_redis.py``).
     """
     gm = gateway_metrics or GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = open_response_store(config.responses_store, config.response_store(), kv or KVStoreConfig(), config.responses_redis_prefix)
         gw = Gateway.build(
             config, engine_client, catalog=catalog, metrics=gm,
-            health_probe=health_probe, metrics_sources=metrics_sources,
+            health_probe=health_probe, metrics_sources=metrics_sources, responses=store,
         )
         app.state.gateway = gw
         async with AsyncExitStack() as stack:
@@ -68,6 +74,7 @@ def create_app(
             finally:
                 await gw.drain_tasks()
                 gw.render.close()
+                await gw.responses.close()
 
     app = FastAPI(
         title="deepserve gateway",

@@ -60,6 +60,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     """Serve the gateway in front of ``--engine-url`` (an engine worker or a router service)."""
     import uvicorn
 
+    from kvstore.config import KVStoreConfig
     from server.app import create_app
     from server.engine_client import make_engine_client
     from server.metrics import GatewayMetrics
@@ -89,7 +90,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         return await asyncio.to_thread(up_module.http_ok, health_url)
 
     gm = GatewayMetrics()
-    app = create_app(config, client, gateway_metrics=gm, lifecycle=lifecycle, health_probe=health)
+    app = create_app(config, client, gateway_metrics=gm, lifecycle=lifecycle, health_probe=health, kv=KVStoreConfig.from_env())
     uvicorn.run(app, access_log=args.access_log, **config.uvicorn_options(on_reject=gm.reject))
     return 0
 

@@ -41,6 +41,8 @@ ENV_VARS: dict[str, str] = {
     "responses_max_stored": "DEEPSERVE_RESPONSES_MAX_STORED",
     "responses_max_stored_bytes": "DEEPSERVE_RESPONSES_MAX_STORED_BYTES",
     "responses_ttl_s": "DEEPSERVE_RESPONSES_TTL",
+    "responses_store": "DEEPSERVE_RESPONSES_STORE",
+    "responses_redis_prefix": "DEEPSERVE_RESPONSES_REDIS_PREFIX",
     "render_threads": "DEEPSERVE_RENDER_THREADS",
     "header_timeout_s": "DEEPSERVE_HEADER_TIMEOUT",
     "max_connections": "DEEPSERVE_MAX_CONNECTIONS",
@@ -91,6 +93,11 @@ class GatewayConfig:
     responses_max_stored: int = 1024
     responses_max_stored_bytes: int = 256 << 20
     responses_ttl_s: float = 3600.0  # seconds an unchanged stored response is kept
+    # Where: "redis" (the KV store's server, DEEPSERVE_KV_REDIS_URL and its password / TLS files:
+    # shared by every gateway on it), "memory" (this gateway only), "auto": redis when
+    # DEEPSERVE_KV_TIERS includes it. The prefix of the Redis keys.
+    responses_store: str = "auto"
+    responses_redis_prefix: str = "deepserve:responses"
     # Conversion and tokenisation of bodies of at least render_inline_bytes run on this many
     # threads, off the event loop (server/render_pool.py); smaller ones inline.
     render_threads: int = 2
@@ -120,6 +127,8 @@ class GatewayConfig:
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together")
         self.response_store()  # validates its bounds
+        if self.responses_store not in ("auto", "memory", "redis"):
+            raise ValueError(f"responses_store must be auto, memory or redis, got {self.responses_store!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         for spec in self.served_model_names:
@@ -270,6 +279,12 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-max-stored", type=int, help="stored Responses kept at most (LRU; default 1024)")
     p.add_argument("--responses-max-stored-bytes", type=int, help="bytes of stored Responses JSON at most (default 256 MiB)")
     p.add_argument("--responses-ttl", dest="responses_ttl_s", type=float, help="seconds a stored Response is kept (default 3600)")
+    p.add_argument(
+        "--responses-store", choices=("auto", "memory", "redis"),
+        help="where stored Responses live: redis (the KV store's DEEPSERVE_KV_REDIS_URL, shared by gateways), "
+        "memory, or auto (redis when DEEPSERVE_KV_TIERS has it; the default)",
+    )
+    p.add_argument("--responses-redis-prefix", help="key prefix of stored Responses in Redis (default deepserve:responses)")
     p.add_argument("--render-threads", type=int, help="threads rendering large request bodies off the event loop (default 2)")
     p.add_argument("--header-timeout", dest="header_timeout_s", type=float, help="seconds a connection has to send its request headers (default 10)")
     p.add_argument("--max-connections", type=int, help="open client connections at most (default 2048; more: 503)")

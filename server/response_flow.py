@@ -6,11 +6,16 @@
 - ``previous_response_id``: the stored conversation (that response's input items, then its output
   items) goes before this request's ``input``; the previous ``instructions`` are not carried over
   (OpenAI's rule). Unknown, expired, deleted or another API key's id: 404; one still running: 400;
-- ``background: true`` (needs ``store``; not with ``stream``): the reply is the response at once
-  with ``status: queued``; a gateway task runs it (``in_progress``, then ``completed`` /
-  ``incomplete`` / ``failed``, or ``cancelled`` by ``POST /v1/responses/{id}/cancel``), and
-  ``GET /v1/responses/{id}`` polls it. The run keeps its admission slot and ``request_timeout_s``.
-Stored ids are unique even when the client sent ``X-Request-Id`` (a random tail is added).
+- ``background: true`` (needs ``store``; not with ``stream``: a 400 naming ``background``): the
+  reply is the response at once with ``status: queued``; a task of this gateway runs it
+  (``in_progress``, then ``completed`` / ``incomplete`` / ``failed``, or ``cancelled`` by
+  ``POST /v1/responses/{id}/cancel``), and ``GET /v1/responses/{id}`` polls it. The run keeps its
+  admission slot and ``request_timeout_s``. With a shared store a cancel or delete may come
+  through another gateway: the run reads its record every ``poll_s`` and stops when it is
+  cancelled or gone, and its own writes are conditional (``put(if_running=True)``), so they never
+  undo that cancel or delete.
+Stored ids are unique even when the client sent ``X-Request-Id`` (a random tail is added). A
+record keeps a digest of the API key, not the key (``owner_id``).
 """
 
 from __future__ import annotations
@@ -27,10 +32,9 @@ from starlette.responses import Response
 from server.errors import GatewayError, InvalidRequest, NotFound
 from server.extensions import bool_field
 from server.handler import Answer, collect
-from server.response_store import ResponseStore, StoredResponse
+from server.response_store import ResponseStore, StoredResponse, owner_id
 from server.state import Gateway
 
-FINAL = ("completed", "incomplete", "failed", "cancelled")
 _FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _WITH_RESPONSE = _FINAL_EVENTS | {"response.created", "response.in_progress", "response.queued"}
 
@@ -39,10 +43,10 @@ def not_found(response_id: str, param: str | None = None) -> NotFound:
     return NotFound(f"Response with id '{response_id}' not found.", param=param)
 
 
-def lookup(store: ResponseStore, response_id: str, owner: str, param: str | None = None) -> StoredResponse:
-    """The stored response ``owner`` (the API key) may see; 404 otherwise."""
-    entry = store.get(response_id)
-    if entry is None or entry.owner != owner:
+async def lookup(store: ResponseStore, response_id: str, key: str, param: str | None = None) -> StoredResponse:
+    """The stored response ``key`` (the API key, or client address) may see; 404 otherwise."""
+    entry = await store.get(response_id)
+    if entry is None or entry.owner != owner_id(key):
         raise not_found(response_id, param)
     return entry
 
@@ -63,7 +67,7 @@ class ResponsesFlow:
     """One Responses request's use of the store; see the module docstring."""
 
     gw: Gateway
-    owner: str  # the API key (or client address) the stored response belongs to
+    key: str  # the API key (or client address) the stored response belongs to
     keep: bool = True
     background: bool = False
     previous_id: str | None = None
@@ -72,7 +76,7 @@ class ResponsesFlow:
     rid: str = ""
 
     @classmethod
-    def read(cls, gw: Gateway, body: dict[str, Any], owner: str) -> ResponsesFlow:
+    async def read(cls, gw: Gateway, body: dict[str, Any], key: str) -> ResponsesFlow:
         """Validate ``store`` / ``background`` / ``previous_response_id`` (400 / 404 naming them)."""
         keep = bool_field(body, "store", True)
         background = bool_field(body, "background", False)
@@ -86,14 +90,15 @@ class ResponsesFlow:
         if previous_id is not None:
             if not isinstance(previous_id, str):
                 raise InvalidRequest("Invalid type for 'previous_response_id': expected a string.", param="previous_response_id")
-            previous = lookup(gw.responses, previous_id, owner, "previous_response_id")
-            if previous.response.get("status") not in ("completed", "incomplete"):
+            previous = await lookup(gw.responses, previous_id, key, "previous_response_id")
+            if previous.status not in ("completed", "incomplete"):
                 raise InvalidRequest(
-                    f"Previous response '{previous_id}' is {previous.response.get('status')}; it cannot be continued.",
+                    f"Previous response '{previous_id}' is {previous.status}; it cannot be continued.",
                     param="previous_response_id",
                 )
-            history, added = list(previous.history), previous.size
-        return cls(gw, owner, keep, background, previous_id, history + _items(body.get("input")), added)
+            history = list(previous.history)
+            added = len(json.dumps(history, ensure_ascii=False))
+        return cls(gw, key, keep, background, previous_id, history + _items(body.get("input")), added)
 
     # ---- AnswerHooks ------------------------------------------------------------------------------
     @property
@@ -103,69 +108,85 @@ class ResponsesFlow:
     def body(self, body: dict[str, Any]) -> dict[str, Any]:
         return {**body, "input": self.history} if self.previous_id is not None else body
 
-    def finish(self, text: str) -> str:
-        return self._done(json.loads(text))
+    async def finish(self, text: str) -> str:
+        return await self._done(json.loads(text))
 
-    def event(self, name: str, text: str) -> str:
+    async def event(self, name: str, text: str) -> str:
         if name not in _WITH_RESPONSE:
             return text
         event = json.loads(text)
         if name in _FINAL_EVENTS:
-            event["response"] = json.loads(self._done(event["response"]))
+            event["response"] = json.loads(await self._done(event["response"]))
         else:
             event["response"] = self._settings(event["response"])
         return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
 
-    def _done(self, response: dict[str, Any]) -> str:
-        """The finished response as sent, stored when asked (not when deleted meanwhile)."""
+    async def _done(self, response: dict[str, Any]) -> str:
+        """The finished response as sent, stored when asked (a background one only while its
+        record is still running: not over a cancel or delete)."""
         response = self._settings(response)
-        if self.keep and not (self.background and self.gw.responses.get(response["id"]) is None):
-            self._store(response)
+        if self.keep:
+            await self._store(response, if_running=self.background)
         return json.dumps(response, ensure_ascii=False, separators=(",", ":"))
 
     def _settings(self, response: dict[str, Any]) -> dict[str, Any]:
         """``response`` reporting this request's store / background / previous_response_id."""
         return {**response, "store": self.keep, "background": self.background, "previous_response_id": self.previous_id}
 
-    def detach(self, answer: Answer) -> Response | None:
+    async def detach(self, answer: Answer) -> Response | None:
         if not self.background:
             return None
         self.rid = answer.rid
         queued = json.loads(dr.ResponsesResponse(answer.rid, answer.model, int(time.time()), 0, 0).to_json())
-        entry = self._store(self._settings({**queued, "status": "queued"}))
-        entry.task = self.gw.spawn(self._run(answer))
+        entry = await self._store(self._settings({**queued, "status": "queued"}))
+        task = self.gw.spawn(self._run(answer))
+        self.gw.background[self.rid] = task
+        task.add_done_callback(lambda _: self.gw.background.pop(self.rid, None))
         return Response(json.dumps(entry.response, ensure_ascii=False), media_type="application/json")
 
     # ---- the store --------------------------------------------------------------------------------
-    def _store(self, response: dict[str, Any]) -> StoredResponse:
-        """Put ``response`` with the conversation it ends."""
+    async def _store(self, response: dict[str, Any], *, if_running: bool = False) -> StoredResponse:
+        """Put ``response`` with the conversation it ends (``if_running``: only over a running record)."""
         self.rid = response["id"]
-        old = self.gw.responses.get(self.rid)
-        entry = StoredResponse(self.rid, self.owner, response, self.history + list(response.get("output") or ()), len(self.history))
-        if old is not None:
-            entry.task = old.task
-        self.gw.responses.put(entry)
+        entry = StoredResponse(self.rid, owner_id(self.key), response, self.history + list(response.get("output") or ()), len(self.history))
+        await self.gw.responses.put(entry, if_running=if_running)
         return entry
 
-    def _set_status(self, status: str, error: dict[str, Any] | None = None) -> None:
-        entry = self.gw.responses.get(self.rid)
-        if entry is not None and entry.response.get("status") not in FINAL:
+    async def _set_status(self, status: str, error: dict[str, Any] | None = None) -> None:
+        """The stored record's status, while it is still running."""
+        entry = await self.gw.responses.get(self.rid)
+        if entry is not None and entry.running:
             entry.response = {**entry.response, "status": status, **({"error": error} if error else {})}
+            await self.gw.responses.put(entry, if_running=True)
 
     async def _run(self, answer: Answer) -> None:
-        """The background run: the answer collected under the request deadline, then stored."""
-        self._set_status("in_progress")
+        """The background run: the answer collected under the request deadline, then stored;
+        stopped when its record is cancelled or deleted (here or through another gateway)."""
         try:
+            await self._set_status("in_progress")
             async with asyncio.timeout(max(0.0, min(r.deadline for r in answer.runs) - time.perf_counter())):
-                await collect(answer)  # finish() stores the result
+                run = asyncio.ensure_future(collect(answer))  # finish() stores the result
+                try:
+                    while not run.done():
+                        await asyncio.wait([run], timeout=self.gw.responses.config.poll_s)
+                        if not run.done() and not await self._still_wanted():
+                            run.cancel()
+                    await run
+                finally:
+                    run.cancel()
         except TimeoutError:
-            self._set_status("failed", {"code": "timeout", "message": "The response did not finish in time."})
+            await self._set_status("failed", {"code": "timeout", "message": "The response did not finish in time."})
         except GatewayError as exc:
-            self._set_status("failed", {"code": exc.code or exc.type, "message": exc.message})
+            await self._set_status("failed", {"code": exc.code or exc.type, "message": exc.message})
         except asyncio.CancelledError:
-            self._set_status("cancelled")
+            await self._set_status("cancelled")
         finally:
             answer.close()
+
+    async def _still_wanted(self) -> bool:
+        """Whether the record is still running (not cancelled, deleted or expired meanwhile)."""
+        entry = await self.gw.responses.get(self.rid)
+        return entry is not None and entry.running
 
 
 def input_items(entry: StoredResponse, limit: int, order: str, after: str | None) -> dict[str, Any]:
@@ -199,12 +220,23 @@ def _item_resource(item: Any, rid: str, i: int) -> dict[str, Any]:
     return out
 
 
-async def cancel(entry: StoredResponse) -> dict[str, Any]:
-    """``POST /v1/responses/{id}/cancel``: stop a background run; a finished one is returned as it is."""
-    if entry.task is None:
+async def cancel(gw: Gateway, entry: StoredResponse) -> dict[str, Any]:
+    """``POST /v1/responses/{id}/cancel``: stop a background run; a finished one is returned as it
+    is. The record turns ``cancelled`` at once; the run stops here, or, on another gateway, at its
+    next look at the record."""
+    if entry.response.get("background") is not True:
         raise InvalidRequest("Only responses created with background=true can be cancelled.", param="response_id")
     if entry.running:
         entry.response = {**entry.response, "status": "cancelled"}
-        entry.task.cancel()
-        await asyncio.wait([entry.task], timeout=5)
+        if not await gw.responses.put(entry, if_running=True):  # it finished meanwhile: as it is now
+            return (await gw.responses.get(entry.id) or entry).response
+        await stop_run(gw, entry.id)
     return entry.response
+
+
+async def stop_run(gw: Gateway, response_id: str) -> None:
+    """Cancel the background run of ``response_id`` when this gateway runs it, and wait for it."""
+    task = gw.background.get(response_id)
+    if task is not None:
+        task.cancel()
+        await asyncio.wait([task], timeout=5)

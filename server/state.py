@@ -17,7 +17,7 @@ from server.limits import Admission, RateLimiter, authenticate, read_body
 from server.metrics import GatewayMetrics
 from server.model import ModelCatalog
 from server.render_pool import RenderPool
-from server.response_store import ResponseStore
+from server.response_store import MemoryResponseStore, ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class Gateway:
     render: RenderPool  # conversion and tokenisation of large bodies, off the event loop
     health_probe: HealthProbe | None = None
     metrics_sources: list[tuple[str, str]] = field(default_factory=list)  # (worker name, /metrics URL)
+    background: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # response id -> its run here
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     @classmethod
@@ -49,6 +50,7 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         health_probe: HealthProbe | None = None,
         metrics_sources: list[tuple[str, str]] | None = None,
+        responses: ResponseStore | None = None,
     ) -> Gateway:
         admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
         metrics = metrics or GatewayMetrics()
@@ -65,7 +67,7 @@ class Gateway:
             api_keys=config.all_api_keys(),
             limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm, per_key=config.key_limits()),
             admission=admission,
-            responses=ResponseStore(config.response_store()),
+            responses=responses or MemoryResponseStore(config.response_store()),
             render=RenderPool(config.render_threads, config.render_inline_bytes),
             health_probe=health_probe,
             metrics_sources=list(metrics_sources or []),

@@ -322,6 +322,7 @@ def build_engine(workers: WorkerSet, registry: Any) -> tuple[Any, Any, Any]:
 def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False) -> int:
     import uvicorn
 
+    from kvstore.config import KVStoreConfig
     from server.app import create_app
     from server.metrics import GatewayMetrics
 
@@ -345,6 +346,7 @@ def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False)
         app = create_app(
             config, engine, gateway_metrics=gm, health_probe=health, lifecycle=lifecycle,
             metrics_sources=[(w.name, w.url + "/metrics") for w in workers.workers],
+            kv=KVStoreConfig.from_env(workers.worker_env()),  # the workers' KV settings: their Redis, if any
         )
         log.info("deepserve up: gateway on http://%s:%d (%d workers)", config.host, config.port, len(workers.workers))
         server = uvicorn.Server(uvicorn.Config(app, access_log=access_log, **config.uvicorn_options(on_reject=gm.reject)))

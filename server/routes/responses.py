@@ -13,7 +13,7 @@ from starlette.responses import Response
 from server.errors import InvalidRequest
 from server.handler import MakeGenerator, RecipeProtocol, serve_recipe
 from server.inputs import prepare_responses
-from server.response_flow import ResponsesFlow, cancel, input_items, lookup
+from server.response_flow import ResponsesFlow, cancel, input_items, lookup, not_found, stop_run
 from server.schemas import ERROR_RESPONSES, RESPONSES, json_body
 from server.state import Gateway
 
@@ -70,7 +70,7 @@ async def get_response(request: Request, response_id: str) -> Response:
     owner = gw.authenticate(request)
     if _query(request, ("stream",)).get("stream", "false") != "false":
         raise InvalidRequest("Streaming a stored response is not supported; poll without 'stream'.", param="stream")
-    return _json(lookup(gw.responses, response_id, owner).response)
+    return _json((await lookup(gw.responses, response_id, owner)).response)
 
 
 @router.get("/v1/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
@@ -78,7 +78,7 @@ async def list_input_items(request: Request, response_id: str) -> Response:
     """The input items of a stored response (``limit`` 1-100, default 20; ``order`` desc (default)
     or asc; ``after``: an item id); 404 when unknown."""
     gw: Gateway = request.app.state.gateway
-    entry = lookup(gw.responses, response_id, gw.authenticate(request))
+    entry = await lookup(gw.responses, response_id, gw.authenticate(request))
     q = _query(request, ("limit", "order", "after"))
     limit = q.get("limit", "20")
     if not limit.isdigit() or not 1 <= int(limit) <= 100:
@@ -93,8 +93,10 @@ async def list_input_items(request: Request, response_id: str) -> Response:
 async def delete_response(request: Request, response_id: str) -> Response:
     """Delete a stored response (a running background one is cancelled); 404 when unknown."""
     gw: Gateway = request.app.state.gateway
-    lookup(gw.responses, response_id, gw.authenticate(request))
-    gw.responses.delete(response_id)
+    await lookup(gw.responses, response_id, gw.authenticate(request))
+    if not await gw.responses.delete(response_id):  # deleted or expired meanwhile
+        raise not_found(response_id)
+    await stop_run(gw, response_id)
     return _json({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
@@ -102,4 +104,4 @@ async def delete_response(request: Request, response_id: str) -> Response:
 async def cancel_response(request: Request, response_id: str) -> Response:
     """Cancel a background response (``status: cancelled``); 404 when unknown."""
     gw: Gateway = request.app.state.gateway
-    return _json(await cancel(lookup(gw.responses, response_id, gw.authenticate(request))))
+    return _json(await cancel(gw, await lookup(gw.responses, response_id, gw.authenticate(request))))

@@ -9,12 +9,19 @@ every content chunk recorded with ``time.perf_counter``.
 Endpoints: ``chat`` (``/v1/chat/completions``), ``completions`` (``/v1/completions``), both with
 ``stream_options.include_usage``; and ``internal`` (``/internal/generate`` of
 ``deepserve/protocol/messages.py``: token ids in, NDJSON token events out) for engine workers and our router.
+
+What a streamed OpenAI answer's times mean is ``vllm bench serve``'s (``Sample.observe``; read from
+vLLM's ``benchmarks/lib/endpoint_request_func.py``): every SSE data message whose ``choices`` is
+non-empty is a chunk, its text empty or not; TTFT is the first chunk's arrival; each later chunk
+adds one ITL, the gap since the previous message (chat) or the previous chunk (completions); the
+end-to-end latency (E2EL) is the last message's arrival for chat (the usage chunk included) and the
+last chunk's for completions. The output length is the usage chunk's ``completion_tokens``
+(without one, vLLM re-tokenises the text; we count the chunks).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import random
 import time
@@ -100,8 +107,10 @@ class Sample:
     expected_output: int
     start: float = 0.0
     ttft: float | None = None
-    e2e: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk, from send
+    e2e: float | None = None  # vLLM's E2EL: the last message's arrival (module docstring), from send
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk (non-empty choices), from send
+    itls: list[float] = field(default_factory=list)  # vLLM's ITL: one per chunk after the first
+    last_message: float | None = None  # arrival of the latest data message (chat ITLs count from it)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
@@ -119,16 +128,29 @@ class Sample:
         return len(self.chunk_times)
 
     @property
-    def itls(self) -> list[float]:
-        t = self.chunk_times
-        return [b - a for a, b in itertools.pairwise(t)]
-
-    @property
     def tpot(self) -> float | None:
+        """vLLM's TPOT: ``(E2EL - TTFT) / (output tokens - 1)``; None for one token or none."""
         n = self.output_tokens
         if self.ttft is None or self.e2e is None or n < 2:
             return None
         return (self.e2e - self.ttft) / (n - 1)
+
+    def observe(self, t: float, chunk: dict, chat: bool) -> None:
+        """One SSE data message that arrived ``t`` seconds after the send (vLLM's rules, in the
+        module docstring)."""
+        if chunk.get("choices"):
+            if self.ttft is None:
+                self.ttft = t
+            else:
+                since = self.last_message if chat and self.last_message is not None else self.chunk_times[-1]
+                self.itls.append(t - since)
+            self.chunk_times.append(t)
+            self.e2e = t
+        elif chunk.get("usage"):
+            _usage_into(self, chunk["usage"])
+        if chat:
+            self.e2e = t
+        self.last_message = t
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -202,17 +224,7 @@ async def _read_openai_stream(resp: aiohttp.ClientResponse, sample: Sample, t0: 
         if chunk.get("error"):
             sample.error, sample.error_detail = "stream_error", str(chunk["error"])[:300]
             return
-        for choice in chunk.get("choices") or ():
-            if chat:
-                delta = choice.get("delta") or {}
-                has = delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
-            else:
-                has = choice.get("text")
-            if has:
-                sample.chunk_times.append(now - t0)
-                break
-        if chunk.get("usage"):
-            _usage_into(sample, chunk["usage"])
+        sample.observe(now - t0, chunk, chat)
     if not done:
         sample.error = "incomplete"
 
@@ -229,6 +241,8 @@ async def _read_internal_stream(resp: aiohttp.ClientResponse, sample: Sample, t0
             return
         ids = ev.get("token_ids") or ()
         if ids:
+            if sample.chunk_times:
+                sample.itls.append(now - t0 - sample.chunk_times[-1])
             sample.chunk_times.append(now - t0)
             n_tokens += len(ids)
         if ev.get("num_prompt_tokens"):
@@ -259,6 +273,7 @@ async def send_one(session: aiohttp.ClientSession, cfg: ClientConfig, url: str, 
             else:
                 d = _loads(await resp.read())
                 sample.chunk_times.append(time.perf_counter() - t0)
+                sample.ttft = sample.e2e = sample.chunk_times[0]  # no stream: the first token is the whole answer
                 if d.get("usage"):
                     _usage_into(sample, d["usage"])
     except TimeoutError:
@@ -271,8 +286,8 @@ async def send_one(session: aiohttp.ClientSession, cfg: ClientConfig, url: str, 
         sample.error, sample.error_detail = "client_error", f"{type(exc).__name__}: {exc}"[:300]
     except ValueError as exc:  # JSON decoding
         sample.error, sample.error_detail = "bad_json", str(exc)[:300]
-    t1 = time.perf_counter()
-    sample.e2e = t1 - t0
+    if cfg.endpoint == "internal" or sample.e2e is None:  # the internal stream's E2E: until it ends
+        sample.e2e = time.perf_counter() - t0
     if sample.error is None:
         if not sample.chunk_times:
             sample.error = "no_tokens"
@@ -342,11 +357,7 @@ async def run_async(
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(i)))
             await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t_start
-    ends = [s.start + s.e2e for s in samples if s.e2e is not None]
-    starts = [s.start for s in samples]
-    if ends:
-        duration = max(ends) - min(starts)
+        duration = time.perf_counter() - t_start  # vLLM's: the first send is paced from here, to the last answer
     return RunResult(pacing, samples, duration, wall_start)
 
 

@@ -1,5 +1,18 @@
 """Summaries of a bench run: throughput, latency percentiles, goodput, cache hits, errors;
-the end-of-run table, the JSON document (every raw sample) and the PNG plots."""
+the end-of-run table, the JSON document (every raw sample) and the PNG plots.
+
+The figures are ``vllm bench serve``'s (its ``calculate_metrics``, read to learn the definitions),
+over the completed requests: total input tokens = the dataset's prompt lengths (the server's own
+count, template tokens included, is ``server_input_tokens``); total output tokens = the usage
+chunk's counts; request / output / total-token throughput = completed requests, output tokens,
+input + output tokens over the run's duration (first send paced to the last answer); TTFT, E2EL
+and ITL per ``Sample`` (``bench/client.py``); TPOT = ``(E2EL - TTFT) / (output - 1)`` over the
+requests with more than one output token; mean, median, population std and linear-interpolated
+percentiles (numpy's); goodput = completed requests meeting every SLO given (TTFT, TPOT (0 for one
+token), E2EL; a value equal to its SLO meets it) per second; peak output throughput = the most
+chunks in one whole second since the first send, with the requests in flight in that second.
+Where vLLM prints 0 for an empty set, these are None.
+"""
 
 from __future__ import annotations
 
@@ -19,36 +32,73 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class SLO:
-    ttft: float | None = None  # seconds
-    itl: float | None = None  # seconds, compared with each request's mean time per output token
+    """Service-level objectives for goodput, in seconds (vLLM's ``--goodput ttft:MS tpot:MS e2el:MS``)."""
+
+    ttft: float | None = None
+    tpot: float | None = None  # each request's (E2EL - TTFT) / (output - 1); 0 for one output token
+    e2el: float | None = None
 
     def met(self, s: Sample) -> bool:
         if not s.ok:
             return False
-        if self.ttft is not None and (s.ttft is None or s.ttft > self.ttft):
-            return False
-        tpot = s.tpot
-        return not (self.itl is not None and tpot is not None and tpot > self.itl)
+        tpot = s.tpot or 0.0
+        return all(
+            limit is None or (value is not None and value <= limit)
+            for limit, value in ((self.ttft, s.ttft), (self.tpot, tpot), (self.e2el, s.e2e))
+        )
 
     @property
     def given(self) -> bool:
-        return self.ttft is not None or self.itl is not None
+        return self.ttft is not None or self.tpot is not None or self.e2el is not None
+
+    @classmethod
+    def parse(cls, specs: Sequence[str]) -> SLO:
+        """vLLM's ``--goodput`` form: ``["ttft:200", "tpot:50"]`` (milliseconds)."""
+        kw: dict[str, float] = {}
+        for spec in specs:
+            name, sep, value = spec.partition(":")
+            if not sep or name not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, not {spec!r}")
+            if float(value) < 0:
+                raise ValueError(f"--goodput {spec}: a value >= 0")
+            kw[name] = float(value) / 1000.0
+        return cls(**kw)
 
 
-def dist(values: Sequence[float]) -> dict[str, float | None]:
-    """mean and p50/p90/p99 (``None`` when empty)."""
+def dist(values: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> dict[str, float | None]:
+    """mean, median, population std and the percentiles (``None`` when empty)."""
     if not len(values):
-        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+        return {"mean": None, "median": None, "std": None, **{f"p{p:g}": None for p in percentiles}}
     a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
+    return {
+        "mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
+        **{f"p{p:g}": float(np.percentile(a, p)) for p in percentiles},
+    }
 
 
-def summarize(result: RunResult, slo: SLO = SLO()) -> dict:
+def peak_output(samples: Sequence[Sample]) -> tuple[float, int]:
+    """(the most chunks that arrived in one whole second since the first send, the most requests in
+    flight in one such second): two maxima, each over its own second, as vLLM reports them."""
+    if not samples:
+        return 0.0, 0
+    t0 = min(s.start for s in samples)
+    seconds = int(np.ceil(max(s.start + (s.e2e or 0.0) for s in samples) - t0)) + 1
+    chunks, busy = np.zeros(seconds), np.zeros(seconds)
+    for s in samples:
+        for t in s.chunk_times:
+            chunks[int(s.start + t - t0)] += 1
+        busy[int(s.start - t0) : int(s.start + (s.e2e or 0.0) - t0) + 1] += 1
+    return float(chunks.max()), int(busy.max())
+
+
+def summarize(result: RunResult, slo: SLO = SLO(), percentiles: Sequence[float] = PERCENTILES) -> dict:
     samples = result.samples
     ok = [s for s in samples if s.ok]
     dur = max(result.duration, 1e-9)
-    prompt = sum(s.prompt_tokens if s.prompt_tokens is not None else s.expected_input for s in ok)
+    prompt = sum(s.expected_input for s in ok)
+    served = [s.prompt_tokens for s in ok]
     output = sum(s.output_tokens for s in ok)
+    peak, in_flight = peak_output(ok)
     with_usage = [s for s in ok if s.cached_tokens is not None and s.prompt_tokens]
     hit = (sum(s.cached_tokens for s in with_usage) / sum(s.prompt_tokens for s in with_usage)) if with_usage else None
     itls = [g for s in ok for g in s.itls]
@@ -61,18 +111,22 @@ def summarize(result: RunResult, slo: SLO = SLO()) -> dict:
         "request_throughput": len(ok) / dur,
         "input_throughput": prompt / dur,
         "output_throughput": output / dur,
+        "total_token_throughput": (prompt + output) / dur,
+        "peak_output_throughput": peak,
+        "peak_concurrent_requests": in_flight,
         "total_input_tokens": prompt,
+        "server_input_tokens": sum(served) if ok and None not in served else None,  # type: ignore[arg-type]
         "total_output_tokens": output,
-        "ttft_s": dist([s.ttft for s in ok if s.ttft is not None]),
-        "itl_s": dist(itls),
-        "tpot_s": dist([t for s in ok if (t := s.tpot) is not None]),
-        "e2e_s": dist([s.e2e for s in ok if s.e2e is not None]),
+        "ttft_s": dist([s.ttft for s in ok if s.ttft is not None], percentiles),
+        "itl_s": dist(itls, percentiles),
+        "tpot_s": dist([t for s in ok if (t := s.tpot) is not None], percentiles),
+        "e2e_s": dist([s.e2e for s in ok if s.e2e is not None], percentiles),
         "cache_hit_rate": hit,
         "errors": dict(Counter(s.error for s in samples if s.error)),
     }
     if slo.given:
         good = sum(1 for s in samples if slo.met(s))
-        summary["slo"] = {"ttft_s": slo.ttft, "itl_s": slo.itl}
+        summary["slo"] = {"ttft_s": slo.ttft, "tpot_s": slo.tpot, "e2el_s": slo.e2el}
         summary["goodput"] = good / dur
         summary["slo_attainment"] = good / len(samples) if samples else 0.0
     return summary
@@ -91,9 +145,11 @@ def format_table(summaries: Sequence[dict]) -> str:
         ("requests/s", [f"{s['request_throughput']:.2f}" for s in summaries]),
         ("input tokens/s", [f"{s['input_throughput']:.1f}" for s in summaries]),
         ("output tokens/s", [f"{s['output_throughput']:.1f}" for s in summaries]),
+        ("total tokens/s", [f"{s['total_token_throughput']:.1f}" for s in summaries]),
+        ("peak output chunks/s", [f"{s['peak_output_throughput']:.0f}" for s in summaries]),
     ]
     for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
-        for stat in ("mean", "p50", "p90", "p99"):
+        for stat in [k for k in summaries[0][key] if k != "std"]:
             rows.append((f"{name} {stat} (ms)", [_ms(s[key][stat]) for s in summaries]))
     rows.append(("cache hit rate", ["-" if s["cache_hit_rate"] is None else f"{s['cache_hit_rate']:.1%}" for s in summaries]))
     if any("goodput" in s for s in summaries):
@@ -164,11 +220,11 @@ def write_plots(out_dir: str | Path, results: Sequence[RunResult], summaries: Se
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         x = [s["output_throughput"] for s in summaries]
         for ax, key, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
-            for stat in ("p50", "p99"):
+            for stat in ("median", [k for k in summaries[0][key] if k.startswith("p")][-1]):
                 y = [(s[key][stat] or float("nan")) * 1000 for s in summaries]
                 ax.plot(x, y, marker="o", label=f"{name} {stat}")
             for xi, s in zip(x, summaries):
-                ax.annotate(s["pacing"], (xi, (s[key]["p50"] or 0) * 1000), fontsize=7)
+                ax.annotate(s["pacing"], (xi, (s[key]["median"] or 0) * 1000), fontsize=7)
             ax.set_xlabel("output tokens/s")
             ax.set_ylabel("ms")
             ax.set_title(f"throughput vs {name}")

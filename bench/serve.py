@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per run (default: the workload's, or 100; a dataset's 1000)")
     p.add_argument("--time-scale", type=float, default=1.0, help="trace replay: multiply inter-arrival times by this")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds (for goodput)")
-    p.add_argument("--slo-itl", type=float, default=None, help="time-per-output-token SLO, seconds (for goodput)")
+    p.add_argument("--slo-tpot", "--slo-itl", dest="slo_tpot", type=float, default=None, help="TPOT SLO, seconds (for goodput)")
+    p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO, seconds (for goodput)")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                   help="vllm bench serve's form of the SLOs: ttft:MS tpot:MS e2el:MS (milliseconds; overrides --slo-*)")
+    p.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles to report (default 50,90,99)")
     p.add_argument("--output", default=None, help="write JSON with the config, summaries and every raw sample")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (latency CDFs, throughput-latency)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of the endpoint's /v1/models)")
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         pacings = [Pacing(concurrency=1)]
     print(f"workload {wl.name}: {wl.stats()}", file=sys.stderr)
     bodies = render_bodies(rows, cfg, wl.prompts)
-    slo = SLO(args.slo_ttft, args.slo_itl)
+    slo = SLO.parse(args.goodput) if args.goodput else SLO(args.slo_ttft, args.slo_tpot, args.slo_e2el)
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     results: list[RunResult] = []
     summaries: list[dict] = []
     for pacing in pacings:
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         result = asyncio.run(run_async(rows, cfg, pacing, on_done=done, bodies=bodies))
         bar.close()
         results.append(result)
-        summaries.append(summarize(result, slo))
+        summaries.append(summarize(result, slo, percentiles))
     print(format_table(summaries))
     if args.output:
         config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}

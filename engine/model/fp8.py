@@ -18,10 +18,12 @@ unchanged; the loader dequantises them today (not done: a loader option that kee
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import DEFAULT, Fp8GemmConfig, fp8_linear, scales_to_fp32
+from kernels.fp8_gemm import BLOCK, DEFAULT, Fp8GemmConfig, fp8_linear, scales_to_fp32
 from kernels.moe_fp8 import quantize_blocks
 
 
@@ -40,6 +42,48 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.config)  # (T, N)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class Fp8Weight(NamedTuple):
+    """A linear's FP8 weight as the fused decode step reads it: e4m3 ``q (N, K)``, fp32 block scales ``s``."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+
+
+Weight = torch.Tensor | Fp8Weight  # a dense weight (N, K) in the model's dtype, or an FP8 one
+
+
+def weight_of(linear: nn.Module) -> Weight:
+    """``linear``'s weight: ``Fp8Weight`` for an ``Fp8Linear``, else its dense ``weight`` tensor."""
+    if isinstance(linear, Fp8Linear):
+        return Fp8Weight(linear.weight, linear.weight_scale)
+    return linear.weight
+
+
+def merge_weights(weights: list[Weight]) -> list[tuple[Weight, tuple[int, ...]]]:
+    """Runs of same-kind weights of one input concatenated along N (one GEMM each), with each
+    run's output widths: dense runs always, FP8 runs while every part but the last has whole
+    128-row scale blocks (so the scale grids stack)."""
+    runs: list[tuple[Weight, tuple[int, ...]]] = []
+    group: list[Weight] = []
+
+    def close() -> None:
+        if group:
+            if isinstance(group[0], Fp8Weight):
+                merged: Weight = Fp8Weight(torch.cat([w.q for w in group]).contiguous(), torch.cat([w.s for w in group]).contiguous())
+            else:
+                merged = torch.cat(group).contiguous()
+            runs.append((merged, tuple(w[0].shape[0] if isinstance(w, Fp8Weight) else w.shape[0] for w in group)))
+            group.clear()
+
+    for w in weights:
+        fp8 = isinstance(w, Fp8Weight)
+        if group and (fp8 != isinstance(group[0], Fp8Weight) or fp8 and group[-1].q.shape[0] % BLOCK):
+            close()
+        group.append(w)
+    close()
+    return runs
 
 
 def keeps_native_weights(model: nn.Module) -> bool:

@@ -39,6 +39,7 @@ from engine.model import cpu_fused, cpu_layer, cpu_slots, slot_rewind
 from kernels.reference import attend_with_sinks, hide
 from engine.model.attention import Attention, Compressor, Indexer, Projected
 from engine.model.decode import pad_bias, pick_rows, pool_windows
+from engine.model.fp8 import keeps_native_weights
 from engine.model.rope import Rotary
 from engine.model.static_decode import CompPool, LayerPool, StaticDecoder
 
@@ -77,6 +78,8 @@ class HostDecoder(StaticDecoder):
     output = "hidden"
 
     def __init__(self, model, max_slots: int, max_tokens: int, compiled: bool = True, verify_width: int = 1) -> None:
+        if keeps_native_weights(model):  # its compiled loops read the weights as dense numpy views
+            raise ValueError("the host slot decoder needs dequantised weights: load with load_model(fp8=None, fp4_experts=False)")
         super().__init__(model, max_slots, max_tokens, use_graphs=False, fused=False, merge_proj=False, verify_width=verify_width)
         self.compiled = compiled  # layers (cpu_layer), attention and compressors (cpu_slots) compiled where they run
         self._packed: list[cpu_layer.LayerWeights | None] | None = None

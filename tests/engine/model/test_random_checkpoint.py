@@ -126,12 +126,14 @@ def test_fp4_experts_kept_packed(narrow_dir: Path) -> None:
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
-def test_slot_decoders_refuse_native_weights(narrow_dir: Path) -> None:
-    from engine.model.static_decode import StaticDecoder
+def test_host_slot_decoder_refuses_native_weights(narrow_dir: Path) -> None:
+    """The CPU slot decoder's compiled loops read dense weights: a native model is refused (the
+    engine then decodes it on the general path); ``StaticDecoder`` takes it (test_static_decode_native)."""
+    from engine.model.host_decode import HostDecoder
 
     model = load_model(narrow_dir, dtype="float32", progress=False, fp4_experts=True)
     with pytest.raises(ValueError, match="dequantised weights"):
-        StaticDecoder(model, max_slots=2, max_tokens=64)
+        HostDecoder(model, max_slots=2, max_tokens=64)
 
 
 def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, tmp_path: Path) -> None:

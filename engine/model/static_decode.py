@@ -30,6 +30,14 @@ projection; the shared expert next to the router), captured as parallel branches
 Index rows the layers share (window ring row and length, compressed row count and start) are
 computed on the host with the step's inputs.
 
+Native weights (``load_model(fp8=..., fp4_experts=True)``: the checkpoint's FP8 linears and FP4
+experts kept as stored): an ``Fp8Linear`` runs through ``kernels.fp8_gemm`` (activations quantised
+per 1×128 group) and at batch 1 through ``kernels.fp8_gemv`` (the same function, dequantised in
+registers); the merged x projection becomes one GEMM per run of same-kind weights
+(``fp8.merge_weights``: the FP8 q_a + kv, the bf16 compressor and indexer projections); FP4 routed
+experts run through ``kernels.moe_fp4``'s grouped kernel at every batch size, the FP8 shared
+expert through the FP8 linears. Dense (bf16) weights stay the parity path.
+
 Prefill stays on the general path: ``load(slot, state)`` imports a ``SequenceState`` (normal
 mode, not a replay) into a slot, ``export(slot)`` gives it back. ``step(slots, token_ids)``
 runs one decode token for each listed slot and returns the float32 logits ``(n, V)``; with
@@ -50,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.model.fp8 import Fp8Linear, Fp8Weight, Weight, merge_weights, weight_of
 from engine.model import slot_rewind
 from engine.model.attention import Attention, Compressor, Projected
 from engine.model.layers import (
@@ -66,11 +75,15 @@ from kernels import fused as fk
 from kernels._common import use_triton
 from kernels.compressor import gated_pool
 from kernels.decode_attention import decode_attention
+from kernels.fp8_gemm import DEFAULT as FP8_GEMM
+from kernels.fp8_gemm import Fp8GemmConfig, fp8_linear
+from kernels.fp8_gemv import fp8_gemv
 from kernels.gemv import gemv
 from kernels.gemv import use_gemv as use_dense_gemv
 from kernels.indexer import indexer_scores, mask_topk
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import moe_experts, route
+from kernels.moe_fp4 import moe_experts_fp4
 from kernels.moe_fp8 import moe_experts_fp8
 from kernels.moe_gemv import MoEGemvTuning, moe_gemv, shared_act, use_gemv
 
@@ -94,6 +107,7 @@ class DecodeTuning:
     (``kernels.gemv``, a programmatic dependent launch with ``gemv_pdl``) instead of cuBLAS
     (small-tile GEMMs and split-K reduces at ~2.2-3.5 TB/s; NOTES run 14). ``moe_gemv``: when the
     routed + shared experts of a few slots run as two GEMV kernels, and their launches.
+    ``fp8``: the FP8 GEMM's tiling for native FP8 linears (above batch 1, or without ``dense_gemv``).
     """
 
     side_stream: bool = True
@@ -102,6 +116,7 @@ class DecodeTuning:
     dense_gemv: bool = True
     gemv_pdl: bool = True
     moe_gemv: MoEGemvTuning = field(default_factory=MoEGemvTuning)
+    fp8: Fp8GemmConfig = FP8_GEMM
 
 
 DECODE = DecodeTuning()  # the default
@@ -125,10 +140,10 @@ class LayerPool:
     swa: torch.Tensor  # (S+1, W, D)
     comp: CompPool | None
     index: CompPool | None
-    # the fused step's projections of the attention input x in one GEMM (``merge_proj``):
-    # rows [q_a | kv | comp kv | comp gate | indexer kv | indexer gate | indexer weights]
-    xproj: torch.Tensor | None = None
-    xsplit: tuple[int, ...] = ()
+    # the fused step's projections of the attention input x (``merge_proj``), rows
+    # [q_a | kv | comp kv | comp gate | indexer kv | indexer gate | indexer weights] in one GEMM
+    # per run of same-kind weights (``fp8.merge_weights``), each with its parts' widths
+    xproj: list[tuple[Weight, tuple[int, ...]]] = field(default_factory=list)
 
 
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
@@ -166,10 +181,6 @@ class StaticDecoder:
         tuning: DecodeTuning = DECODE,
         verify_width: int = 1,
     ) -> None:
-        from engine.model.fp8 import keeps_native_weights
-
-        if keeps_native_weights(model):  # the slot step reads bf16 weights directly (merged projections, GEMVs)
-            raise ValueError("the slot decoders need dequantised weights: load with load_model(fp8=None, fp4_experts=False)")
         self.model = model
         self.tuning = tuning
         self.cfg = model.config
@@ -246,8 +257,7 @@ class StaticDecoder:
                         if attn.indexer is not None:
                             idx = attn.indexer
                             mods += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
-                    lp.xproj = torch.cat([m.weight for m in mods]).contiguous()
-                    lp.xsplit = tuple(m.weight.shape[0] for m in mods)
+                    lp.xproj = merge_weights([weight_of(m) for m in mods])
         self._graphs: dict[int | tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}  # bucket, or (bucket, width) of a verify
         self._side = torch.cuda.Stream(dev) if tuning.side_stream and self.fused and dev.type == "cuda" else None
         # fp32 contiguous copies of the mHC parameters (a bf16 checkpoint's fn/scale/base would be
@@ -564,8 +574,13 @@ class StaticDecoder:
             return hidden, streams, snap
         return self._linear(hidden, model.lm_head.weight, torch.float32)
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for one token."""
+    def _linear(self, x: torch.Tensor, w: Weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``F.linear(x, w)`` (then cast to ``out_dtype``): the GEMV kernel for one token; an
+        ``Fp8Weight`` through the FP8 GEMV (one token) or the block-scaled FP8 GEMM."""
+        if isinstance(w, Fp8Weight):
+            if self.dense_gemv and use_dense_gemv(x):
+                return fp8_gemv(x, w.q, w.s, out_dtype=out_dtype, pdl=self.tuning.gemv_pdl)
+            return fp8_linear(x, w.q, w.s, self.tuning.fp8, out_dtype=out_dtype)
         if self.dense_gemv and use_dense_gemv(x):
             return gemv(x, w, out_dtype=out_dtype, pdl=self.tuning.gemv_pdl)
         y = F.linear(x, w)
@@ -575,7 +590,7 @@ class StaticDecoder:
         """The attention's output projections (``Attention._output_fast``): grouped ``o_a``, ``o_b``."""
         if self.dense_gemv and use_dense_gemv(out):
             grouped = gemv(out.reshape(out.shape[0], -1), attn.o_a_proj.weight, attn.o_groups, pdl=self.tuning.gemv_pdl)
-            return gemv(grouped, attn.o_b_proj.weight, pdl=self.tuning.gemv_pdl)
+            return self._linear(grouped, weight_of(attn.o_b_proj))
         return attn._output_fast(out)
 
     def _hyper_connection_fused(self, hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -595,8 +610,8 @@ class StaticDecoder:
         compressor)."""
         b = x.shape[0]
         cos, sin = self._rope_tab[attn.rope_kind]
-        if lp.xproj is not None:  # one GEMM for every projection of x, then column views
-            parts = list(self._linear(x, lp.xproj).split(lp.xsplit, dim=-1))
+        if lp.xproj:  # one GEMM per run of merged projections of x, then column views
+            parts = [p for w, widths in lp.xproj for p in self._linear(x, w).split(widths, dim=-1)]
         else:
             parts = [attn.q_a_proj(x), attn.kv_proj(x)]
             if attn.compressor is not None:
@@ -616,7 +631,7 @@ class StaticDecoder:
             if idx is not None:
                 with self._branch() as join:
                     self._compress_fused(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
-                    idx_q = fk.norm_rope(self._linear(q_res, idx.q_b_proj.weight).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+                    idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
                     scores = indexer_scores(
                         idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
                         idx.softmax_scale * idx.weights_scaling, t_max=tc,
@@ -634,7 +649,7 @@ class StaticDecoder:
         if row_idx is None:  # no indexer on the side stream: the kv path goes there
             with self._branch() as join:
                 kv_path()
-        q = fk.norm_rope(self._linear(q_res, attn.q_b_proj.weight).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
         if row_idx is not None:
             kv_path()
         join()
@@ -665,12 +680,12 @@ class StaticDecoder:
         mods = [attn.q_a_proj, attn.kv_proj]
         if comp is not None:
             mods += [comp.kv_proj, comp.gate_proj] + ([idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj] if idx is not None else [])
-        parts = list(self._linear(x, lp.xproj).split(lp.xsplit, dim=-1)) if lp.xproj is not None else [m(x) for m in mods]
+        parts = [p for w, widths in lp.xproj for p in self._linear(x, w).split(widths, dim=-1)] if lp.xproj else [m(x) for m in mods]
         q_res = fk.norm_rope(parts[0][:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
-        q = fk.norm_rope(self._linear(q_res, attn.q_b_proj.weight).view(n, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(n, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
         idx_q = None
         if idx is not None:
-            idx_q = fk.norm_rope(self._linear(q_res, idx.q_b_proj.weight).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+            idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
         ring_row, swa_len = derived["ring", attn.window]
         outs = []
         for c in range(0, n, b):
@@ -725,9 +740,10 @@ class StaticDecoder:
     def _moe_fused(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
         half = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        native_shared = isinstance(sh.gate_proj, Fp8Linear)
         few = (
-            self.gemv_experts and getattr(ex, "fp8", None) is None and sh.limit == ex.limit
-            and use_gemv(x, x.shape[0] * gate.top_k, self.tuning.moe_gemv)
+            self.gemv_experts and getattr(ex, "fp8", None) is None and ex.fp4 is None and not native_shared
+            and sh.limit == ex.limit and use_gemv(x, x.shape[0] * gate.top_k, self.tuning.moe_gemv)
         )  # fmt: skip
         if not (half or few):
             return self._moe(moe, x, ids)
@@ -747,13 +763,19 @@ class StaticDecoder:
             join()
             return moe_gemv(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, shared, act=act, tuning=self.tuning.moe_gemv)
         with self._branch() as join:
-            shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
+            if native_shared:  # FP8 GEMV / GEMM through _linear
+                act = fk.swiglu(self._linear(x, weight_of(sh.gate_proj)), self._linear(x, weight_of(sh.up_proj)), sh.limit)
+                shared = self._linear(act, weight_of(sh.down_proj))
+            else:
+                shared = sh.down_proj(fk.swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit))
         routed = self._routed(ex, x, weights, indices)
         join()
         return routed + shared
 
     def _routed(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed experts on CUDA bf16/fp16 (``engine.parallel.ep.EPDecoder`` overrides this)."""
+        if ex.fp4 is not None:  # the checkpoint's FP4 experts (load_model(fp4_experts=True))
+            return moe_experts_fp4(x, weights, indices, *ex.fp4, ex.limit)
         fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts
         if fp8 is not None:
             return moe_experts_fp8(x, weights, indices, *fp8, ex.limit)
@@ -887,10 +909,10 @@ class StaticDecoder:
         cp.rows.view(-1, d).index_copy_(0, dst, rows)
 
     def _moe(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if not (x.is_cuda and x.dtype == torch.float32):
+        if not (x.is_cuda and x.dtype == torch.float32) or moe.experts.fp4 is not None:
             return moe(
                 x, ids
-            )  # CPU: the general path; CUDA bf16/fp16: the Triton grouped kernel
+            )  # CPU: the general path; CUDA bf16/fp16 or FP4 experts: the Triton grouped kernels
         # CUDA fp32 (tests): the per-expert loop reads counts on the host; gather each slot's
         # expert weights instead (fixed shapes, fine at test sizes)
         weights, indices = moe.gate(x, ids)

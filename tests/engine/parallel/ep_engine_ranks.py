@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import random
+import time
 
 import torch.distributed as dist
 
@@ -49,10 +50,13 @@ def run(rank: int, world: int, init: str, model_dir: str, backend: str, out: str
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     dtype = "bfloat16" if backend == "nccl" else "float32"
     ctx = BackendContext(model_dir=model_dir, dtype=dtype, device=device, engine=CONFIG)
+    t0 = time.perf_counter()
     be, _ = build_rank(ctx, ExpertGroup(), device)
+    built = time.perf_counter() - t0
     vocab = be.core.model.config.vocab_size
     tokens: dict[str, list[int]] = {}
-    report: dict = {"rank": rank, "tokens": tokens, "local_experts": be.core.model.model.layers[0].mlp.experts.ep_count}
+    report: dict = {"rank": rank, "tokens": tokens, "local_experts": be.core.model.model.layers[0].mlp.experts.ep_count, "build_s": built}
+    t0 = time.perf_counter()
     for phase, plan in PLAN.items():
         arrivals = sorted(plan[rank], key=lambda a: a[2])
         last = max(a[2] for reqs in plan.values() for a in reqs)  # the same on every rank
@@ -70,6 +74,8 @@ def run(rank: int, world: int, init: str, model_dir: str, backend: str, out: str
             if step > last and not be.group_busy:  # agreed: every rank leaves in the same turn
                 break
         report[f"{phase}_steps"] = step
+        report[f"{phase}_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         report[f"{phase}_joined_idle"] = joined
     report["static_steps"] = be.core.static.steps if be.core.static is not None else 0
     with open(out, "w") as f:

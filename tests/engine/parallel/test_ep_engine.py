@@ -1,6 +1,8 @@
 """The expert-parallel engine on CPU: 2 rank processes over gloo (the ranks of ``deepserve engine
 --device cpu --ep 2``) give exactly the greedy tokens of one plain engine, prompts on both ranks,
-mixed lengths, a chunked prefill, late arrivals, and a rank with no requests joining every step."""
+mixed lengths, a chunked prefill, late arrivals, and a rank with no requests joining every step.
+Slow (two spawned processes, ~40 s on a loaded 2-core box); the worker side's protocol is in the
+default suite (``tests/engine/backends/test_ep_proxy.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import pytest
 
 from engine.runtime.builder import build_engine
 from tests.engine.parallel.ep_engine_ranks import CONFIG, PLAN, request, spawn
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,8 @@ class EngineCore:
             try:
                 max_tokens = min(config.static_max_tokens, config.max_model_len)
                 decoder = None if ep is None else ep.decoder(model, config.max_num_seqs, max_tokens)
-                self.static = StaticRunner(model, config.max_num_seqs, max_tokens, decoder=decoder)
+                width = 1 if self.spec is None else 1 + self.spec.k  # speculative sequences verify in the slots
+                self.static = StaticRunner(model, config.max_num_seqs, max_tokens, decoder=decoder, verify_width=width)
             except (RuntimeError, ValueError) as e:  # e.g. no memory left for the slot pools
                 if config.static_decode:
                     raise
@@ -223,7 +224,7 @@ class EngineCore:
         t0 = time.perf_counter()
         plain, spec = self._split(out)
         if spec:
-            events.extend(self._spec_output(spec, self.spec.step(spec, units=self.kv is not None)))  # type: ignore[union-attr]
+            events.extend(self._spec_output(spec, self.spec.step(spec, units=self.kv is not None, static=self.static)))  # type: ignore[union-attr]
         if plain.scheduled:
             events.extend(self._make_output(plain, self._run(plain)))
         if self.kv is not None and out.num_tokens > 2 * len(out.scheduled):

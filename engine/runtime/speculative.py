@@ -4,11 +4,16 @@ Which requests: all but prefill-only ones, those asking for prompt logprobs, and
 (``SamplingParams.speculative``). Their tokens are exactly the tokens the non-speculative engine
 samples — greedy or not — because a verify row is sampled the way a plain step samples it.
 
-A speculative sequence runs on the general path (never a static slot), every step:
+Every step of a speculative sequence:
 
 1. its chunk: prefill tokens, or the next token ``t`` plus the drafts ``d_1..d_m`` (``m ≤ k``, as the
-   scheduler's budget allows); before a verify the state is marked (``engine/model/rewind.py``);
-2. one forward for all speculative chunks, returning every row's final streams;
+   scheduler's budget allows);
+2. a decoding sequence with a slot in the engine's slot decoder (``StaticRunner.takes_verify``; on
+   CPU the host slots, on GPU the CUDA-graph step) verifies there: ``1 + k`` tokens per slot (the
+   drafts padded) in one fixed-shape step (``StaticDecoder.verify``), the rejected offsets undone
+   by ``accept`` (``engine/model/slot_rewind.py``). Every other chunk runs in one general-path
+   forward, its state marked before a verify (``engine/model/rewind.py``). Both give every fed
+   token's final streams;
 3. a sequence at its end picks row ``j``'s token ``g_j`` (from ``t`` on) as a plain step would:
    plain greedy rows take the exact argmax (all rows of all such sequences in one head call);
    any other row goes through ``Sampler.sample`` alone, with the request's state advanced by
@@ -42,6 +47,7 @@ from engine.model.mtp import Drafter, MTPLayer
 from engine.model.rewind import Mark, mark, rewind
 from engine.runtime.config import SpeculativeConfig
 from engine.runtime.sequence import Sequence
+from engine.runtime.static_runner import StaticRunner
 from engine.sampling import Sampler
 
 
@@ -88,34 +94,71 @@ class SpecDecoder:
         return req.sampling.speculative and not req.prefill_only and req.sampling.prompt_logprobs is None
 
     @torch.inference_mode()
-    def step(self, batch: list[tuple[Sequence, int]], units: bool = False) -> list[SpecResult]:
+    def step(self, batch: list[tuple[Sequence, int]], units: bool = False, static: StaticRunner | None = None) -> list[SpecResult]:
         """Run ``batch`` (each sequence with its scheduled token count) through steps 1-4;
-        ``units``: a KV store saves unit boundaries, so no verify reaches past the next one."""
-        chunks, marks, fed = [], [], []
+        ``units``: a KV store saves unit boundaries, so no verify reaches past the next one;
+        ``static``: the engine's slot decoder, where decoding sequences verify (module docstring)."""
+        fed, slotted = [], []
         for seq, n in batch:
-            if seq.state is None:  # new, or preempted: a fresh main state and MTP window
+            held = static is not None and static.holds(seq)
+            if seq.state is None and not held:  # new, or preempted: a fresh main state and MTP window
                 seq.state, seq.draft, seq.draft_ids = self.model.new_state(), None, []
             real = min(n, seq.remaining)
             drafts = seq.draft_ids[: min(n - real, self._room(seq))] if real == seq.remaining else []
             drafts = self._clamp(seq, drafts) if units else drafts
-            ids = seq.tokens[seq.num_computed : seq.num_computed + real] + drafts
-            marks.append(mark(seq.state) if drafts else None)
             fed.append((real, drafts))
-            chunks.append((seq.state, ids))
-        streams = self.model(chunks, logits="streams")  # (N, hc, H)
-        rows = self._verify_rows(batch, fed, streams)
+            slotted.append(static is not None and real == seq.remaining == 1 and static.takes_verify(seq))
+        rows: list[torch.Tensor | None] = [None] * len(batch)  # head inputs (1 + m, H) of each sequence at its end
+        streams: list[torch.Tensor] = [torch.empty(0)] * len(batch)  # final streams of every fed token
+        marks = self._general(batch, fed, slotted, rows, streams)
+        at = [i for i, s in enumerate(slotted) if s]
+        if at:
+            assert static is not None
+            width = static.decoder.verify_width
+            seqs = [batch[i][0] for i in at]
+            ids = [[seq.tokens[seq.num_computed], *fed[i][1]] for seq, i in zip(seqs, at)]
+            hidden, every = static.verify(seqs, [r + [0] * (width - len(r)) for r in ids])  # (n, width, H), (n, width, hc, H)
+            for j, (i, r) in enumerate(zip(at, ids)):
+                rows[i], streams[i] = hidden[j, : len(r)], every[j]
         greedy = self._greedy_targets(batch, rows)
-        results, feeds = [], []
-        start = 0
-        for (seq, _), (real, drafts), m, hidden, g in zip(batch, fed, marks, rows, greedy):
-            res = self._accept(seq, real, drafts, m, hidden, g)
+        results, feeds, kept = [], [], []
+        for i, (seq, _) in enumerate(batch):
+            (real, drafts), hidden_i = fed[i], rows[i]
+            res = self._accept(seq, real, drafts, marks[i], hidden_i, greedy[i])
             first = seq.num_computed
-            consumed = streams[start : start + res.consumed]  # (consumed, hc, H): the rows now in the state
-            feeds.append(Feed(seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first, hidden is not None and res.finish_reason is None))
-            start += real + len(drafts)
+            consumed = streams[i][: res.consumed]  # (consumed, hc, H): the rows now in the state
+            feeds.append(Feed(seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first, hidden_i is not None and res.finish_reason is None))
+            if slotted[i]:
+                kept.append(res.consumed)
             results.append(res)
+        if at:
+            static.accept(kept)  # type: ignore[union-attr]
         self._draft(feeds)
         return results
+
+    def _general(
+        self, batch: list[tuple[Sequence, int]], fed: list[tuple[int, list[int]]], slotted: list[bool],
+        rows: list[torch.Tensor | None], streams: list[torch.Tensor],
+    ) -> list[Mark | None]:  # fmt: skip
+        """One general-path forward of the sequences not in a slot: fills their ``streams`` and, at
+        their end, ``rows``; the rewind marks of those that verify drafts."""
+        marks: list[Mark | None] = [None] * len(batch)
+        at = [i for i, s in enumerate(slotted) if not s]
+        if not at:
+            return marks
+        chunks = []
+        for i in at:
+            seq, (real, drafts) = batch[i][0], fed[i]
+            marks[i] = mark(seq.state) if drafts else None
+            chunks.append((seq.state, seq.tokens[seq.num_computed : seq.num_computed + real] + drafts))
+        every = self.model(chunks, logits="streams")  # (N, hc, H)
+        heads = self._verify_rows([batch[i] for i in at], [fed[i] for i in at], every)
+        start = 0
+        for i, h in zip(at, heads):
+            width = fed[i][0] + len(fed[i][1])
+            rows[i], streams[i] = h, every[start : start + width]
+            start += width
+        return marks
 
     @staticmethod
     def _room(seq: Sequence) -> int:

@@ -35,14 +35,16 @@ class StaticRunner:
         use_graphs: bool | None = None,
         tuning: DecodeTuning = DECODE,
         decoder: StaticDecoder | None = None,
+        verify_width: int = 1,
     ) -> None:
-        """``decoder``: one built already (an expert-parallel rank's ``EPDecoder``), else one made here."""
+        """``decoder``: one built already (an expert-parallel rank's ``EPDecoder``), else one made
+        here; ``verify_width``: tokens per slot of its verify steps (speculative decoding: 1 + k)."""
         if decoder is not None:
             self.decoder = decoder
         elif model.device.type == "cpu" and not use_graphs:
-            self.decoder: StaticDecoder = HostDecoder(model, max_slots, max_tokens)
+            self.decoder: StaticDecoder = HostDecoder(model, max_slots, max_tokens, verify_width=verify_width)
         else:
-            self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs, tuning=tuning)
+            self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs, tuning=tuning, verify_width=verify_width)
         self.max_tokens = max_tokens
         self._free = list(range(max_slots - 1, -1, -1))
         self._slot: dict[int, int] = {}  # id(seq) -> slot
@@ -66,9 +68,25 @@ class StaticRunner:
                 return True
             seq.state = self.release(seq)  # full slot (or not a decode step): back to the general path
             return False
-        if n != 1 or seq.remaining != 1 or not self._free or seq.state is None:
+        return n == 1 and self._move_in(seq, 1)
+
+    def takes_verify(self, seq: Sequence) -> bool:
+        """Whether this step's verify of ``seq`` (its next token and drafts, ``verify_width``
+        tokens padded) runs here; moves ``seq`` into a slot, or out of one without room for it."""
+        width = self.decoder.verify_width
+        slot = self._slot.get(id(seq))
+        if slot is not None:
+            if self.decoder.num_tokens[slot] + width <= self.max_tokens:
+                return True
+            seq.state = self.release(seq)
             return False
-        if seq.state.num_tokens >= self.max_tokens or not _normal_mode(seq.state, self.decoder):
+        return width > 1 and self._move_in(seq, width)
+
+    def _move_in(self, seq: Sequence, width: int) -> bool:
+        """Load a decoding ``seq`` with room for ``width`` more tokens into a free slot."""
+        if seq.remaining != 1 or not self._free or seq.state is None:
+            return False
+        if seq.state.num_tokens + width > self.max_tokens or not _normal_mode(seq.state, self.decoder):
             return False
         slot = self._free.pop()
         try:
@@ -94,6 +112,17 @@ class StaticRunner:
         self.steps += 1
         out = self.decoder.step(slots, tokens)
         return out.clone() if self.output == "logits" else out
+
+    def verify(self, seqs: list[Sequence], rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``StaticDecoder.verify`` of the slotted ``seqs``: ``rows[i]`` is ``verify_width`` tokens
+        (the next token, the drafts, padding) → hidden states ``(n, width, H)`` and final streams
+        ``(n, width, hc, H)``; ``accept`` follows."""
+        self.steps += 1
+        return self.decoder.verify([self._slot[id(s)] for s in seqs], rows)
+
+    def accept(self, kept: list[int]) -> None:
+        """Each verified sequence keeps its first ``kept[i]`` tokens (``StaticDecoder.accept``)."""
+        self.decoder.accept(kept)
 
     def export(self, seq: Sequence) -> SequenceState:
         """A copy of a slotted sequence's state (it stays in its slot)."""

@@ -38,7 +38,7 @@ def request(rid: str, n: int, vocab: int) -> GenerateRequest:
     return GenerateRequest(rid, prompt(rid, n, vocab), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
-def run(rank: int, world: int, init: str, model_dir: str, backend: str, out: str) -> None:
+def run(rank: int, world: int, init: str, model_dir: str, backend: str, dtype: str, config: EngineConfig, out: str) -> None:
     import faulthandler
 
     from engine.backends.base import BackendContext
@@ -48,8 +48,12 @@ def run(rank: int, world: int, init: str, model_dir: str, backend: str, out: str
     faulthandler.dump_traceback_later(100, exit=True)  # a hung collective: print where, then exit
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
-    dtype = "bfloat16" if backend == "nccl" else "float32"
-    ctx = BackendContext(model_dir=model_dir, dtype=dtype, device=device, engine=CONFIG)
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    ctx = BackendContext(model_dir=model_dir, dtype=dtype, device=device, engine=config)
     t0 = time.perf_counter()
     be, _ = build_rank(ctx, ExpertGroup(), device)
     built = time.perf_counter() - t0
@@ -80,19 +84,23 @@ def run(rank: int, world: int, init: str, model_dir: str, backend: str, out: str
     report["static_steps"] = be.core.static.steps if be.core.static is not None else 0
     with open(out, "w") as f:
         json.dump(report, f)
+    dist.barrier()
     faulthandler.cancel_dump_traceback_later()
+    if backend == "nccl":  # NCCL in live CUDA graphs hangs destroy_process_group (ep_worker.py): results are written
+        os._exit(0)
     dist.destroy_process_group()
 
 
-def spawn(tmp_path, model_dir, backend: str = "gloo") -> list[dict]:
+def spawn(tmp_path, model_dir, backend: str = "gloo", dtype: str = "float32", config: EngineConfig = CONFIG) -> list[dict]:
+    """Run ``run`` on 2 spawned ranks (``backend`` gloo on CPU, nccl on cuda:0/1); their reports."""
     import torch.multiprocessing as mp
 
     init = f"file://{tmp_path / 'ep_engine_init'}"
     outs = [str(tmp_path / f"ep_engine_rank{r}.json") for r in range(2)]
-    mp.start_processes(_entry, args=(2, init, str(model_dir), backend, outs), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(2, init, str(model_dir), backend, dtype, config, outs), nprocs=2, join=True, start_method="spawn")
     return [json.load(open(p)) for p in outs]
 
 
-def _entry(rank, world, init, model_dir, backend, outs):
+def _entry(rank, world, init, model_dir, backend, dtype, config, outs):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run(rank, world, init, model_dir, backend, outs[rank])
+    run(rank, world, init, model_dir, backend, dtype, config, outs[rank])

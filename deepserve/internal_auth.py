@@ -6,7 +6,8 @@ starts, separate services are given one with ``--internal-token`` / ``--internal
 the environment (``DEEPSERVE_INTERNAL_TOKEN``, ``DEEPSERVE_INTERNAL_TOKEN_FILE``, read here and
 nowhere else; a flag wins over the environment, a value over a file). A router or worker bound
 beyond loopback refuses to start without one (``check_bind``); on loopback, no token means the
-plane is open, which is logged.
+plane is open, which is logged. The optional mutual TLS of the plane (``deepserve.internal_tls``)
+travels with the token: ``InternalAuth.tls``, set by the same flags' sub-command and environment.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import ipaddress
 import logging
 import os
 import secrets
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from deepserve import internal_tls
+from deepserve.internal_tls import InternalTLS
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +50,11 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class InternalAuth:
-    """The shared token ("" = the plane is open). ``allows`` compares in constant time."""
+    """The shared token ("" = the plane is open; ``allows`` compares in constant time) and the
+    plane's TLS files (``tls``; off by default)."""
 
     token: str = ""
+    tls: InternalTLS = InternalTLS()
 
     def __post_init__(self) -> None:
         if self.token != self.token.strip() or any(c in self.token for c in "\r\n"):
@@ -58,22 +65,24 @@ class InternalAuth:
         return bool(self.token)
 
     @classmethod
-    def resolve(cls, token: str | None = None, token_file: str | None = None, env: Mapping[str, str] | None = None) -> InternalAuth:
+    def resolve(cls, token: str | None = None, token_file: str | None = None, env: Mapping[str, str] | None = None,
+                tls: InternalTLS | None = None) -> InternalAuth:
         """From a flag value, a flag's file, ``DEEPSERVE_INTERNAL_TOKEN``, then
-        ``DEEPSERVE_INTERNAL_TOKEN_FILE`` (the first one given)."""
+        ``DEEPSERVE_INTERNAL_TOKEN_FILE`` (the first one given); ``tls``: default from ``env``."""
         env = os.environ if env is None else env
+        tls = InternalTLS.resolve(env=env) if tls is None else tls
         if token:
-            return cls(token.strip())
+            return cls(token.strip(), tls)
         if token_file:
-            return cls.read(token_file)
+            return cls.read(token_file, tls)
         if env.get(ENV_TOKEN):
-            return cls(env[ENV_TOKEN].strip())
+            return cls(env[ENV_TOKEN].strip(), tls)
         if env.get(ENV_TOKEN_FILE):
-            return cls.read(env[ENV_TOKEN_FILE])
-        return cls()
+            return cls.read(env[ENV_TOKEN_FILE], tls)
+        return cls(tls=tls)
 
     @classmethod
-    def read(cls, path: str) -> InternalAuth:
+    def read(cls, path: str, tls: InternalTLS = InternalTLS()) -> InternalAuth:
         """The token in the file ``path`` (``SystemExit`` if unreadable or empty)."""
         try:
             text = Path(path).read_text().strip()
@@ -81,7 +90,17 @@ class InternalAuth:
             raise SystemExit(f"cannot read the internal token file {path}: {exc}") from None
         if not text:
             raise SystemExit(f"the internal token file {path} is empty")
-        return cls(text)
+        return cls(text, tls)
+
+    @property
+    def client_ssl(self) -> ssl.SSLContext | None:
+        """What an internal caller connects with (None: plain TCP)."""
+        return self.tls.client_context
+
+    @property
+    def server_ssl(self) -> ssl.SSLContext | None:
+        """What an internal listener serves with (None: plain TCP)."""
+        return self.tls.server_context
 
     def headers(self) -> dict[str, str]:
         """What a client sends (empty when the plane is open)."""
@@ -110,16 +129,18 @@ class InternalAuth:
 
 
 def add_flags(parser: argparse.ArgumentParser, *, metrics: bool = False) -> None:
-    """``--internal-token`` / ``--internal-token-file`` (and ``--open-metrics``) on a sub-command."""
+    """``--internal-token`` / ``--internal-token-file``, the TLS flags (``deepserve.internal_tls``)
+    and ``--open-metrics`` when asked, on a sub-command."""
     parser.add_argument("--internal-token", metavar="TOKEN", help=f"the internal plane's shared secret ({ENV_TOKEN}); prefer a file")
     parser.add_argument("--internal-token-file", metavar="PATH", help=f"a file holding it ({ENV_TOKEN_FILE}), e.g. a mounted Secret")
     if metrics:
         parser.add_argument("--open-metrics", action="store_true", help="serve /metrics without the internal token")
+    internal_tls.add_flags(parser)
 
 
 def from_args(args: argparse.Namespace) -> InternalAuth:
     """The credential the parsed ``add_flags`` arguments (then the environment) give."""
-    return InternalAuth.resolve(args.internal_token, args.internal_token_file)
+    return InternalAuth.resolve(args.internal_token, args.internal_token_file, tls=internal_tls.from_args(args))
 
 
 def write_token_file(path: Path) -> bool:

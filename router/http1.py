@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from ssl import SSLContext
 from urllib.parse import urlsplit
 
 
@@ -238,16 +239,19 @@ class _Conn(asyncio.Protocol):
 
 
 class Http1Pool:
-    """Keep-alive connections to one ``http://host:port``: ``request`` (or ``post_lines``) is the only call."""
+    """Keep-alive connections to one ``http://host:port`` (``https://`` with ``ssl``, the plane's
+    client context): ``request`` (or ``post_lines``) is the only call."""
 
     def __init__(
         self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256, headers: dict[str, str] | None = None,
         first_byte_timeout_s: float = 300.0, event_timeout_s: float = 60.0, suspect_timeout_s: float = 3.0,
+        ssl: SSLContext | None = None,
     ) -> None:
         u = urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"http1 pool needs an http://host:port URL, got {url!r}")
-        self.host, self.port = u.hostname, u.port or 80
+        if u.scheme != ("https" if ssl is not None else "http") or not u.hostname:
+            raise ValueError(f"http1 pool needs an {'https' if ssl is not None else 'http'}://host:port URL, got {url!r}")
+        self.host, self.port = u.hostname, u.port or (443 if ssl is not None else 80)
+        self.ssl = ssl
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self.first_byte_timeout_s, self.event_timeout_s, self.suspect_timeout_s = first_byte_timeout_s, event_timeout_s, suspect_timeout_s
@@ -262,7 +266,7 @@ class Http1Pool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port), self.connect_timeout_s)
+            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port, ssl=self.ssl), self.connect_timeout_s)
         except (TimeoutError, OSError) as exc:
             raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
         return conn

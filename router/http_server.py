@@ -377,7 +377,8 @@ class HttpServer:
 
     ``error_response(status, message)`` builds the body of errors the server itself answers
     (404/405/400/401/408/413/500/503); the service passes its JSON error shape. ``auth`` (an
-    ``InternalAuth`` with a token) guards every path but ``open_paths``.
+    ``InternalAuth`` with a token) guards every path but ``open_paths``; with the plane's TLS on
+    (``auth.tls``) the socket serves TLS and requires client certificates.
     """
 
     def __init__(
@@ -400,6 +401,7 @@ class HttpServer:
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self.auth = auth if auth is not None and auth.enabled else None
+        self.ssl = auth.server_ssl if auth is not None else None  # the plane's mTLS, if on
         self.open_paths = open_paths
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -408,7 +410,9 @@ class HttpServer:
 
     async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> None:
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None)
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.ssl,
+        )
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
     @property

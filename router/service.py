@@ -381,6 +381,8 @@ class RouterService:
             return _error(ErrorCode.INVALID_REQUEST, "missing 'url'")
         if body.get("role") not in (None, "prefill", "decode", "mixed"):
             return _error(ErrorCode.INVALID_REQUEST, f"role must be prefill, decode or mixed, not {body['role']!r}")
+        if not str(body["url"]).startswith(self.auth.tls.scheme + "://"):  # the plane's TLS decides the scheme
+            return _error(ErrorCode.INVALID_REQUEST, f"a worker's url is {self.auth.tls.scheme}://host:port on this plane")
         try:
             if self.config.register_check_address:
                 await _check_own_address(str(body["url"]), request.peer)

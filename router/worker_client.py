@@ -87,8 +87,9 @@ def event_from_dict(d: dict[str, Any]) -> TokenEvent:
 
 def make_session(connect_timeout_s: float = 2.0, auth: InternalAuth | None = None) -> aiohttp.ClientSession:
     """A session whose pool keeps connections to every worker open (no per-host limit);
-    ``auth``: the internal token, sent on every call."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0, ttl_dns_cache=None)
+    ``auth``: the internal token, sent on every call, and the plane's client certificate."""
+    tls = auth.client_ssl if auth is not None else None  # the plane's mTLS (https:// URLs), if on
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60.0, ttl_dns_cache=None, ssl=tls or True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
     # No cookie jar, no decompression: neither is used, both cost per request.
     headers = auth.headers() if auth is not None else None
@@ -114,7 +115,7 @@ class WorkerClient:
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self.auth = auth or InternalAuth()
         self.pool = Http1Pool(
-            self.url, connect_timeout_s=connect_timeout_s, headers=self.auth.headers(),
+            self.url, connect_timeout_s=connect_timeout_s, headers=self.auth.headers(), ssl=self.auth.client_ssl,
             first_byte_timeout_s=first_byte_timeout_s, event_timeout_s=event_timeout_s, suspect_timeout_s=suspect_timeout_s,
         )
 

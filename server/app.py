@@ -9,6 +9,7 @@ no route here, so they are unreachable through the gateway (404).
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, AsyncContextManager, AsyncIterator, Callable
@@ -42,6 +43,7 @@ def create_app(
     gateway_metrics: GatewayMetrics | None = None,
     health_probe: HealthProbe | None = None,
     metrics_sources: list[tuple[str, str]] | None = None,
+    metrics_ssl: ssl.SSLContext | None = None,
     lifecycle: Callable[[], AsyncContextManager[Any]] | None = None,
     kv: KVStoreConfig | None = None,
 ) -> FastAPI:
@@ -49,7 +51,8 @@ def create_app(
 
     ``catalog``: a pre-loaded ``ModelCatalog`` (tests share one; default: loaded from ``config``).
     ``health_probe``: awaited by ``/health`` (``deepserve up`` checks its workers).
-    ``metrics_sources``: ``[(worker name, metrics URL)]`` merged into ``/metrics``.
+    ``metrics_sources``: ``[(worker name, metrics URL)]`` merged into ``/metrics`` (fetched with
+    ``metrics_ssl``, the internal plane's client context, when it runs mTLS).
     ``lifecycle``: entered in the lifespan, inside the server's event loop (start/stop the engine
     client there: a Router's background tasks and HTTP sessions belong to that loop). The
     caller owns ``engine_client``; without ``lifecycle`` the app neither starts nor closes it.
@@ -63,7 +66,7 @@ def create_app(
         store = open_response_store(config.responses_store, config.response_store(), kv or KVStoreConfig(), config.responses_redis_prefix)
         gw = Gateway.build(
             config, engine_client, catalog=catalog, metrics=gm,
-            health_probe=health_probe, metrics_sources=metrics_sources, responses=store,
+            health_probe=health_probe, metrics_sources=metrics_sources, metrics_ssl=metrics_ssl, responses=store,
         )
         app.state.gateway = gw
         async with AsyncExitStack() as stack:

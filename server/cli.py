@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from deepserve import internal_auth
+from deepserve import internal_auth, internal_tls
 from server import up as up_module
 from server.config import GatewayConfig, add_gateway_flags, parse_served_name
 from server.vllm_flags import add_vllm_flags, check_vllm_flags, engine_args
@@ -49,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--shutdown-timeout", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL")
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG", help="extra argument for each worker")
     up.add_argument("--access-log", action="store_true", help="log every request")
+    internal_tls.add_flags(up)
     up.set_defaults(func=run_up)
 
 
@@ -115,4 +116,4 @@ def run_up(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         engine_args=tuple(engine_args(args) + args.engine_arg),
     )
-    return up_module.run_up(opts, config, access_log=args.access_log)
+    return up_module.run_up(opts, config, access_log=args.access_log, tls=internal_tls.from_args(args))

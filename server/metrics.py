@@ -189,8 +189,9 @@ def merge_exposition(registry: Any, labelled_texts: Iterable[tuple[str, str]]) -
     return generate_latest(_Families(merge_families(registry.collect(), labelled_texts)))
 
 
-async def fetch_texts(sources: list[tuple[str, str]], timeout_s: float = 2.0) -> list[tuple[str, str]]:
-    """``[(name, metrics_url)]`` -> ``[(name, text)]`` for the sources that answered in time."""
+async def fetch_texts(sources: list[tuple[str, str]], timeout_s: float = 2.0, ssl: Any = None) -> list[tuple[str, str]]:
+    """``[(name, metrics_url)]`` -> ``[(name, text)]`` for the sources that answered in time;
+    ``ssl``: the internal plane's client context for ``https://`` sources."""
     if not sources:
         return []
     import aiohttp
@@ -204,6 +205,7 @@ async def fetch_texts(sources: list[tuple[str, str]], timeout_s: float = 2.0) ->
             log.debug("metrics of %s unavailable: %s", name, exc)
         return None
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    connector = aiohttp.TCPConnector(ssl=ssl or True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         got = await asyncio.gather(*(one(session, n, u) for n, u in sources))
     return [g for g in got if g is not None]

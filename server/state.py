@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Coroutine
 
@@ -37,6 +38,7 @@ class Gateway:
     render: RenderPool  # conversion and tokenisation of large bodies, off the event loop
     health_probe: HealthProbe | None = None
     metrics_sources: list[tuple[str, str]] = field(default_factory=list)  # (worker name, /metrics URL)
+    metrics_ssl: ssl.SSLContext | None = None  # the internal plane's client context (mTLS), for https sources
     background: dict[str, asyncio.Task[Any]] = field(default_factory=dict)  # response id -> its run here
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -50,6 +52,7 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         health_probe: HealthProbe | None = None,
         metrics_sources: list[tuple[str, str]] | None = None,
+        metrics_ssl: ssl.SSLContext | None = None,
         responses: ResponseStore | None = None,
     ) -> Gateway:
         admission = Admission(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
@@ -71,6 +74,7 @@ class Gateway:
             render=RenderPool(config.render_threads, config.render_inline_bytes),
             health_probe=health_probe,
             metrics_sources=list(metrics_sources or []),
+            metrics_ssl=metrics_ssl,
         )
 
     # ---- per-request steps (each raises a GatewayError) ---------------------------------------

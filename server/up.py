@@ -14,7 +14,9 @@
    serve (a worker that decodes is available), also with a worker down; ``/metrics`` carries the
    gateway's, the router's and every worker's metrics.
 4. The internal plane's token: the one in the environment (``deepserve.internal_auth``), else
-   a fresh one, given to the workers in theirs and used by the router.
+   a fresh one, given to the workers in theirs and used by the router. With mTLS files
+   (``--internal-tls-*`` or the environment, ``deepserve.internal_tls``) the workers serve https
+   and require client certificates; the router and the health checks present the same one.
 5. Supervision: a worker process that exits is started again on its port (backoff from
    ``restart_backoff_s``, doubling to 30 s while it keeps dying within a minute); the router's
    poller sees it come back.
@@ -43,6 +45,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from deepserve.protocol import Role
 from deepserve.internal_auth import ENV_TOKEN, InternalAuth, generate_token
+from deepserve.internal_tls import InternalTLS
 from server.config import GatewayConfig
 
 log = logging.getLogger("deepserve.up")
@@ -165,10 +168,11 @@ class WorkerProcess:
     started: float = field(default_factory=time.monotonic)
     next_start: float = 0.0  # monotonic time of the planned restart (0: none planned)
     backoff_s: float = 0.0
+    scheme: str = "http"  # https when the internal plane runs mTLS
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -189,6 +193,7 @@ class WorkerSet:
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env[ENV_TOKEN] = self.auth.token
+        env.update(self.auth.tls.env())
         env.setdefault("DEEPSERVE_KV_TIERS", "memory,fs")
         env.setdefault("DEEPSERVE_KV_FS_DIR", str(self.opts.cache_dir / "kv"))
         Path(env["DEEPSERVE_KV_FS_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -214,7 +219,8 @@ class WorkerSet:
             counts[role] = index + 1
             port = free_port()
             log.info("starting %s-%d on port %d", role, index, port)
-            self.workers.append(WorkerProcess(f"{role}-{index}", role, port, self._spawn(role, port, env)))
+            proc = self._spawn(role, port, env)
+            self.workers.append(WorkerProcess(f"{role}-{index}", role, port, proc, scheme=self.auth.tls.scheme))
 
     def _spawn(self, role: Role, port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
         cmd = self.command(role, port)
@@ -256,7 +262,7 @@ class WorkerSet:
             for w in list(pending):
                 if not w.alive():
                     raise RuntimeError(f"engine worker {w.name} exited with status {w.proc.returncode} during startup")
-                if http_ok(w.url + "/health"):
+                if http_ok(w.url + "/health", ssl=self.auth.client_ssl):
                     log.info("%s healthy on %s", w.name, w.url)
                     pending.remove(w)
             if pending:
@@ -282,9 +288,10 @@ class WorkerSet:
         self.workers.clear()
 
 
-def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+def http_ok(url: str, timeout_s: float = 1.0, ssl: Any = None) -> bool:
+    """Whether ``url`` answers 200 (``ssl``: the plane's client context for https)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=ssl) as resp:
             return resp.status == 200
     except Exception:
         return False
@@ -319,7 +326,9 @@ def build_engine(workers: WorkerSet, registry: Any) -> tuple[Any, Any, Any]:
 
 
 # ---- main -----------------------------------------------------------------------------------------
-def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False) -> int:
+def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False, tls: InternalTLS | None = None) -> int:
+    """Run the stack until SIGTERM or Ctrl-C; ``tls``: the internal plane's mTLS files (default:
+    from the environment)."""
     import uvicorn
 
     from kvstore.config import KVStoreConfig
@@ -329,8 +338,8 @@ def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False)
     if not port_is_free(gateway.host, gateway.port):
         raise SystemExit(f"deepserve up: {gateway.host}:{gateway.port} is already in use")
     model_dir = ensure_checkpoint(opts)
-    given = InternalAuth.resolve()
-    workers = WorkerSet(opts, model_dir, auth=given) if given.enabled else WorkerSet(opts, model_dir)
+    given = InternalAuth.resolve(tls=tls)
+    workers = WorkerSet(opts, model_dir, auth=given if given.enabled else InternalAuth(generate_token(), given.tls))
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -345,7 +354,7 @@ def run_up(opts: UpOptions, gateway: GatewayConfig, *, access_log: bool = False)
         config = GatewayConfig(**{**gateway.__dict__, "model_dir": str(model_dir)})
         app = create_app(
             config, engine, gateway_metrics=gm, health_probe=health, lifecycle=lifecycle,
-            metrics_sources=[(w.name, w.url + "/metrics") for w in workers.workers],
+            metrics_sources=[(w.name, w.url + "/metrics") for w in workers.workers], metrics_ssl=workers.auth.client_ssl,
             kv=KVStoreConfig.from_env(workers.worker_env()),  # the workers' KV settings: their Redis, if any
         )
         log.info("deepserve up: gateway on http://%s:%d (%d workers)", config.host, config.port, len(workers.workers))

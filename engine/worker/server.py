@@ -55,7 +55,7 @@ class WorkerConfig:
     stall_timeout_s: float = 120.0  # /health turns 503 when the engine thread has work but no turn for this long
     engine: EngineConfig = field(default_factory=EngineConfig)
     register: tuple[str, ...] = ()  # router services to register with (deregistered on drain)
-    advertise_url: str = ""  # the URL routers should use; default http://host:port
+    advertise_url: str = ""  # the URL routers should use; default http(s)://host:port
     auth: InternalAuth = field(default_factory=InternalAuth, repr=False)
     open_metrics: bool = False  # serve /metrics without the token (scrapers on a trusted network)
     backend: str = "reference"  # engine.backends.registry name
@@ -179,13 +179,14 @@ class Worker:
     # ---- lifecycle --------------------------------------------------------------------
     @property
     def url(self) -> str:
-        return self.config.advertise_url or f"http://{self.config.host}:{self.config.port}"
+        return self.config.advertise_url or f"{self.config.auth.tls.scheme}://{self.config.host}:{self.config.port}"
 
     async def _announce(self, verb: str, body: dict) -> None:
         """POST ``/register`` or ``/deregister`` to every configured router (best effort, retried)."""
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5), headers=self.config.auth.headers()) as session:
+        connector = aiohttp.TCPConnector(ssl=self.config.auth.client_ssl or True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=5), headers=self.config.auth.headers()) as session:
             for router in self.config.register:
                 for attempt in range(5):
                     try:
@@ -219,7 +220,7 @@ class Worker:
         (status 1, at once: nothing in flight can finish)."""
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
+        site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=self.config.auth.server_ssl)
         await site.start()
         stop = asyncio.Event()
         aloop = asyncio.get_running_loop()

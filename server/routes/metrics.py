@@ -19,7 +19,7 @@ router = APIRouter()
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     if gw.metrics_sources:
-        texts = await fetch_texts(gw.metrics_sources)
+        texts = await fetch_texts(gw.metrics_sources, ssl=gw.metrics_ssl)
         body = merge_exposition(gw.metrics.registry, texts)
     else:
         body = gw.metrics.render()

@@ -27,7 +27,7 @@ class FakeProc:
         line = self.proc.stdout.readline()
         assert line.startswith("READY "), f"fake worker did not start: {line!r}"
         self.port = int(line.split()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if '--tls' in args else 'http'}://127.0.0.1:{self.port}"
 
     def kill9(self) -> None:
         if self.proc.poll() is None:

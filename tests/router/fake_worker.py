@@ -11,7 +11,8 @@ Behaviours for failure tests (flags or ``POST /fake/control``):
 - ``--die-after K``: ``SIGKILL`` itself after emitting K tokens in total (a crash mid-stream);
 - ``draining``: ``/health`` answers 503 and ``/load`` reports ``draining``;
 - ``--require-token T``: every route but ``/health`` and ``/fake/*`` answers 401 without
-  ``Authorization: Bearer T`` (the internal token, as a real worker).
+  ``Authorization: Bearer T`` (the internal token, as a real worker);
+- ``--tls CA CERT KEY``: serve https, requiring client certificates signed by CA (mTLS).
 ``GET /fake/stats`` tells what it served. Run: ``python -m tests.router.fake_worker --port 0``;
 it prints ``READY <port>`` once listening.
 
@@ -206,13 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-events", action="store_true")
     p.add_argument("--kv-rows", action="store_true", help="answer /kv_events?format=rows with rows")
     p.add_argument("--require-token", default="", help="the internal token every route but /health needs")
+    p.add_argument("--tls", nargs=3, metavar=("CA", "CERT", "KEY"), help="serve mTLS (client certificates from CA required)")
     args = p.parse_args(argv)
+    tls = None
+    if args.tls:
+        from deepserve.internal_tls import InternalTLS  # stdlib only: still a fast start
+
+        tls = InternalTLS(*args.tls).server_context
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     sock.listen(128)  # connections made before the app runs wait in the backlog, not refused
     print(f"READY {sock.getsockname()[1]}", flush=True)
-    web.run_app(FakeWorker(args).app(), sock=sock, print=None, access_log=None, handle_signals=True)
+    web.run_app(FakeWorker(args).app(), sock=sock, print=None, access_log=None, handle_signals=True, ssl_context=tls)
 
 
 if __name__ == "__main__":

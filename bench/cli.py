@@ -12,6 +12,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve.run(args)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from bench import soak_bench
+
+    return soak_bench.run(args)
+
+
 def _trace_gen(args: argparse.Namespace) -> int:
     from bench.workloads import trace_gen
 
@@ -44,6 +50,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="send a workload to an endpoint; latency, throughput, goodput, cache hits")
     serve.add_arguments(p)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("soak", help="mixed traffic against a loopback stack with injected faults; failures, wrong tokens, RSS")
+    from bench import soak_bench
+
+    soak_bench.add_arguments(p)
+    p.set_defaults(func=_soak)
 
     p = sub.add_parser("trace-gen", help="generate a Mooncake-format trace (sessions, turns, shared system prompts)")
     add_trace_gen_arguments(p)

@@ -124,8 +124,11 @@ class Worker:
                         event.finish_reason, event.error, event.error_code = nxt.finish_reason, nxt.error, nxt.error_code
                         event.num_prompt_tokens = nxt.num_prompt_tokens or event.num_prompt_tokens
                         event.num_cached_tokens = nxt.num_cached_tokens or event.num_cached_tokens
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.loop.abort(req.request_id)  # the client went away: stop computing for it
+        except ConnectionResetError:  # the client went away (a normal event, not an error): stop computing for it
+            self.loop.abort(req.request_id)
+            return resp
+        except asyncio.CancelledError:
+            self.loop.abort(req.request_id)
             raise
         await resp.write_eof()
         return resp

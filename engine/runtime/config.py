@@ -47,7 +47,8 @@ class EngineConfig:
     graphs on GPU, the host slot decoder on CPU); the slots' memory comes on top of the state
     budget. None (default) = on, falling back to the general path if the pools cannot be built.
     ``grammar_timeout_s``: how long a request waits for its output constraint to compile (off the
-    engine thread); past it the request fails as invalid.
+    engine thread; the start-up of a compile process is not counted); past it the request fails
+    as invalid.
     ``speculative``: speculative decoding with the MTP layer (``engine/runtime/speculative.py``);
     None = off.
     ``long_prefill_token_threshold``: the largest prefill chunk while other sequences share the

@@ -31,6 +31,7 @@ from engine.runtime.sequence import Sequence
 from engine.runtime.speculative import SpecDecoder, SpecResult
 from engine.runtime.state_pool import StatePool
 from engine.runtime.static_runner import StaticRunner
+from engine.sampling.compile_pool import CompileFuture
 from engine.sampling import Sampler
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class EngineCore:
                     continue
                 if self._done_at_start(seq):
                     continue
-            elif now > seq.grammar_deadline:
+            elif now > seq.grammar_deadline + (fut.wait_excused(now) if isinstance(fut, CompileFuture) else 0.0):
                 seq.grammar = None
                 self._fail(seq, f"the output constraint did not compile within {self.config.grammar_timeout_s:g}s", ErrorCode.INVALID_REQUEST)
             else:

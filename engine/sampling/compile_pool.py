@@ -8,7 +8,10 @@ work. A child builds its own xgrammar compiler from the serialised ``TokenizerIn
 ``nice`` (below the engine thread), and answers each job with the compiled grammar in xgrammar's
 JSON serialisation, which the parent reads back against its own ``TokenizerInfo`` (milliseconds).
 A job without an answer after ``timeout_s`` gets its child killed (the next job starts a fresh
-one) and fails with ``InvalidConstraintError``; so does a job whose child died.
+one) and fails with ``InvalidConstraintError``; so does a job whose child died. Starting a child
+(seconds on a loaded host: a fresh interpreter and the vocabulary's compiler) is not the job's
+compile: its ``CompileFuture`` says while a child is starting for it and how long that took, so a
+waiting request's own deadline leaves it out (``engine/runtime/engine_core.py``).
 
 ``compile_grammar`` is the compile itself, one function for every constraint kind.
 """
@@ -21,6 +24,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -99,6 +103,28 @@ def _child(conn: Connection, tokenizer_info_json: str, settings: CompileSettings
             conn.send((False, str(e)))
 
 
+class CompileFuture(Future):
+    """A compile's future, with the child start-up spent on it (not the grammar's compile time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starting = False  # a child process is starting for this job now
+        self.startup_s = 0.0  # seconds a child took to start for this job
+        self._starting_since = 0.0
+
+    def wait_excused(self, now: float) -> float:
+        """Seconds of this job's wait that were child start-up (``now``: ``time.monotonic()``)."""
+        return self.startup_s + (now - self._starting_since if self.starting else 0.0)
+
+    def start_child(self) -> None:
+        self._starting_since = time.monotonic()
+        self.starting = True
+
+    def child_started(self) -> None:
+        self.startup_s += time.monotonic() - self._starting_since
+        self.starting = False
+
+
 class _Worker:
     """One child process and its end of the pipe."""
 
@@ -138,15 +164,15 @@ class CompilePool:
         self.settings = settings
         self.timeout_s = timeout_s
         self._nice, self._idle_s, self._startup_s = nice, idle_s, startup_s
-        self._jobs: queue.SimpleQueue[tuple[Job, Future[xgr.CompiledGrammar]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Job, CompileFuture]] = queue.SimpleQueue()
         self._processes = processes
         self._threads: list[threading.Thread] = []
         self._info_json: str | None = None
         self._lock = threading.Lock()
 
-    def submit(self, job: Job) -> Future[xgr.CompiledGrammar]:
+    def submit(self, job: Job) -> CompileFuture:
         """Queue a compile; its future fails with ``InvalidConstraintError``."""
-        fut: Future[xgr.CompiledGrammar] = Future()
+        fut = CompileFuture()
         with self._lock:
             if not self._threads:  # first use: serialise the vocabulary once, start the dispatchers
                 self._info_json = self.tokenizer_info.serialize_json()
@@ -170,7 +196,12 @@ class CompilePool:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                worker = worker or _Worker(self._info_json or "", self.settings, self._nice, self._startup_s)
+                if worker is None:
+                    fut.start_child()
+                    try:
+                        worker = _Worker(self._info_json or "", self.settings, self._nice, self._startup_s)
+                    finally:
+                        fut.child_started()
                 worker.conn.send(job)
                 answered = worker.conn.poll(self.timeout_s)
                 reply = worker.conn.recv() if answered else None

@@ -79,6 +79,7 @@ def _engine(args: argparse.Namespace) -> int:
         grammar_timeout_s=args.grammar_timeout,
         speculative=speculative,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        weights=args.weights,
     )
     run_worker(
         WorkerConfig(
@@ -167,6 +168,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-decode", default="auto", choices=["auto", "on", "off"],
                    help="decode through slot pools: CUDA graphs on GPU, host slots on CPU (auto: on, general path if the pools cannot be built)")  # fmt: skip
     e.add_argument("--static-max-tokens", type=int, default=8192, help="tokens per static decode slot")
+    e.add_argument("--weights", default="auto", choices=["auto", "native", "dequantized"],
+                   help="the checkpoint's FP8 linears / FP4 experts kept as stored (native: FP8/FP4 kernels) or dequantized "
+                   "to --dtype (auto: native on CUDA when the checkpoint stores them)")  # fmt: skip
     e.add_argument(
         "--grammar-timeout", type=float, default=10.0, metavar="S",
         help="seconds a request waits for its structured-output grammar to compile (then it fails as invalid)",

@@ -517,6 +517,13 @@ class StaticDecoder:
         if len(set(slots)) != n:
             raise ValueError("a slot appears twice in one step")
 
+    def capture_graphs(self) -> None:
+        """Capture every bucket's step graph now (else each on its first step): the engine measures
+        its free GPU memory after this (``engine.runtime.memory``)."""
+        for b in self.buckets:
+            if b not in self._graphs:
+                self._capture(b)
+
     def _capture(self, b: int, width: int = 1) -> None:
         """Warm up (Triton compiles, rope tables) and capture bucket ``b`` (of a verify of
         ``width`` tokens per slot) on scratch inputs."""

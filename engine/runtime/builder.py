@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.tiny import default_tokenizer_path
 from engine.runtime.config import EngineConfig
 from engine.runtime.engine_core import EngineCore, KVConnector
+from engine.runtime.memory import gpu_state_budget, profile_prefill
 from engine.runtime.metrics import EngineMetrics
+from kernels.fp8_gemm import Fp8GemmConfig
 from engine.sampling import GrammarCompilerCache, Sampler, SamplerConfig
 
 log = logging.getLogger(__name__)
@@ -63,14 +66,27 @@ def tokenizer_path(model_dir: str | Path) -> Path:
     return own if own.is_file() else default_tokenizer_path()
 
 
-def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu") -> DeepseekV4ForCausalLM:
+def stores_quantized_weights(model_dir: str | Path) -> bool:
+    """Whether the checkpoint declares FP8/FP4 weights (``quantization_config`` in ``config.json``)."""
+    try:
+        return "quantization_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", weights: str = "dequantized") -> DeepseekV4ForCausalLM:
     """The checkpoint's model, its family selected by ``config.json``'s ``model_type``
-    (V4.1: ``engine.model.v41``, the same ``forward(chunks)`` / ``new_state`` / ``head`` surface)."""
+    (V4.1: ``engine.model.v41``, the same ``forward(chunks)`` / ``new_state`` / ``head`` surface);
+    ``weights`` as ``EngineConfig.weights`` (V4 only: V4.1 dequantises)."""
     if FAMILIES[model_type_of(model_dir)] == "deepseek_v41":
+        if weights == "native":
+            raise ValueError("native FP8/FP4 weights are not supported for DeepSeek-V4.1 (use --weights dequantized)")
         from engine.model.v41.loader import load_v41_model
 
         return load_v41_model(model_dir, dtype=dtype, device=device)  # type: ignore[return-value]
-    return load_model(model_dir, dtype=dtype, device=device, progress=False)
+    native = weights == "native" or (weights == "auto" and str(device).startswith("cuda") and stores_quantized_weights(model_dir))
+    fp8 = Fp8GemmConfig() if native else None
+    return load_model(model_dir, dtype=dtype, device=device, progress=False, fp8=fp8, fp4_experts=native)
 
 
 def family_engine_config(model: DeepseekV4ForCausalLM, config: EngineConfig) -> EngineConfig:
@@ -97,11 +113,37 @@ def build_sampler(model: DeepseekV4ForCausalLM, model_dir: str | Path, seed: int
 
 
 def default_state_budget(model: DeepseekV4ForCausalLM, config: EngineConfig) -> int:
-    """State-memory bytes: ``gpu_memory_utilization`` of free GPU memory, or the configured bytes."""
+    """State-memory bytes estimated before the engine is built: ``gpu_memory_utilization`` of free
+    GPU memory, or the configured bytes (the expert-parallel ranks; the others use ``fit_state_budget``)."""
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
         return int(free * config.gpu_memory_utilization)
     return config.state_memory_bytes
+
+
+def fit_state_budget(cores: list[EngineCore], model: DeepseekV4ForCausalLM, config: EngineConfig) -> None:
+    """Give each core an even share of the state budget: on a GPU measured after every core's
+    decode graphs are captured and one full step's prefill is profiled (``engine.runtime.memory``),
+    on CPU the configured ``state_memory_bytes``. A budget too small for ``max_num_seqs``
+    sequences is a ``ValueError`` saying so (``StatePool``)."""
+    if model.device.type != "cuda":
+        if len(cores) > 1:
+            for core in cores:
+                core.set_state_budget(config.state_memory_bytes // len(cores))
+        return
+    for core in cores:
+        if core.static is not None:
+            core.static.warm_up()  # every bucket's CUDA graph, before memory is measured
+    profile_prefill(model, config.max_num_batched_tokens)
+    budget = gpu_state_budget(model.device, config.gpu_memory_utilization)
+    free, total = torch.cuda.mem_get_info(model.device)
+    log.info(
+        "GPU memory: %.2f of %.2f GiB in use after weights, slot pools, graphs and a %d-token prefill; "
+        "state budget %.2f GiB (gpu_memory_utilization %.2f) over %d core(s)",
+        (total - free) / 2**30, total / 2**30, config.max_num_batched_tokens, budget / 2**30, config.gpu_memory_utilization, len(cores),
+    )  # fmt: skip
+    for core in cores:
+        core.set_state_budget(budget // len(cores))
 
 
 def build_engine(
@@ -118,11 +160,8 @@ def build_engine(
     if device == "cpu":
         configure_cpu_threads()
         configure_cpu_allocator()
-    model = model or load_any_model(model_dir, dtype=dtype, device=device)
+    model = model or load_any_model(model_dir, dtype=dtype, device=device, weights=config.weights)
     config = family_engine_config(model, config)
-    budget = default_state_budget(model, config)
-    if budget != config.state_memory_bytes:
-        from dataclasses import replace
-
-        config = replace(config, state_memory_bytes=budget)
-    return EngineCore(model, build_sampler(model, model_dir), config, kv=kv, metrics=metrics, dp_rank=dp_rank)
+    core = EngineCore(model, build_sampler(model, model_dir), config, kv=kv, metrics=metrics, dp_rank=dp_rank)
+    fit_state_budget([core], model, config)
+    return core

@@ -53,6 +53,10 @@ class EngineConfig:
     None = off.
     ``long_prefill_token_threshold``: the largest prefill chunk while other sequences share the
     step (vLLM's name; fair prefill); None = half of ``max_num_batched_tokens``.
+    ``weights``: how a checkpoint's FP8 linears and FP4 experts are held: ``native`` as stored
+    (``load_model(fp8=..., fp4_experts=True)``: the FP8 GEMM/GEMV and FP4 expert kernels, a quarter
+    to a half of bf16's bytes), ``dequantized`` to the model dtype (the parity path), ``auto``
+    native on CUDA when the checkpoint stores them, else dequantized.
     """
 
     max_num_batched_tokens: int = 2048
@@ -69,6 +73,7 @@ class EngineConfig:
     grammar_timeout_s: float = 10.0
     speculative: SpeculativeConfig | None = None
     long_prefill_token_threshold: int | None = None
+    weights: Literal["auto", "native", "dequantized"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -81,6 +86,8 @@ class EngineConfig:
             raise ValueError("grammar_timeout_s must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.weights not in ("auto", "native", "dequantized"):
+            raise ValueError(f"weights must be auto, native or dequantized, not {self.weights!r}")
 
     @property
     def prefill_chunk_cap(self) -> int:

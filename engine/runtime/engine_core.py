@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -106,6 +107,14 @@ class EngineCore:
                     raise
                 log.warning("static decode off (%s); decoding on the general path", e)
 
+    def set_state_budget(self, budget_bytes: int) -> None:
+        """Size the state pool to ``budget_bytes`` (a measured GPU budget, ``engine.runtime.memory``);
+        before the first request only."""
+        assert not self.seqs, "the state budget is set before requests arrive"
+        self.config = replace(self.config, state_memory_bytes=budget_bytes)
+        self.pool = StatePool(self.model.config, self.model.dtype, budget_bytes, self.config.max_num_seqs)
+        self.scheduler.pool = self.pool
+
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request; raises ``InvalidRequestError`` (``ContextLengthExceeded``) for one the
@@ -122,6 +131,12 @@ class EngineCore:
             raise ContextLengthExceeded(
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) "
                 f"exceeds the context length {self.config.max_model_len}"
+            )
+        if not self.pool.fits(total):  # it could never be scheduled: refuse now, not wait forever
+            raise ContextLengthExceeded(
+                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) needs "
+                f"{self.pool.bytes_for(total)} bytes of sequence state; this engine's state memory holds "
+                f"{self.pool.capacity_bytes} bytes, at most {self.pool.max_tokens} tokens per sequence"
             )
         if len(self.seqs) >= self.config.max_queue:
             raise CapacityError("engine queue is full")

@@ -68,6 +68,24 @@ class StatePool:
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.unit)
 
+    def bytes_for(self, num_tokens: int) -> int:
+        """State bytes one sequence of ``num_tokens`` tokens is accounted: its blocks and a boundary."""
+        return self.blocks_needed(num_tokens) * self.block_bytes + self.boundary_bytes
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether one sequence of ``num_tokens`` tokens fits the pools at all (alone)."""
+        return self.blocks_needed(num_tokens) <= self.num_blocks
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the block pool can hold."""
+        return self.num_blocks * self.unit
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the pools account in all (blocks and boundaries)."""
+        return self.num_blocks * self.block_bytes + self.num_boundary * self.boundary_bytes
+
     def allocate(self, owner: object, block_ids: list[int], has_boundary: bool, num_tokens: int) -> bool:
         """Grow ``block_ids`` (in place) to cover ``num_tokens`` and take a boundary slot if needed.
 
@@ -97,7 +115,7 @@ class StatePool:
         """Fraction of the byte budget in use (blocks and boundaries)."""
         used = (self.num_blocks - len(self._free_blocks)) * self.block_bytes
         used += (self.num_boundary - self._free_boundary) * self.boundary_bytes
-        return used / (self.num_blocks * self.block_bytes + self.num_boundary * self.boundary_bytes)
+        return used / self.capacity_bytes
 
     @property
     def free_blocks(self) -> int:

@@ -51,10 +51,12 @@ class StaticRunner:
         self.steps = 0  # static steps run (tests and metrics read it)
 
     def warm_up(self) -> None:
-        """Compile the CPU decode step's kernels before the first request (``HostDecoder.warm_up``;
-        nothing to do on the GPU path, whose graphs are captured on first use per bucket)."""
+        """Before the first request: compile the CPU decode step's kernels (``HostDecoder.warm_up``),
+        or capture every bucket's CUDA graph (else each is captured on its first step)."""
         if isinstance(self.decoder, HostDecoder):
             self.decoder.warm_up()
+        elif self.decoder.use_graphs:
+            self.decoder.capture_graphs()
 
     def holds(self, seq: Sequence) -> bool:
         return id(seq) in self._slot

@@ -13,8 +13,8 @@ from engine.runtime.builder import (
     build_sampler,
     configure_cpu_allocator,
     configure_cpu_threads,
-    default_state_budget,
     family_engine_config,
+    fit_state_budget,
     load_any_model,
 )
 from engine.runtime.engine_core import EngineCore
@@ -34,11 +34,9 @@ def build_reference(ctx: BackendContext, registry: CollectorRegistry | None) -> 
     if ctx.device == "cpu":
         configure_cpu_threads()
         configure_cpu_allocator()
-    model = load_any_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device)
+    model = load_any_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, weights=ctx.engine.weights)
     families = EngineMetricFamilies(registry)
-    engine_cfg = family_engine_config(model, ctx.engine)
-    budget = default_state_budget(model, engine_cfg) // max(ctx.dp, 1)
-    engine_cfg = replace(engine_cfg, state_memory_bytes=budget, role=ctx.role)
+    engine_cfg = replace(family_engine_config(model, ctx.engine), role=ctx.role)
     store = None
     if engine_cfg.kv_cache != "off":
         from kvstore import KVStoreConfig, build_store
@@ -59,7 +57,8 @@ def build_reference(ctx: BackendContext, registry: CollectorRegistry | None) -> 
                 dp_rank=rank,
             )
         cores.append(EngineCore(model, build_sampler(model, ctx.model_dir), engine_cfg, kv=kv, metrics=metrics, dp_rank=rank))
-    if cores[0].static is not None:  # compile the CPU step's kernels before /health answers 200
+    fit_state_budget(cores, model, engine_cfg)  # GPU: measured after every core's graphs are captured
+    if cores[0].static is not None and model.device.type == "cpu":  # compile the CPU step's kernels before /health answers 200
         cores[0].static.warm_up()
     fingerprint = cores[0].kv.fingerprint if isinstance(cores[0].kv, KVConnector) else ""
     return BackendGroup(

@@ -81,17 +81,26 @@ def layer_weight_params(cfg) -> tuple[float, float]:
     return attn + comp + index + expert + cfg.n_routed_experts * h, expert
 
 
+def touched_experts(cfg, batch: int) -> float:
+    """Expected distinct routed experts a batch of ``batch`` tokens touches per layer."""
+    e = cfg.n_routed_experts
+    return e * (1 - (1 - cfg.num_experts_per_tok / e) ** batch)
+
+
 def decode_floor_bytes(cfg, batch: int, context: int) -> float:
     """Bytes a decode step must read: each layer's weights, the routed experts the batch touches
     (expected distinct count), lm_head, and each sequence's attended state (window + compressed
     rows: CSA top-k rows + indexer rows, HCA all rows)."""
     dense, expert = layer_weight_params(cfg)
-    e = cfg.n_routed_experts
-    touched = e * (1 - (1 - cfg.num_experts_per_tok / e) ** batch)
     weights = (
-        cfg.num_hidden_layers * (dense + expert * touched)
+        cfg.num_hidden_layers * (dense + expert * touched_experts(cfg, batch))
         + cfg.vocab_size * cfg.hidden_size
     )
+    return 2 * weights + state_read_bytes(cfg, batch, context)
+
+
+def state_read_bytes(cfg, batch: int, context: int) -> float:
+    """Bytes of bf16 state a decode step attends over ``batch`` sequences of ``context`` tokens."""
     state = 0.0
     for lt in cfg.layer_types:
         r = cfg.compress_rate(lt)
@@ -103,7 +112,7 @@ def decode_floor_bytes(cfg, batch: int, context: int) -> float:
             )
         elif r:
             state += rows * cfg.head_dim
-    return 2 * (weights + batch * state)
+    return 2 * batch * state
 
 
 def prefill_flops(cfg, n: int) -> float:
@@ -371,6 +380,96 @@ def fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows) -> None:
     torch.cuda.empty_cache()
 
 
+def fp8_matmul_rate() -> float:
+    """FP8 e4m3 8192³ matmul rate in FLOP/s (``torch._scaled_mm``, row-wise fp32 scales, bf16 out):
+    the FP8 rate a block-scaled prefill is set against."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
+    s = _sync_time(lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16), 3, 10)
+    return 2 * 8192**3 / s
+
+
+def native_weight_bytes(model) -> tuple[float, float]:
+    """(bytes a decode step reads of every layer's non-routed weights plus the lm_head, as stored:
+    FP8 linears + their scales, bf16 rest; bytes of one routed expert, FP4 + scales) of a model
+    loaded with native weights. Embeddings and hash tables are read a row per token (left out)."""
+    dense = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    expert = 0.0
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        skip = {id(t) for t in (ex.gate_up_proj, ex.down_proj, getattr(layer.mlp.gate, "tid2eid", None)) if t is not None}
+        dense += sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()) if id(t) not in skip)
+        expert += sum(t.numel() * t.element_size() for t in ex.fp4) / ex.fp4[0].shape[0] / len(model.model.layers)
+    return dense, expert
+
+
+def native_rows(args, bw: float, mm: float, rows: list) -> None:
+    """``--native``: the 4-layer V4-Flash slice in its released formats — a ``make-random-checkpoint
+    --preset v4-flash`` checkpoint (FP8 linears, FP4 experts) loaded with them kept
+    (``load_model(fp8=..., fp4_experts=True)``) — static graph step per batch beside its floor
+    (the FP8/FP4/bf16 bytes of the weights it reads, touched experts at their FP4 bytes, plus the
+    attended bf16 state, at the copy rate of this run), its logits against the native general
+    path's, and prefill against the FP8 matmul rate of this run."""
+    import tempfile
+
+    from engine.model.loader import load_model
+    from engine.model.random_checkpoint import make_random_checkpoint
+    from engine.model.static_decode import StaticDecoder
+    from kernels.fp8_gemm import Fp8GemmConfig
+
+    fp8_mm = fp8_matmul_rate()
+    print(f"fp8 matmul (_scaled_mm row-wise) {fp8_mm / 1e12:.0f} TFLOP/s", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.native_dir or None) as tmp:
+        t0 = time.perf_counter()
+        ckpt = make_random_checkpoint(f"{tmp}/ckpt", "v4-flash", layers=args.native_layers, device="cuda")
+        t1 = time.perf_counter()
+        model = load_model(ckpt, dtype="bfloat16", device="cuda", progress=False, fp8=Fp8GemmConfig(), fp4_experts=True)
+        print(f"native checkpoint: written {t1 - t0:.1f} s, loaded {time.perf_counter() - t1:.1f} s", flush=True)
+    cfg = model.config
+    dense, expert = native_weight_bytes(model)
+    gen = torch.Generator().manual_seed(5)
+    batches = [int(b) for b in args.batches.split(",")]
+    context = int(args.contexts.split(",")[0])
+    prompt = torch.randint(2, cfg.vocab_size, (context,), generator=gen).tolist()
+    base = model.new_state()
+    for a in range(0, context, 8192):
+        model([(base, prompt[a : a + 8192])])
+    dec = StaticDecoder(model, max_slots=max(batches), max_tokens=context + args.graph_iters + 16)
+    for batch in batches:
+        nxt = torch.randint(2, cfg.vocab_size, (batch,), generator=gen).tolist()
+        states = [base.clone() for _ in range(batch)]
+        want = model([(st, [t]) for st, t in zip(states, nxt)]).float()
+        del states
+        for i in range(batch):
+            dec.load(i, base)
+        got = dec.step(list(range(batch)), nxt).float()
+        rel_err = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
+        argmax_agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        t_step, t_replay = time_static(dec, batch, base, nxt, args.graph_iters)
+        floor_bytes = dense + cfg.num_hidden_layers * expert * touched_experts(cfg, batch) + state_read_bytes(cfg, batch, context)
+        row = {
+            "what": f"decode native b={batch} ctx={context}", "graph_ms": t_step * 1e3, "replay_ms": t_replay * 1e3,
+            "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "replay_over_floor": t_replay * bw / floor_bytes,
+            "rel_err_vs_native_general": rel_err, "argmax_agree": argmax_agree,
+        }  # fmt: skip
+        print(row, flush=True)
+        rows.append(row)
+    del dec
+    torch.cuda.empty_cache()
+    for n in [int(x) for x in args.prefill.split(",") if x]:
+        ids = torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()
+        each = sorted(_sync_time(lambda ids=ids: model([(model.new_state(), ids)]), 1 if i == 0 else 0, 1) for i in range(3))
+        flops = prefill_flops(cfg, n)
+        row = {
+            "what": f"prefill native {n}", "prefill_ms": each[1] * 1e3, "tflops": flops / each[1] / 1e12,
+            "fp8_matmul_tflops": fp8_mm / 1e12, "share_of_fp8_rate": flops / each[1] / fp8_mm, "share_of_bf16_rate": flops / each[1] / mm,
+        }  # fmt: skip
+        print(row, flush=True)
+        rows.append(row)
+    rows.append({"what": "native weights", "dense_and_head_bytes": dense, "expert_bytes": expert, "fp8_matmul_tflops": fp8_mm / 1e12})
+
+
 def prefill_variants(spec: str, ours, vocab: int, rows: list) -> None:
     """2K and 8K prefill (median of 5 single runs after one warm-up; to run 9: the mean of 3) per variant of the
     model's ``ModelTuning`` (folded norm/RoPE, attention, mHC input, norm_rope and MoE grouped GEMM
@@ -448,6 +547,11 @@ def main() -> None:
         default="",
         help="prefill 8K/2K per variant 'name:fold=0|1|2|3,up=BM.BN.BK.W.S|torch,down=...,rows=MAX_ROWS,attn=BH.BN.W.S,hc=BM.BK.W.S.P,hc3=0|1,nr=ROWS;...' (PrefillTuning fold_norm_rope / attention / hc_pre / norm_rope rows, GroupedMoETuning)",
     )
+    ap.add_argument("--native", action="store_true",
+                    help="only the native FP8/FP4 rows: a v4-flash random checkpoint (--native-layers) loaded with its formats kept; "
+                    "static step per --batches (first context) beside its floor, --prefill against the FP8 matmul rate")  # fmt: skip
+    ap.add_argument("--native-layers", type=int, default=4)
+    ap.add_argument("--native-dir", default="", help="where the native checkpoint is written (a temporary directory under it)")
     ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...' (first context)")
     ap.add_argument(
         "--small",
@@ -455,6 +559,14 @@ def main() -> None:
         help="a narrow config (a smoke test of this script, CPU too)",
     )
     args = ap.parse_args()
+    if args.native:
+        bw, mm = copy_bandwidth(), matmul_rate()
+        print(f"copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+        rows: list = []
+        native_rows(args, bw, mm, rows)
+        with open(args.output, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "matmul_flops": mm, "rows": rows}, f, indent=2)
+        return
     from transformers import DeepseekV4Config, DynamicCache
     from transformers import DeepseekV4ForCausalLM as HF
 

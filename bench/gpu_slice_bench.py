@@ -250,6 +250,73 @@ def time_static(dec, batch: int, base, nxt, iters: int) -> tuple[float, float]:
     return t_step, t_replay
 
 
+def verify_rows(ours, ks: list[int], batches: list[int], context: int, iters: int, gen, rows: list) -> None:
+    """Speculative verify against the plain decode step (issue 25), CUDA graphs: per batch the
+    plain ``StaticDecoder.step`` and, per ``k``, ``StaticDecoder.verify`` of ``1 + k`` tokens per
+    slot (bare graph replays; host-inclusive ``verify`` + ``accept`` with every draft rejected,
+    so the rewind's copies count, and with every draft kept). Also the verify's offset-0 logits
+    against the plain step's on the same state and token (max error / max |logit|)."""
+    from engine.model.static_decode import StaticDecoder, bucket_for
+
+    vocab = ours.config.vocab_size
+    prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
+    base = ours.new_state()
+    for a in range(0, context, 8192):
+        ours([(base, prompt[a : a + 8192])])
+    _sync()
+    room = context + (iters + 4) * (max(ks) + 1) + 8
+    plain = StaticDecoder(ours, max_slots=max(batches), max_tokens=room)
+    decs = {k: StaticDecoder(ours, max_slots=max(batches), max_tokens=room, verify_width=k + 1) for k in ks}
+
+    def replay(graph) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters / 1e3
+
+    for batch in batches:
+        slots = list(range(batch))
+        nxt = torch.randint(2, vocab, (batch,), generator=gen).tolist()
+        t_step, t_replay = time_static(plain, batch, base, nxt, iters)
+        for i in slots:
+            plain.load(i, base)
+        want = plain.step(slots, nxt).float().clone()
+        row = {"what": f"verify b={batch} ctx={context}", "batch": batch, "context": context, "plain_step_ms": t_step * 1e3, "plain_replay_ms": t_replay * 1e3}
+        for k, dec in decs.items():
+            for i in slots:
+                dec.load(i, base)
+            drafts = [[t, *torch.randint(2, vocab, (k,), generator=gen).tolist()] for t in nxt]
+            hidden, _ = dec.verify(slots, drafts)
+            got = ours.head.logits(hidden[:, 0].contiguous()).float()
+            dec.accept([1] * batch)
+            err = ((got - want).abs().max() / want.abs().max()).item()
+
+            def once(kept: int, dec=dec, drafts=drafts) -> None:
+                dec.verify(slots, drafts)
+                dec.accept([kept] * batch)
+
+            for i in slots:
+                dec.load(i, base)
+            t_rej = _sync_time(lambda: once(1), 2, iters)
+            for i in slots:
+                dec.load(i, base)
+            t_acc = _sync_time(lambda: once(k + 1), 2, iters)
+            r = replay(dec._graphs[bucket_for(batch, dec.buckets), k + 1][0]) if dec.use_graphs else float("nan")
+            row[f"k{k}"] = {
+                "verify_replay_ms": r * 1e3, "verify_reject_all_ms": t_rej * 1e3, "verify_accept_all_ms": t_acc * 1e3,
+                "replay_ratio": r / t_replay, "reject_all_ratio": t_rej / t_step, "offset0_rel_err": err,
+            }  # fmt: skip
+            print(f"b={batch} k={k}: plain replay {t_replay * 1e3:.3f} ms / step {t_step * 1e3:.3f} ms; verify replay {r * 1e3:.3f} ms "
+                  f"({r / t_replay:.2f}x), reject-all step {t_rej * 1e3:.3f} ms ({t_rej / t_step:.2f}x), accept-all {t_acc * 1e3:.3f} ms, err {err:.1e}", flush=True)  # fmt: skip
+        rows.append(row)
+    del plain, decs
+    torch.cuda.empty_cache()
+
+
 _ANNOTATED = False
 
 
@@ -553,6 +620,7 @@ def main() -> None:
     ap.add_argument("--native-layers", type=int, default=4)
     ap.add_argument("--native-dir", default="", help="where the native checkpoint is written (a temporary directory under it)")
     ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...' (first context)")
+    ap.add_argument("--verify", default="", help="only the speculative verify rows for these k (comma list; first context, --batches)")
     ap.add_argument(
         "--small",
         action="store_true",
@@ -630,6 +698,10 @@ def main() -> None:
     rows = []
     bases = {}
     gen = torch.Generator().manual_seed(1)
+    if args.verify:
+        verify_rows(ours, [int(k) for k in args.verify.split(",")], batches, int(args.contexts.split(",")[0]), args.graph_iters, gen, rows)
+        write_json(args.output, rows, bw, mm)
+        return
     for context in [int(c) for c in args.contexts.split(",") if c]:
         prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
         base = ours.new_state()
@@ -829,12 +901,13 @@ def main() -> None:
             print(
                 f"{r['what']:34s} {r['ours_ms']:9.2f} {'':>9s} {'':>9s} {'':>9s} {hf_ms:>8s} {r['floor_ms']:9.3f}   ({r['pct_of_matmul']:.0f}% of the matmul rate; median of 5, best {r.get('ours_best_ms', float('nan')):.2f} ms)"
             )
-    with open(args.output, "w") as f:
-        json.dump(
-            {"device": name, "copy_bw": bw, "matmul_flops": mm, "rows": rows},
-            f,
-            indent=2,
-        )
+    write_json(args.output, rows, bw, mm)
+
+
+def write_json(path: str, rows: list, bw: float, mm: float) -> None:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    with open(path, "w") as f:
+        json.dump({"device": name, "copy_bw": bw, "matmul_flops": mm, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

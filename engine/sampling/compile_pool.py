@@ -55,7 +55,8 @@ def compile_grammar(compiler: xgr.GrammarCompiler, job: Job, settings: CompileSe
     kind, spec, compact = job
     try:
         if kind == "json":
-            spec = enforceable_schema(json.loads(spec), strict=False) if spec else '{"type": ["object", "array"]}'
+            # no schema: JSON mode (OpenAI's json_object), a JSON object as OpenAI answers it
+            spec = enforceable_schema(json.loads(spec), strict=False) if spec else '{"type": "object"}'
             if compact:
                 return compiler.compile_json_schema(spec, any_whitespace=False, separators=(",", ":"))
             return compiler.compile_json_schema(spec, max_whitespace_cnt=settings.json_max_whitespace)

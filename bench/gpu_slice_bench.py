@@ -3,6 +3,10 @@ path, our static CUDA-graph decode (``engine.model.static_decode``) and transfor
 same random bf16 weights (shared tensors), one run.
 
     python -m bench.gpu_slice_bench --output FILE.json [--batches 1,16,64] [--contexts 1024,32768]
+    python -m bench.gpu_slice_bench --verify 1,2,3 --batches 1,4,16 --contexts 1024 --output FILE.json
+
+``--verify``: only issue 25's speculative verify step against the plain step (``verify_rows``),
+on our own model at the release's shape with random weights (no transformers).
 
 Per context one sequence is prefilled by the general path (in 8K chunks) and its state cloned
 into every batch row (the next tokens differ per row, so routing does too; attention reads the
@@ -248,6 +252,35 @@ def time_static(dec, batch: int, base, nxt, iters: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         t_replay = start.elapsed_time(end) / iters / 1e3
     return t_step, t_replay
+
+
+def random_slice(preset: str, device: str, dtype: torch.dtype):
+    """Our model at ``engine.model.random_checkpoint``'s ``preset`` shape cut to 4 layers (sliding,
+    sliding, CSA, HCA), drawn on ``device``: matrices N(0, 1/fan_in), norms 1, biases, sinks and
+    position biases 0, hash-routing tables k distinct random experts per token."""
+    from engine.model.config import ModelConfig
+    from engine.model.model import DeepseekV4ForCausalLM as Ours
+    from engine.model.random_checkpoint import config_dict
+
+    cfg = ModelConfig.from_dict(config_dict(preset, layers=4))
+    with torch.inference_mode(False), torch.device(device):  # normal tensors: the CPU experts' packing reads versions
+        model = Ours(cfg, dtype).eval()
+    g = torch.Generator(device=device).manual_seed(2)
+    with torch.inference_mode(False), torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("tid2eid"):
+                for a in range(0, t.shape[0], 16384):
+                    rand = torch.rand(min(16384, t.shape[0] - a), cfg.n_routed_experts, generator=g, device=device)
+                    t[a : a + rand.shape[0]] = rand.argsort(dim=-1)[:, : t.shape[1]]
+            elif not t.is_floating_point():
+                continue
+            elif t.dim() == 1:
+                t.fill_(1.0 if name.endswith(("norm.weight", "scale")) else 0.0)
+            elif name.endswith("position_bias"):
+                t.zero_()
+            else:
+                t.normal_(0.0, t.shape[-1] ** -0.5, generator=g)
+    return model
 
 
 def verify_rows(ours, ks: list[int], batches: list[int], context: int, iters: int, gen, rows: list) -> None:
@@ -627,6 +660,16 @@ def main() -> None:
         help="a narrow config (a smoke test of this script, CPU too)",
     )
     args = ap.parse_args()
+    if args.verify:  # no transformers needed: our model at the release's shape, random weights
+        torch.manual_seed(0)
+        cuda = torch.cuda.is_available()
+        bw, mm = (copy_bandwidth(), matmul_rate()) if cuda else (1e10, 1e11)
+        ours = random_slice("v4-flash-narrow" if args.small else "v4-flash", "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+        rows: list = []
+        ks, batches = [int(k) for k in args.verify.split(",")], [int(b) for b in args.batches.split(",")]
+        verify_rows(ours, ks, batches, int(args.contexts.split(",")[0]), args.graph_iters, torch.Generator().manual_seed(1), rows)
+        write_json(args.output, rows, bw, mm)
+        return
     if args.native:
         bw, mm = copy_bandwidth(), matmul_rate()
         print(f"copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
@@ -698,10 +741,6 @@ def main() -> None:
     rows = []
     bases = {}
     gen = torch.Generator().manual_seed(1)
-    if args.verify:
-        verify_rows(ours, [int(k) for k in args.verify.split(",")], batches, int(args.contexts.split(",")[0]), args.graph_iters, gen, rows)
-        write_json(args.output, rows, bw, mm)
-        return
     for context in [int(c) for c in args.contexts.split(",") if c]:
         prompt = torch.randint(2, vocab, (context,), generator=gen).tolist()
         base = ours.new_state()

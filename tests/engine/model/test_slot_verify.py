@@ -27,19 +27,19 @@ def small(small_windows_model_dir):
     return load_model(small_windows_model_dir, dtype="float32", progress=False)
 
 
-def _pair(model, kind: str, width: int, max_tokens: int) -> tuple[StaticDecoder, StaticDecoder]:
-    make = {
-        "host": lambda w: HostDecoder(model, 8, max_tokens, verify_width=w),
-        "host-eager": lambda w: HostDecoder(model, 8, max_tokens, compiled=False, verify_width=w),
-        "static": lambda w: StaticDecoder(model, 8, max_tokens, use_graphs=False, verify_width=w),
-    }[kind]
-    return make(1), make(width)
+def _decoder(model, kind: str, width: int, max_tokens: int) -> StaticDecoder:
+    if kind == "static":
+        return StaticDecoder(model, 8, max_tokens, use_graphs=False, verify_width=width)
+    return HostDecoder(model, 8, max_tokens, compiled=kind == "host", verify_width=width)
 
 
-def run_verify(model, kind: str, width: int, rounds: int, seed: int, lengths: list[int] = LENGTHS) -> float:
-    """``rounds`` verify steps of all slots against plain steps; the worst hidden-state difference."""
+def run_verify(model, kind: str, width: int, rounds: int, seed: int, lengths: list[int] = LENGTHS, reference: str | None = None) -> float:
+    """``rounds`` verify steps of all slots (a ``kind`` decoder) against plain steps (a
+    ``reference`` decoder, by default of the same kind); the worst difference of the hidden
+    states (of the logits when the reference gives logits)."""
     rng = random.Random(seed)
-    plain, spec = _pair(model, kind, width, max(lengths) + rounds * width + 8)
+    room = max(lengths) + rounds * width + 8
+    plain, spec = _decoder(model, reference or kind, 1, room), _decoder(model, kind, width, room)
     slots = [7 - i for i in range(len(lengths))]
     for st, s in zip(prefilled(model, lengths, seed), slots):
         plain.load(s, st.clone())
@@ -97,3 +97,35 @@ def test_verify_refuses_what_it_cannot_hold(small) -> None:
         dec.verify([0], [[5, 6, 7]])
     with pytest.raises(ValueError, match="compression rate"):
         HostDecoder(small, 2, 24, verify_width=5)  # CSA rate 4: two closes in one run
+
+
+_INTERPRETED = """
+import sys
+import torch
+torch.set_num_threads(1)
+from engine.model.loader import load_model
+from tests.engine.model.test_slot_verify import run_verify
+model = load_model(sys.argv[1], dtype="float32", progress=False)
+worst = run_verify(model, "static", 4, rounds=3, seed=5, lengths=[2, 6, 13], reference="host")
+assert worst <= 1e-4, worst
+print("ok", worst)
+"""
+
+
+@pytest.mark.slow  # the Triton interpreter: minutes
+@pytest.mark.timeout(1200)
+def test_fused_verify_under_the_triton_interpreter(small_windows_model_dir) -> None:
+    """The fused (GPU) verify step's kernels run by Triton's CPU interpreter: offsets 2-13 + 4
+    cross CSA and HCA closes and the window ring's wrap."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED, str(small_windows_model_dir)], cwd=root, env=env, capture_output=True, text=True, timeout=1100, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

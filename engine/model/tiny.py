@@ -175,6 +175,16 @@ def default_tokenizer_path() -> Path:
     return found[0]
 
 
+def copy_tokenizer(out: Path) -> None:
+    """The package's V4 ``tokenizer.json`` and its ``tokenizer_config.json`` (BOS / EOS / pad, as a
+    released checkpoint has them: Hugging Face tokenizers, and clients built on them such as
+    evaluation harnesses, read the special tokens there) into the checkpoint ``out``."""
+    src = default_tokenizer_path()
+    shutil.copy(src, out / "tokenizer.json")
+    if (src.parent / "tokenizer_config.json").is_file():
+        shutil.copy(src.parent / "tokenizer_config.json", out / "tokenizer_config.json")
+
+
 def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny", train_mtp: TrainConfig | None = None) -> Path:
     """Write a tiny random checkpoint to ``out_dir`` and return its path (``tiny-v41``: V4.1).
     ``train_mtp``: then fit its lm_head and MTP layer to a synthetic language (``tiny_mtp.py``),
@@ -197,6 +207,6 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny", tr
     tensors.update(mtp_tensors)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    shutil.copy(default_tokenizer_path(), out / "tokenizer.json")
+    copy_tokenizer(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
     return out

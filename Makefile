@@ -24,10 +24,10 @@ serve: install
 	$(BIN)/deepserve up
 
 test: install
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-all: install
-	$(BIN)/python -m pytest -q -m 'not gpu'
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'not gpu'
 
 # Re-resolve every dependency from pyproject.toml in a scratch venv and write the pins.
 lock:

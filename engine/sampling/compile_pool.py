@@ -10,8 +10,10 @@ JSON serialisation, which the parent reads back against its own ``TokenizerInfo`
 A job without an answer after ``timeout_s`` gets its child killed (the next job starts a fresh
 one) and fails with ``InvalidConstraintError``; so does a job whose child died. Starting a child
 (seconds on a loaded host: a fresh interpreter and the vocabulary's compiler) is not the job's
-compile: its ``CompileFuture`` says while a child is starting for it and how long that took, so a
-waiting request's own deadline leaves it out (``engine/runtime/engine_core.py``).
+compile, and neither is the time a job waits behind other jobs (a hostile grammar holds a child for
+up to ``timeout_s``): its ``CompileFuture`` says how long it was queued and while a child is starting
+for it and how long that took, so a waiting request's own deadline leaves both out
+(``engine/runtime/engine_core.py``) and one client's slow grammar never fails another's.
 
 ``compile_grammar`` is the compile itself, one function for every constraint kind.
 """
@@ -105,17 +107,21 @@ def _child(conn: Connection, tokenizer_info_json: str, settings: CompileSettings
 
 
 class CompileFuture(Future):
-    """A compile's future, with the child start-up spent on it (not the grammar's compile time)."""
+    """A compile's future, with the time queued behind other jobs and the child start-up spent on it
+    (neither is the grammar's own compile time)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.submitted = time.monotonic()
+        self.dispatched = 0.0  # when a dispatcher took it (0: still queued)
         self.starting = False  # a child process is starting for this job now
         self.startup_s = 0.0  # seconds a child took to start for this job
         self._starting_since = 0.0
 
     def wait_excused(self, now: float) -> float:
-        """Seconds of this job's wait that were child start-up (``now``: ``time.monotonic()``)."""
-        return self.startup_s + (now - self._starting_since if self.starting else 0.0)
+        """Seconds of this job's wait that were queueing or child start-up (``now``: ``time.monotonic()``)."""
+        queued = (self.dispatched or now) - self.submitted
+        return queued + self.startup_s + (now - self._starting_since if self.starting else 0.0)
 
     def start_child(self) -> None:
         self._starting_since = time.monotonic()
@@ -196,6 +202,7 @@ class CompilePool:
                 continue
             if not fut.set_running_or_notify_cancel():
                 continue
+            fut.dispatched = time.monotonic()
             try:
                 if worker is None:
                     fut.start_child()

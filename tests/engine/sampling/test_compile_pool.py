@@ -30,6 +30,7 @@ def test_a_compile_past_its_deadline_is_killed_and_the_next_runs(pool) -> None:
         slow.result(timeout=60)
     assert time.monotonic() - t0 < 5.0  # killed at the deadline, not after the ~10 s build
     assert quick.result(timeout=120) is not None  # on a fresh child
+    assert quick.wait_excused(time.monotonic()) >= 1.5  # its wait behind the slow one is not its compile time
     assert thread.is_alive()
 
 

@@ -61,6 +61,7 @@ class Worker:
     model: str = ""
     fingerprint: str = ""
     block_size: int = 128
+    max_model_len: int = 0  # its engine's context length (0: not reported)
     kv_seq: int = 0
     last_load_at: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -171,10 +172,7 @@ class WorkerRegistry:
                 w.sync_views()
                 return w
         cfg = self.config
-        client = WorkerClient(
-            url, session=self.session, connect_timeout_s=cfg.connect_timeout_s, auth=self.auth,
-            first_byte_timeout_s=cfg.first_byte_timeout_s, event_timeout_s=cfg.event_timeout_s, suspect_timeout_s=cfg.suspect_timeout_s,
-        )
+        client = WorkerClient(url, session=self.session, auth=self.auth, deadlines=cfg.deadlines, transport=cfg.transport)
         breaker = CircuitBreaker(self.config.breaker_failure_threshold, self.config.breaker_cooldown_s)
         worker = Worker(url=url, worker_id=url, role=role or "mixed", client=client, breaker=breaker, static=static)
         worker.ranks = [RankView(worker_id=url, role=worker.role, cache=self.index)]
@@ -292,7 +290,7 @@ class WorkerRegistry:
             w.role = report.role
         elif fixed_role is not None and report.role != fixed_role and report.role != "mixed":
             log.warning("worker %s reports role %s but is configured as %s", w.url, report.role, fixed_role)
-        w.model, w.block_size = report.model, report.block_size
+        w.model, w.block_size, w.max_model_len = report.model, report.block_size, report.max_model_len
         fp = str(d.get("fingerprint", "") or "")
         if fp != w.fingerprint:
             w.fingerprint = fp

@@ -8,6 +8,7 @@ no route here, so they are unreachable through the gateway (404).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 import time
@@ -24,6 +25,7 @@ from starlette.responses import Response
 from kvstore.config import KVStoreConfig
 from server.config import GatewayConfig
 from server.engine_client import EngineClient
+from server.engine_limit import ContextProbe, learn
 from server.errors import GatewayError, InvalidRequest, NotFound
 from server.metrics import GatewayMetrics, route_label
 from server.model import ModelCatalog
@@ -46,6 +48,7 @@ def create_app(
     metrics_ssl: ssl.SSLContext | None = None,
     lifecycle: Callable[[], AsyncContextManager[Any]] | None = None,
     kv: KVStoreConfig | None = None,
+    context_probe: ContextProbe | None = None,
 ) -> FastAPI:
     """The gateway app over ``engine_client`` (a Router, a WorkerClient, or a test double).
 
@@ -58,6 +61,7 @@ def create_app(
     caller owns ``engine_client``; without ``lifecycle`` the app neither starts nor closes it.
     ``kv``: the KV store's settings (``KVStoreConfig.from_env()`` in a process): their Redis holds
     the stored Responses when ``config.responses_store`` says so (``server/response_store_redis.py``).
+    ``context_probe``: the engine's context length, asked until known (``server/engine_limit.py``).
     """
     gm = gateway_metrics or GatewayMetrics()
 
@@ -72,9 +76,12 @@ def create_app(
         async with AsyncExitStack() as stack:
             if lifecycle is not None:
                 await stack.enter_async_context(lifecycle())
+            learning = asyncio.get_running_loop().create_task(learn(gw, context_probe)) if context_probe else None
             try:
                 yield
             finally:
+                if learning is not None:
+                    learning.cancel()
                 await gw.drain_tasks()
                 gw.render.close()
                 await gw.responses.close()

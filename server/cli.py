@@ -90,8 +90,15 @@ def run_gateway(args: argparse.Namespace) -> int:
             return bool(await probe())
         return await asyncio.to_thread(up_module.http_ok, health_url)
 
+    async def context_len() -> int:
+        load = getattr(client, "load", None)  # a worker's or router service's /load
+        return (await load()).max_model_len if load is not None else 0
+
     gm = GatewayMetrics()
-    app = create_app(config, client, gateway_metrics=gm, lifecycle=lifecycle, health_probe=health, kv=KVStoreConfig.from_env())
+    app = create_app(
+        config, client, gateway_metrics=gm, lifecycle=lifecycle, health_probe=health, kv=KVStoreConfig.from_env(),
+        context_probe=context_len,
+    )
     uvicorn.run(app, access_log=args.access_log, **config.uvicorn_options(on_reject=gm.reject))
     return 0
 

@@ -296,6 +296,7 @@ class LoadReport:
     block_size: int = 128
     model: str = ""
     fingerprint: str = ""  # KV unit key fingerprint (kvstore.keys.chain_keys), "" if no store
+    max_model_len: int = 0  # the engine's context length (prompt + output tokens); 0: not reported
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -310,6 +311,7 @@ class LoadReport:
             block_size=int(d.get("block_size", 128)),
             model=d.get("model", ""),
             fingerprint=d.get("fingerprint", ""),
+            max_model_len=int(d.get("max_model_len", 0) or 0),
         )
 
 

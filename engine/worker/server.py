@@ -150,6 +150,7 @@ class Worker:
             block_size=self.backend.unit_tokens,
             model=self.config.served_model_name,
             fingerprint=self.fingerprint,
+            max_model_len=self.config.engine.max_model_len,
         ).to_dict()
         return web.json_response(report)
 

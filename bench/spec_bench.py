@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP layer on CPU: tokens per step and inter-token latency.
 
     python -m bench.spec_bench --output FILE.json [--model DIR] [--k 1,2,3] [--concurrency 1,8]
-        [--prompt-len 256] [--new-tokens 128] [--repeats 2]
+        [--prompt-len 256] [--new-tokens 128] [--repeats 2] [--serve]
 
 The model is the tiny checkpoint trained by ``make-tiny-model --train-mtp`` (made in a temporary
 directory unless ``--model`` names one). For each concurrency B, B requests arrive at once: a
@@ -13,6 +13,14 @@ Reported per point: output tokens/s (B·N / submission → last token), ITL = me
 (last token − first token) / (N − 1), tokens per verify step = 1 + accepted / verifies, the
 acceptance rate of each draft position, and whether every request's tokens equal the
 non-speculative run's. One intra-op thread; the best (highest tokens/s) of ``--repeats`` rounds.
+
+``--serve``: the same comparison through the whole stack instead — ``deepserve up`` on the
+checkpoint without and with ``--speculative-config`` (each ``k``), each measured at each
+concurrency by ``deepserve bench serve`` (``--dataset-name random``, ``--prompt-len`` /
+``--new-tokens``, ``--num-requests``, greedy, ``ignore_eos``); per point the client's output
+tokens/s, TPOT and ITL (mean, p50, p99: with speculation a chunk may carry several tokens, so TPOT
+is the per-token figure) and, from the gateway's ``/metrics`` (the workers' merged), the verify
+steps, drafts and accepted tokens of the run, so tokens per step = 1 + accepted / verifies.
 """
 
 from __future__ import annotations
@@ -83,6 +91,67 @@ def run_point(ckpt: Path, model: Any, k: int | None, reqs: list[GenerateRequest]
     }  # fmt: skip
 
 
+def scrape_spec(url: str) -> dict[str, float]:
+    """The stack's ``vllm:spec_decode_*`` counters (summed over workers) from ``url/metrics``."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {n: 0.0 for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    for line in text.splitlines():
+        for n in out:
+            if line.startswith(f"vllm:spec_decode_{n}_total{{"):
+                out[n] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def serve_points(ckpt: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """``--serve`` (module docstring): one ``deepserve up`` per setting, ``bench serve`` per concurrency."""
+    import subprocess
+    import sys
+
+    from bench.procs import free_port, start, stop
+
+    points = []
+    for k in [None] + [int(x) for x in args.k.split(",")]:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "deepserve.cli", "up", "--model", str(ckpt), "--port", str(port), "--max-num-seqs", "16"]
+        if k is not None:
+            cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+        log = work / f"up-{k}.log"
+        try:
+            proc = start(cmd, url + "/health", log=log, timeout=300, env={"DEEPSERVE_CPU_THREADS": "1"})
+        except RuntimeError:
+            print(log.read_text()[-3000:], file=sys.stderr)
+            raise
+        try:
+            for c in (int(x) for x in args.concurrency.split(",")):
+                before = scrape_spec(url)
+                res = work / f"serve-{k}-{c}.json"
+                subprocess.run([
+                    sys.executable, "-m", "deepserve.cli", "bench", "serve", "--url", url, "--dataset-name", "random",
+                    "--random-input-len", str(args.prompt_len), "--random-output-len", str(args.new_tokens), "--concurrency", str(c),
+                    "--num-requests", str(args.num_requests or 4 * c), "--seed", "0", "--no-progress", "--output", str(res),
+                ], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                after = scrape_spec(url)
+                got = {n: after[n] - before[n] for n in after}
+                summary = json.loads(res.read_text())["runs"][0]["summary"]
+                ms = lambda d: {q: None if d[q] is None else 1e3 * d[q] for q in ("mean", "median", "p99")}  # noqa: E731
+                verifies = got["num_drafts"]
+                point = {
+                    "k": k, "concurrency": c, "output_tok_s": summary["output_throughput"], "tpot_ms": ms(summary["tpot_s"]),
+                    "itl_ms": ms(summary["itl_s"]), "ttft_ms": ms(summary["ttft_s"]), "completed": summary.get("completed"),
+                    "verifies": verifies, "draft_tokens": got["num_draft_tokens"], "accepted": got["num_accepted_tokens"],
+                    "tokens_per_step": 1 + got["num_accepted_tokens"] / verifies if verifies else 1.0,
+                }  # fmt: skip
+                print(json.dumps(point), flush=True)
+                points.append(point)
+        finally:
+            stop(proc, timeout=20)
+    return points
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--output", required=True)
@@ -92,10 +161,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--serve", action="store_true", help="through deepserve up + deepserve bench serve (module docstring)")
+    ap.add_argument("--num-requests", type=int, default=0, help="--serve: requests per point (default 4 x concurrency)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
     ckpt = Path(args.model) if args.model else make_tiny_model(Path(tmp.name) / "model", seed=0, train_mtp=TrainConfig())
+    if args.serve:
+        meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1, **vars(args)}
+        Path(args.output).write_text(json.dumps({"meta": meta, "points": serve_points(ckpt, args, Path(tmp.name))}, indent=2))
+        return
     model = load_model(ckpt, dtype="float32", progress=False)
     points = []
     for b in (int(x) for x in args.concurrency.split(",")):

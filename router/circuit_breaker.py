@@ -8,7 +8,9 @@
     half_open --(a probe fails)-------------------------> open (cooldown doubles, up to max)
 
 While open the worker gets no requests; half-open lets ``half_open_probes`` requests through at
-a time to test it. Active health checks are separate (``registry``): the breaker only reacts to
+a time to test it. A probe can end with no verdict (the client left, the worker refused it as a
+client error): its slot is free again ``cooldown_s`` after it was sent, so such a probe never
+keeps a recovered worker out for good. Active health checks are separate (``registry``): the breaker only reacts to
 what real requests experience, so a worker that answers ``/health`` but fails requests is still
 taken out. Single-threaded (event loop); ``clock`` is injectable for tests.
 """
@@ -43,12 +45,16 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._cooldown_s = cooldown_s
         self._probes = 0  # in flight, while half-open
+        self._probe_at = 0.0  # when the last probe was sent
 
     @property
     def state(self) -> BreakerState:
-        if self._state == "open" and self._clock() - self._opened_at >= self._cooldown_s:
+        now = self._clock()
+        if self._state == "open" and now - self._opened_at >= self._cooldown_s:
             self._state = "half_open"
             self._probes = 0
+        elif self._state == "half_open" and self._probes and now - self._probe_at >= self._cooldown_s:
+            self._probes = 0  # the probes out that long ended without a verdict: probe again
         return self._state
 
     @property
@@ -60,6 +66,7 @@ class CircuitBreaker:
     def on_dispatch(self) -> None:
         if self.state == "half_open":
             self._probes += 1
+            self._probe_at = self._clock()
 
     def record_success(self) -> None:
         if self._state != "closed":

@@ -27,6 +27,23 @@ def test_opens_after_threshold_and_half_opens_after_cooldown():
     assert b.state == "closed" and b.available
 
 
+def test_a_probe_without_a_verdict_frees_its_slot_after_the_cooldown():
+    """Found by the soak: a half-open worker whose probe request was aborted by its client (or
+    refused as a client error) got neither a success nor a failure and stayed out for good."""
+    clock = Clock()
+    b = CircuitBreaker(failure_threshold=1, cooldown_s=5.0, clock=clock)
+    b.trip()
+    clock.t = 5.0
+    b.on_dispatch()  # the probe goes out and never reports
+    clock.t = 9.9
+    assert b.state == "half_open" and not b.available
+    clock.t = 10.0
+    assert b.available  # probe again
+    b.on_dispatch()
+    b.record_success()
+    assert b.state == "closed"
+
+
 def test_success_resets_consecutive_failures():
     b = CircuitBreaker(failure_threshold=2, clock=Clock())
     b.record_failure()

@@ -35,8 +35,9 @@ experts kept as stored): an ``Fp8Linear`` runs through ``kernels.fp8_gemm`` (act
 per 1×128 group) and at batch 1 through ``kernels.fp8_gemv`` (the same function, dequantised in
 registers); the merged x projection becomes one GEMM per run of same-kind weights
 (``fp8.merge_weights``: the FP8 q_a + kv, the bf16 compressor and indexer projections); FP4 routed
-experts run through ``kernels.moe_fp4``'s grouped kernel at every batch size, the FP8 shared
-expert through the FP8 linears. Dense (bf16) weights stay the parity path.
+experts run through ``kernels.moe_fp4``'s grouped kernel, or for at most ``MoEGemvTuning.max_slots``
+routed slots through two GEMV kernels decoding FP4 in registers (``kernels.moe_fp4_gemv``), the FP8
+shared expert through the FP8 linears (on the side stream). Dense (bf16) weights stay the parity path.
 
 Prefill stays on the general path: ``load(slot, state)`` imports a ``SequenceState`` (normal
 mode, not a replay) into a slot, ``export(slot)`` gives it back. ``step(slots, token_ids)``
@@ -84,6 +85,7 @@ from kernels.indexer import indexer_scores, mask_topk
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import moe_experts, route
 from kernels.moe_fp4 import moe_experts_fp4
+from kernels.moe_fp4_gemv import moe_fp4_gemv
 from kernels.moe_fp8 import moe_experts_fp8
 from kernels.moe_gemv import MoEGemvTuning, moe_gemv, shared_act, use_gemv
 
@@ -781,7 +783,9 @@ class StaticDecoder:
 
     def _routed(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The routed experts on CUDA bf16/fp16 (``engine.parallel.ep.EPDecoder`` overrides this)."""
-        if ex.fp4 is not None:  # the checkpoint's FP4 experts (load_model(fp4_experts=True))
+        if ex.fp4 is not None:  # the checkpoint's FP4 experts (load_model(fp4_experts=True)): GEMVs for a few slots
+            if self.gemv_experts and use_gemv(x, indices.numel(), self.tuning.moe_gemv):
+                return moe_fp4_gemv(x, weights, indices, *ex.fp4, ex.limit, tuning=self.tuning.moe_gemv)
             return moe_experts_fp4(x, weights, indices, *ex.fp4, ex.limit)
         fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts
         if fp8 is not None:

@@ -8,8 +8,9 @@ Module map (a request's path top to bottom):
   (``Policy``, ``RouteRequest``, ``RankView``), ``dp.py`` DP-group helpers.
 - ``kv_index.py``: which ranks hold which KV units (KV events + own placements).
 - ``registry.py``: workers, health, circuit breakers (``circuit_breaker.py``), load accounting.
-- ``worker_client.py``: the HTTP client of one worker (``http1.py``: its keep-alive pool for
-  the generate call); ``admission.py``: the bounded queue.
+- ``worker_client.py``: the HTTP client of one worker; its generate call goes over a
+  ``transport.py`` ``Transport`` (deadlines, errors): ``http1.py`` (ours, the default) or
+  ``aiohttp_transport.py`` (the library's); ``admission.py``: the bounded queue.
 - ``service.py`` / ``cli.py``: ``deepserve router``, served by ``http_server.py`` (a small
   httptools HTTP/1.1 server); ``config.py``; ``metrics.py``; ``errors.py``.
 

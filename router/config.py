@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.transport import TRANSPORTS, Deadlines
+
 ENV_PREFIX = "DEEPSERVE_ROUTER_"
 
 
@@ -87,7 +89,9 @@ class RouterConfig:
     backoff_base_s: float = 0.02
     backoff_max_s: float = 1.0
     connect_timeout_s: float = 2.0
-    # Upstream read deadlines (router.http1): a worker that sends no answer head within
+    # The hot call's transport (router.transport.TRANSPORTS): "http1" (ours) or "aiohttp".
+    transport: str = "http1"
+    # Upstream read deadlines (router.transport.Deadlines): a worker that sends no answer head within
     # `first_byte_timeout_s` (it answers once the first token is out: queueing and prefill
     # included), or nothing more for `event_timeout_s` mid-stream, is failed like a dead one
     # (retry or migration); `suspect_timeout_s` replaces the latter once the worker's load
@@ -127,6 +131,13 @@ class RouterConfig:
             raise ValueError("breaker_failure_threshold must be >= 1")
         if min(self.first_byte_timeout_s, self.event_timeout_s, self.suspect_timeout_s, self.read_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {self.transport!r}")
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """The upstream call's deadlines (``router.transport``)."""
+        return Deadlines(self.connect_timeout_s, self.first_byte_timeout_s, self.event_timeout_s, self.suspect_timeout_s)
 
     @property
     def prefill_policy_name(self) -> str:

@@ -1,4 +1,5 @@
-"""A minimal HTTP/1.1 client for the one hot call: ``POST /internal/generate``, NDJSON back.
+"""The ``http1`` transport (``router.transport``): a minimal HTTP/1.1 client for the one hot
+call, ``POST /internal/generate`` with NDJSON back.
 
 Why not aiohttp here: profiling the router service at concurrency 32 (py-spy, ``bench/router_bench.py``)
 put ~21% of its CPU in aiohttp's client machinery (request objects, payload registry, tracing
@@ -12,45 +13,17 @@ Answers may be ``Content-Length`` or ``Transfer-Encoding: chunked``. A connectio
 pool only after a complete answer; a caller that stops early closes it (the worker sees the
 disconnect). A request on a *reused* connection that dies before any answer byte is sent again
 once on a fresh connection (the worker may have closed it as idle at the same moment).
-Errors: ``ConnectError`` (could not connect), ``ProtocolError`` (connection lost or malformed
-answer), ``StatusError`` (non-200, with the body); ``worker_client`` maps them to router errors.
-
-Deadlines: a request whose answer head has not come ``first_byte_timeout_s`` after it was sent,
-or whose answer has brought nothing for ``event_timeout_s``, fails with ``DeadlineError`` (its
-connection aborted), as if the worker had died; while the pool is ``suspect`` (its worker's
-polls fail: a hung process), ``suspect_timeout_s`` bounds both. One sweep per pool, every
-half second while requests are open, checks them (no timer per request or per line).
+Errors and deadlines are the seam's (``router.transport``): one sweep per pool, every half
+second while requests are open, checks the deadlines (no timer per request or per line).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from ssl import SSLContext
 from urllib.parse import urlsplit
 
-
-class HttpError(Exception):
-    pass
-
-
-class ConnectError(HttpError):
-    pass
-
-
-class ProtocolError(HttpError):
-    pass
-
-
-class DeadlineError(ProtocolError):
-    """The worker sent nothing within a deadline (a hung or stopped process)."""
-
-
-class StatusError(HttpError):
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(f"HTTP {status}: {body[:500].decode(errors='replace')}")
-        self.status = status
-        self.body = body
+from router.transport import ConnectError, Deadlines, DeadlineError, ProtocolError, StatusError
 
 
 _MAX_BUFFERED_LINES = 4096  # pause reading beyond this (a consumer slower than its worker)
@@ -240,11 +213,10 @@ class _Conn(asyncio.Protocol):
 
 class Http1Pool:
     """Keep-alive connections to one ``http://host:port`` (``https://`` with ``ssl``, the plane's
-    client context): ``request`` (or ``post_lines``) is the only call."""
+    client context): a ``router.transport.Transport``; ``request`` is the only call."""
 
     def __init__(
-        self, url: str, *, connect_timeout_s: float = 2.0, max_idle: int = 256, headers: dict[str, str] | None = None,
-        first_byte_timeout_s: float = 300.0, event_timeout_s: float = 60.0, suspect_timeout_s: float = 3.0,
+        self, url: str, deadlines: Deadlines = Deadlines(), *, max_idle: int = 256, headers: dict[str, str] | None = None,
         ssl: SSLContext | None = None,
     ) -> None:
         u = urlsplit(url)
@@ -252,9 +224,8 @@ class Http1Pool:
             raise ValueError(f"http1 pool needs an {'https' if ssl is not None else 'http'}://host:port URL, got {url!r}")
         self.host, self.port = u.hostname, u.port or (443 if ssl is not None else 80)
         self.ssl = ssl
-        self.connect_timeout_s = connect_timeout_s
+        self.deadlines = deadlines
         self.max_idle = max_idle
-        self.first_byte_timeout_s, self.event_timeout_s, self.suspect_timeout_s = first_byte_timeout_s, event_timeout_s, suspect_timeout_s
         self.suspect = False  # set by the caller while the worker looks hung (see the module docstring)
         self._busy: set[_Conn] = set()  # connections with a request in progress
         self._sweeper: asyncio.TimerHandle | None = None
@@ -266,7 +237,7 @@ class Http1Pool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port, ssl=self.ssl), self.connect_timeout_s)
+            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port, ssl=self.ssl), self.deadlines.connect_s)
         except (TimeoutError, OSError) as exc:
             raise ConnectError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
         return conn
@@ -311,9 +282,7 @@ class Http1Pool:
         loop = next(iter(self._busy)).loop
         now = loop.time()
         for conn in list(self._busy):
-            limit = self.event_timeout_s if conn.status else self.first_byte_timeout_s
-            if self.suspect:
-                limit = min(limit, self.suspect_timeout_s)
+            limit = self.deadlines.limit(bool(conn.status), self.suspect)
             if conn.closed or conn.done or now - conn.last_data <= limit:
                 continue
             self._busy.discard(conn)
@@ -367,15 +336,5 @@ class Http1Pool:
             if conn.status:
                 raise StatusError(conn.status, conn.partial)
             raise conn.error
-        finally:
-            self.release(conn)
-
-    async def post_lines(self, path: str, body: bytes) -> AsyncIterator[bytes]:
-        """``request`` as an iterator of the answer's NDJSON lines."""
-        conn = await self.request(path, body)
-        try:
-            while (lines := await conn.read()) is not None:
-                for line in lines:
-                    yield line
         finally:
             self.release(conn)

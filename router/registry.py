@@ -172,10 +172,7 @@ class WorkerRegistry:
                 w.sync_views()
                 return w
         cfg = self.config
-        client = WorkerClient(
-            url, session=self.session, connect_timeout_s=cfg.connect_timeout_s, auth=self.auth,
-            first_byte_timeout_s=cfg.first_byte_timeout_s, event_timeout_s=cfg.event_timeout_s, suspect_timeout_s=cfg.suspect_timeout_s,
-        )
+        client = WorkerClient(url, session=self.session, auth=self.auth, deadlines=cfg.deadlines, transport=cfg.transport)
         breaker = CircuitBreaker(self.config.breaker_failure_threshold, self.config.breaker_cooldown_s)
         worker = Worker(url=url, worker_id=url, role=role or "mixed", client=client, breaker=breaker, static=static)
         worker.ranks = [RankView(worker_id=url, role=worker.role, cache=self.index)]

@@ -53,14 +53,10 @@ from router.placement import Lease, Placer, Pools, Stage
 from router.policies.base import Policy, RankView, RouteRequest
 from router.policies.registry import create_policy
 from router.registry import Worker, WorkerRegistry
-from router.http1 import HttpError
+from router.transport import HttpError
 from router.worker_client import dumps, encode_request, event_from_dict, loads
 
 log = logging.getLogger(__name__)
-
-_PREFILL_ONLY = b',"prefill_only":true'
-_NOT_PREFILL_ONLY = b',"prefill_only":false'
-
 
 class WireEvent(NamedTuple):
     """One event as it goes out on the wire: its JSON ``line`` (no newline) and the parsed
@@ -94,7 +90,6 @@ class _Flight:
     stats: tuple[int, int] | None = None  # (num_prompt_tokens, num_cached_tokens) first seen
     queue_entry: tuple | None = None
     failed: set[str] | None = None  # worker ids that failed it (a set once one has)
-    head: tuple | None = None  # the client's JSON body less its closing brace (see stream)
     retries: int = 0  # re-dispatches before the first token
     migrations: int = 0  # re-dispatches after it
 
@@ -184,8 +179,7 @@ class Router:
 
     # ---- requests ------------------------------------------------------------------------------
     def route_request(self, req: GenerateRequest) -> RouteRequest:
-        """What the policies see of ``req``; its unit keys are the engine's (``chain_keys``; a
-        prompt still in its body's text, ``kvstore.keys.TokenIdsText``, is hashed as that text)."""
+        """What the policies see of ``req``; its unit keys are the engine's (``chain_keys``)."""
         keys: tuple[str, ...] = ()
         prompt, bs = req.prompt_token_ids, self.config.block_size
         if self._hash_prompts and len(prompt) >= bs:
@@ -209,15 +203,11 @@ class Router:
             async for w in events:
                 yield event_from_dict(w.fields)
 
-    async def stream(self, req: GenerateRequest, head: tuple | None = None) -> AsyncIterator[WireEvent]:
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[WireEvent]:
         """``generate`` at the wire level: each event's JSON line and fields (what the router
-        service sends on, without decoding and re-encoding the worker's lines).
-
-        ``head``: the client's JSON body that ``req`` was parsed from, less its closing ``}``, in
-        pieces to join (``router.service.forward_head`` builds it and says when a body qualifies). The worker is then sent
-        that body with only the fields the router sets appended (``dp_rank``, ``prefill_only``,
-        and ``output_token_ids`` once tokens were streamed), instead of ``req`` encoded again:
-        JSON parsers, the worker's included, take the last of duplicate keys.
+        service sends on, without decoding and re-encoding the worker's lines). Each attempt
+        sends the worker ``req`` itself, encoded with the fields the router sets (``dp_rank``,
+        ``prefill_only``, and ``output_token_ids`` once tokens were streamed).
 
         One generator for the whole request (placement, every attempt, repair): a request that
         is one event long costs one generator, not one per layer (each layer adds an
@@ -226,7 +216,7 @@ class Router:
         t0 = time.perf_counter()
         if req.request_id in self._flights:
             raise RequestRejected(f"request {req.request_id!r} is already in flight")
-        flight = _Flight(req, self.route_request(req), head=head)
+        flight = _Flight(req, self.route_request(req))
         self._flights[req.request_id] = flight
         try:
             stage = self.placer.first_stage(flight.route, self._pools())
@@ -440,26 +430,14 @@ class Router:
         the body to send, the lease to release and the policy to tell when the attempt ends."""
         req, route = flight.req, flight.route
         prior = req.output_token_ids + flight.out if flight.out else req.output_token_ids
-        if flight.head is not None:
-            parts = [*flight.head, b',"dp_rank":', b"%d" % view.dp_rank, _PREFILL_ONLY if stage == "prefill" else _NOT_PREFILL_ONLY]
-            if flight.out:
-                parts += (b',"output_token_ids":', dumps(prior))
-            parts.append(b"}")
-            body = b"".join(parts)
-        else:
-            body = encode_request(
-                GenerateRequest(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling=req.sampling,
-                    priority=req.priority,
-                    output_token_ids=prior,
-                    prefill_only=stage == "prefill",
-                    dp_rank=view.dp_rank,
-                    session_key=req.session_key,
-                    arrival_time=req.arrival_time,
-                )
+        # positional (request_id, prompt, sampling, priority, output, prefill_only, dp_rank,
+        # session_key, arrival_time): the keyword call cost 0.3 µs more
+        body = encode_request(
+            GenerateRequest(
+                req.request_id, req.prompt_token_ids, req.sampling, req.priority, prior, stage == "prefill", view.dp_rank, req.session_key,
+                req.arrival_time,
             )
+        )
         policy = self.placer.policy_for(stage)
         cached = view.cached_blocks(route.block_keys) * route.block_size if route.block_keys else 0
         lease = Lease(view, route.num_prompt_tokens + len(prior), max(0, route.num_prompt_tokens - cached) if not prior or stage != "decode" else 0)

@@ -10,8 +10,9 @@ a worker or a router: ``POST /internal/generate`` (NDJSON ``TokenEvent`` stream)
 Served by ``router.http_server`` (``asyncio.Protocol`` + ``httptools``) rather than aiohttp.web:
 for a proxy whose handlers are a few lines, the framework was a third of the router's CPU per
 request (``bench/router_bench.py``). The worker's NDJSON lines are passed through as received
-(``Router.stream``), not decoded into events and encoded again; likewise the client's request
-body goes on to the worker as received, with the router's fields appended (``forward_head``).
+(``Router.stream``), not decoded into events and encoded again. The client's request body is
+parsed once (orjson) into the typed ``GenerateRequest`` (``parse_body``), and that request is
+what goes on to the worker, encoded with the router's fields (``dp_rank``, ``prefill_only``).
 A request whose whole answer is one event (non-streaming clients, ``max_tokens=1``) is answered
 with a plain ``Content-Length`` body; otherwise the events are streamed (chunked) as they come.
 A client that disconnects cancels its handler, which closes the router's stream and aborts the
@@ -30,19 +31,18 @@ one the router listens on loopback only. Sampling settings are type-checked
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import ipaddress
 import logging
 import signal
 import time
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from deepserve.internal_auth import InternalAuth
 from deepserve.protocol import ErrorCode, GenerateRequest, OutputConstraint, SamplingParams, error_body
 from deepserve.protocol.validate import check_fields
-from kvstore.keys import TokenIdsText
 from router.config import RouterConfig
 from router.errors import RegistrationRefused, RouterError
 from router.http_server import HttpServer, Request, Response
@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 
 _NDJSON = b"application/x-ndjson"
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
-_SAMPLING_MEMO: dict[bytes | None, SamplingParams] = {}  # see _sampling; SamplingParams is frozen
-_SAMPLING_MEMO_SIZE = 1024
 
 
 def _error(code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -97,100 +95,17 @@ def _body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-_PROMPT_KEY = b'"prompt_token_ids"'
-_DIGITS = b"0123456789"
+def parse_body(raw: bytes) -> GenerateRequest:
+    """The generate body ``raw``, parsed once (orjson) into the typed request (``parse_generate``)."""
+    return parse_generate(_body(raw), raw)
 
 
-def _array_in_body(raw: bytes, key: bytes) -> tuple[bytes, int, int] | None:
-    """The text between the ``[`` and the first ``]`` after the body's field ``key`` (given
-    quoted), with their offsets, where the body can be read by its text: no backslash anywhere
-    (an escaped key could hide the real field) and nothing but blanks and a colon between the key
-    and the ``[``. None otherwise. Whether ``key`` is the only one is the caller's check, made
-    once the text is known to hold no quote (``_only_key``): then no second key can start before
-    the ``]``, and the array, most of the body, is not scanned twice."""
-    if raw.find(b"\\") >= 0:
-        return None
-    i = raw.find(key)
-    if i < 0:
-        return None
-    j = i + len(key)
-    start = raw.find(b"[", j)
-    if start < 0 or raw[j:start].strip() != b":":
-        return None
-    end = raw.find(b"]", start)
-    if end < 0:
-        return None
-    return raw[start + 1 : end], start, end
-
-
-def _only_key(raw: bytes, key: bytes, end: int) -> bool:
-    """No second ``key`` after offset ``end`` (a duplicate, or the same name nested later)."""
-    return raw.find(key, end) < 0
-
-
-def _canonical_prompt(raw: bytes) -> tuple[bytes, int, int, int] | None:
-    """The prompt of the body ``raw`` if written as a canonical id list (``kvstore.keys.token_text``:
-    non-negative decimals and commas, nothing else, no leading zeros, as orjson or any compact
-    JSON encoder writes it): ``(text, ids, [ offset, ] offset)``, else None (the body is then
-    parsed whole). The caller parses the body with the array emptied and checks the top-level
-    field is that empty array. Refused here besides ``_array_in_body``'s refusals: the key seen
-    twice, the id 0 anywhere but first (rare: parsed whole rather than told from a leading zero)."""
-    found = _array_in_body(raw, _PROMPT_KEY)
-    if found is None or not found[0]:
-        return None
-    text, start, end = found
-    commas = text.translate(None, _DIGITS)  # one pass: the commas are all that is left, if valid
-    if (
-        commas != b"," * len(commas)
-        or text[0] == 44  # ","
-        or text[-1] == 44
-        or text.rfind(b",,") >= 0  # (rfind: twice as fast as find or ``in`` on this text)
-        or text.rfind(b",0") >= 0
-        or (text[0] == 48 and len(text) > 1)  # "0" then a digit (a leading zero) or a comma
-        and text[1] != 44
-        or not _only_key(raw, _PROMPT_KEY, end)
-    ):
-        return None
-    return text, len(commas) + 1, start, end
-
-
-def parse_body(raw: bytes) -> tuple[dict[str, Any], GenerateRequest]:
-    """The generate body ``raw``: its JSON object and the request. A prompt written canonically
-    (``_canonical_prompt``) is not parsed: the object is parsed with that array left empty, and
-    the request's prompt is the array's text (``kvstore.keys.TokenIdsText``), counted by its
-    commas and hashed as it is by the router; anything else is parsed whole and checked by
-    ``parse_generate``."""
-    found = _canonical_prompt(raw)
-    if found is not None:
-        text, n, start, end = found
-        d = _body(raw[: start + 1] + raw[end:])
-        if d.get("prompt_token_ids") == []:
-            return d, parse_generate(d, raw, TokenIdsText(text, n))
-    d = _body(raw)
-    return d, parse_generate(d, raw)
-
-
-_INT_LIST_TEXT = b"0123456789,- \t\r\n"  # what a JSON array of integers is written with
-
-
-def _int_list_in_body(raw: bytes, key: bytes) -> bool:
-    """Whether the body ``raw`` shows the array under its top-level field ``key`` (given
-    quoted) to be written with integers only: one pass over that array's text, in C, instead of
-    a look at each element's type (4x cheaper for 128 ids). False (not known: look at the
-    elements) where ``_array_in_body`` cannot read the array, for a key seen twice (a nested or
-    duplicate field), or any other character in the array (a boolean, float, string, null or
-    nested array or object)."""
-    found = _array_in_body(raw, key)
-    return found is not None and not found[0].translate(None, _INT_LIST_TEXT) and _only_key(raw, key, found[2])
-
-
-def _token_ids(ids: Any, raw: bytes, key: bytes, empty_ok: bool) -> list[int]:
-    """``ids`` (the body's field ``key``, quoted) if it is a list of integers. Read off the
-    body's text when it can be (``_int_list_in_body``); otherwise ``sum`` refuses strings,
-    lists and nulls, and its result is an int only when no float was summed, and only a body
-    with JSON booleans in it (which ``sum`` takes for 0/1) gets the check of each type."""
+def _token_ids(ids: Any, raw: bytes, name: str, empty_ok: bool) -> list[int]:
+    """``ids`` (the body's field ``name``) if it is a list of integers: ``sum`` refuses strings,
+    lists and nulls, and its result is an int only when no float was summed; only a body with a
+    JSON boolean in it (which ``sum`` takes for 0/1) gets the check of each element's type."""
     if isinstance(ids, list) and (ids or empty_ok):
-        if not ids or (raw and _int_list_in_body(raw, key)):
+        if not ids:
             return ids
         try:
             ok = type(sum(ids)) is int
@@ -200,46 +115,45 @@ def _token_ids(ids: Any, raw: bytes, key: bytes, empty_ok: bool) -> list[int]:
             ok = set(map(type, ids)) == {int}
         if ok:
             return ids
-    raise ValueError(f"{key[1:-1].decode()} must be a {'' if empty_ok else 'non-empty '}list of integer token ids")
+    raise ValueError(f"{name} must be a {'' if empty_ok else 'non-empty '}list of integer token ids")
 
 
-def _sampling(d: dict[str, Any]) -> SamplingParams:
-    """``SamplingParams.from_dict`` without rebuilding its field set on every call, and once per
-    distinct settings: clients send the same few again and again, and building the frozen
-    dataclass (14 fields, validation) costs 2 µs. The memo key is the settings' JSON text
-    (orjson: 0.2 µs, against 0.6 for a tuple of the items and their types, which ``1``, ``1.0``
-    and ``true`` needed to stay apart). Exact for settings parsed from a JSON body, as here: JSON
-    has no NaN or infinity (orjson would write them as ``null``). Settings it cannot encode are
-    not memoised."""
-    try:
-        key = dumps(d)
-    except (TypeError, ValueError):  # e.g. an integer beyond 64 bits: built each time
-        key = None
-    sp = _SAMPLING_MEMO.get(key)
-    if sp is not None:
-        return sp
+@functools.lru_cache(maxsize=1024)
+def _sampling_of(text: bytes) -> SamplingParams:
+    """The settings whose JSON text is ``text``, built once per distinct text (clients send the
+    same few again and again; building the frozen dataclass, 14 fields and their checks, costs
+    2 µs). Exact for settings parsed from a JSON body: JSON has no NaN or infinity."""
+    return _build_sampling(loads(text))
+
+
+def _build_sampling(d: dict[str, Any]) -> SamplingParams:
     check_fields(SamplingParams, d, "sampling")
     kw = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
     if "stop_token_ids" in kw:
         kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
     if kw.get("constraint") is not None:
         kw["constraint"] = OutputConstraint.from_dict(kw["constraint"])
-    sp = SamplingParams(**kw)
-    if key is not None:
-        if len(_SAMPLING_MEMO) >= _SAMPLING_MEMO_SIZE:
-            _SAMPLING_MEMO.clear()
-        _SAMPLING_MEMO[key] = sp
-    return sp
+    return SamplingParams(**kw)
 
 
-def parse_generate(d: dict[str, Any], raw: bytes = b"", prompt: Sequence[int] | None = None) -> GenerateRequest:
+def _sampling(d: dict[str, Any]) -> SamplingParams:
+    """``SamplingParams.from_dict`` with the field checks, memoised by the settings' JSON text
+    (``_sampling_of``); settings orjson cannot encode (an integer beyond 64 bits) are built each time."""
+    if not isinstance(d, dict):
+        raise ValueError("sampling must be an object")
+    try:
+        text = dumps(d)
+    except (TypeError, ValueError):
+        return _build_sampling(d)
+    return _sampling_of(text)
+
+
+def parse_generate(d: dict[str, Any], raw: bytes = b"") -> GenerateRequest:
     """``GenerateRequest.from_dict`` without re-building the token lists: JSON already gave the
     ints; their type is checked (a bad request must be refused here, not fail on a worker and
-    count against that worker's health). ``raw``: the JSON body ``d`` came from, if any;
-    ``prompt``: the prompt, when the caller read it off ``raw`` itself (``parse_body``)."""
-    if prompt is None:
-        prompt = _token_ids(d["prompt_token_ids"], raw, b'"prompt_token_ids"', empty_ok=False)
-    out = _token_ids(d.get("output_token_ids") or [], raw, b'"output_token_ids"', empty_ok=True)
+    count against that worker's health). ``raw``: the JSON body ``d`` came from, if any."""
+    prompt = _token_ids(d["prompt_token_ids"], raw, "prompt_token_ids", empty_ok=False)
+    out = _token_ids(d.get("output_token_ids") or [], raw, "output_token_ids", empty_ok=True)
     # positional (request_id, prompt, sampling, priority, output, prefill_only, dp_rank,
     # session_key, arrival_time): the keyword call cost 0.3 µs more
     return GenerateRequest(
@@ -253,29 +167,6 @@ def parse_generate(d: dict[str, Any], raw: bytes = b"", prompt: Sequence[int] | 
         d.get("session_key"),
         float(d.get("arrival_time") or time.time()),
     )
-
-
-def forward_head(d: dict[str, Any], raw: bytes, req: GenerateRequest) -> tuple[Any, ...] | None:
-    """The client's body ``raw`` (parsed into ``d``, then ``req``) to forward to the worker with
-    the router's fields appended (``Router.stream``'s ``head``): the pieces of the body less its
-    closing brace (a ``memoryview``: not copied until the worker's body is joined), plus
-    ``arrival_time`` when the client sent none (the router's clock, as before). None when the
-    worker would read the body differently from ``req`` (a ``request_id`` that is not a string,
-    a null ``output_token_ids`` or ``arrival_time``...): that body is encoded from ``req``
-    instead. Every other field (sampling, priority, session key) is read the same way by
-    ``parse_generate`` here and ``GenerateRequest.from_dict`` on the worker."""
-    if type(d["request_id"]) is not str or ("output_token_ids" in d and type(d["output_token_ids"]) is not list):
-        return None
-    body = raw.rstrip()
-    if body[-1:] != b"}":
-        return None
-    head = memoryview(body)[:-1]
-    if "arrival_time" not in d:
-        return (head, b',"arrival_time":', dumps(req.arrival_time))  # the float's shortest round trip
-    t = d["arrival_time"]
-    if type(t) is not float and type(t) is not int or not t:
-        return None
-    return (head,)
 
 
 class RouterService:
@@ -320,10 +211,10 @@ class RouterService:
     # ---- the hot route ------------------------------------------------------------------------
     async def generate(self, request: Request) -> Response | None:
         try:
-            d, req = parse_body(request.body)
+            req = parse_body(request.body)
         except (KeyError, ValueError, TypeError) as exc:
             return _error(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}")
-        events = self.router.stream(req, forward_head(d, request.body, req))
+        events = self.router.stream(req)
         try:
             first = await anext(events)
         except StopAsyncIteration:

@@ -19,41 +19,28 @@ without a finish event, or a line that is not JSON: ``WorkerUnavailable`` (``eng
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 import aiohttp
+import orjson
 
 from deepserve.internal_auth import InternalAuth
 from deepserve.protocol import KV_ROWS_FORMAT, ErrorCode, GenerateRequest, LoadReport, TokenEvent, parse_error_body
 from router.errors import WorkerRejected, WorkerUnavailable
-from router.http1 import ConnectError, DeadlineError, Http1Pool, HttpError, StatusError
+from router.transport import ConnectError, Deadlines, DeadlineError, HttpError, StatusError, make_transport, post_lines
 
-try:  # optional: several times faster than json for our small lines
-    import orjson
-
-    _loads = orjson.loads
-    _dumps = orjson.dumps  # bound directly: no Python frame per call
-
-    def encode_request(req: GenerateRequest) -> bytes:
-        """The request's JSON body. orjson serialises the dataclass itself, which equals
-        ``req.to_dict()`` (tests/router/test_worker_client.py checks) at a fraction of the cost of
-        ``dataclasses.asdict``."""
-        return orjson.dumps(req)
-
-except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-    def encode_request(req: GenerateRequest) -> bytes:
-        return _dumps(req.to_dict())
+dumps = orjson.dumps  # bound directly: no Python frame per call
+loads = orjson.loads
 
 
-dumps = _dumps
-loads = _loads
+def encode_request(req: GenerateRequest) -> bytes:
+    """The request's JSON body. orjson serialises the dataclass itself, which equals
+    ``req.to_dict()`` (tests/router/test_worker_client.py checks) at a fraction of the cost of
+    ``dataclasses.asdict``."""
+    return orjson.dumps(req)
+
+
 _JSON = {"Content-Type": "application/json"}
 _NOT_THE_REQUESTS_FAULT = (401, 403, 408, 429)  # 4xx that another worker (or later) may not give
 
@@ -99,25 +86,22 @@ def make_session(connect_timeout_s: float = 2.0, auth: InternalAuth | None = Non
 class WorkerClient:
     """Client for the worker at ``url`` (``http://host:port``).
 
-    ``generate`` goes over ``router.http1`` (a pool of raw keep-alive connections: the hot path);
-    the control calls over the aiohttp session (a shared ``session`` must carry ``auth``'s
-    header itself: ``make_session(auth=...)``).
+    ``generate`` goes over ``pool``, the ``router.transport.Transport`` named by ``transport``
+    (the hot path, with the ``deadlines``); the control calls over the aiohttp session (a
+    shared ``session`` must carry ``auth``'s header itself: ``make_session(auth=...)``).
     """
 
     def __init__(
-        self, url: str, *, session: aiohttp.ClientSession | None = None, connect_timeout_s: float = 2.0, control_timeout_s: float = 2.0,
-        auth: InternalAuth | None = None, first_byte_timeout_s: float = 300.0, event_timeout_s: float = 60.0, suspect_timeout_s: float = 3.0,
+        self, url: str, *, session: aiohttp.ClientSession | None = None, control_timeout_s: float = 2.0, auth: InternalAuth | None = None,
+        deadlines: Deadlines = Deadlines(), transport: str = "http1",
     ) -> None:
         self.url = url.rstrip("/")
         self._session = session
         self._owns_session = session is None
-        self._connect_timeout_s = connect_timeout_s
+        self._connect_timeout_s = deadlines.connect_s
         self._control_timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self.auth = auth or InternalAuth()
-        self.pool = Http1Pool(
-            self.url, connect_timeout_s=connect_timeout_s, headers=self.auth.headers(), ssl=self.auth.client_ssl,
-            first_byte_timeout_s=first_byte_timeout_s, event_timeout_s=event_timeout_s, suspect_timeout_s=suspect_timeout_s,
-        )
+        self.pool = make_transport(transport, self.url, deadlines, headers=self.auth.headers(), ssl=self.auth.client_ssl, session=lambda: self.session)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -144,8 +128,8 @@ class WorkerClient:
         """``generate`` at the dict level: a JSON request body in, event dicts out."""
         finished = False
         try:
-            async for line in self.pool.post_lines("/internal/generate", body):
-                d = _loads(line)
+            async for line in post_lines(self.pool, "/internal/generate", body):
+                d = loads(line)
                 if "finish_reason" in d:
                     finished = True
                 yield d
@@ -155,7 +139,7 @@ class WorkerClient:
             raise WorkerUnavailable("stream ended without a finish event", self.url, code=ErrorCode.ENGINE_ERROR)
 
     def error_for(self, exc: Exception) -> WorkerRejected | WorkerUnavailable:
-        """The router error for a failure of the generate call (``router.http1`` errors, or a
+        """The router error for a failure of the generate call (``router.transport`` errors, or a
         line that is not JSON)."""
         if isinstance(exc, ConnectError):
             return WorkerUnavailable(str(exc), self.url, connect=True)
@@ -186,7 +170,7 @@ class WorkerClient:
             async with self.session.get(self.url + path, timeout=self._control_timeout) as resp:
                 if resp.status != 200:
                     await self._raise_status(resp)
-                return _loads(await resp.read())
+                return loads(await resp.read())
         except aiohttp.ClientConnectorError as exc:
             raise WorkerUnavailable(f"cannot connect: {exc}", self.url, connect=True) from exc
         except (TimeoutError, aiohttp.ClientError, ConnectionError, ValueError) as exc:
@@ -196,7 +180,7 @@ class WorkerClient:
         """Ask the worker to stop ``request_id``; False when the worker could not be told."""
         try:
             async with self.session.post(
-                self.url + "/internal/abort", data=_dumps({"request_id": request_id}), headers=_JSON, timeout=self._control_timeout
+                self.url + "/internal/abort", data=dumps({"request_id": request_id}), headers=_JSON, timeout=self._control_timeout
             ) as resp:
                 await resp.read()
                 return resp.status < 300

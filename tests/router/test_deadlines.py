@@ -2,7 +2,8 @@
 
 FAKE worker processes (tests/router/fake_worker.py) on loopback: one is stopped with SIGSTOP
 while streams run on it; its streams migrate to the other worker and end with exactly the
-tokens of an undisturbed run, within the suspect deadline rather than never.
+tokens of an undisturbed run, within the suspect deadline rather than never; on each
+``router.transport`` implementation (the library's in the slow run).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from tests.router.test_router_integration import config, expected, request
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_streams_of_a_sigstopped_worker_finish_on_the_other_one(spawn):
+@pytest.mark.parametrize("transport", ["http1", pytest.param("aiohttp", marks=pytest.mark.slow)])
+def test_streams_of_a_sigstopped_worker_finish_on_the_other_one(spawn, transport):
     a = spawn("--worker-id", "a", "--token-delay", "0.02")
     b = spawn("--worker-id", "b", "--token-delay", "0.02")
     procs = {"a": a, "b": b}
 
     async def main():
-        router = Router(config(worker=(a.url, b.url), load_interval_s=0.2, suspect_timeout_s=1.0, event_timeout_s=30.0))
+        router = Router(config(worker=(a.url, b.url), load_interval_s=0.2, suspect_timeout_s=1.0, event_timeout_s=30.0, transport=transport))
         await router.start()
         stopped: list[str] = []
         try:

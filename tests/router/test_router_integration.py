@@ -13,8 +13,8 @@ from deepserve.protocol import GenerateRequest, SamplingParams
 from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, Overloaded
 from router.router import Router
-from router.service import RouterService, forward_head, parse_generate
-from router.worker_client import WorkerClient, event_from_dict
+from router.service import RouterService
+from router.worker_client import WorkerClient
 from tests.router.fake_worker import expected_tokens
 
 
@@ -29,22 +29,9 @@ def request(i: int, prompt_len: int = 64, max_tokens: int = 20, **kw) -> Generat
     return GenerateRequest(request_id=f"req-{i}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0), **kw)
 
 
-async def collect(router: Router, req: GenerateRequest, forward: bool = False) -> tuple[list[int], list]:
-    """``req``'s tokens and events; ``forward``: as the router service runs it, the client's
-    JSON body forwarded to the workers with the router's fields appended (``forward_head``)."""
+async def collect(router: Router, req: GenerateRequest) -> tuple[list[int], list]:
+    """``req``'s tokens and events."""
     tokens, events = [], []
-    if forward:
-        d = req.to_dict()
-        del d["arrival_time"], d["dp_rank"], d["prefill_only"]
-        raw = json.dumps(d).encode() + b" \n"
-        parsed = parse_generate(json.loads(raw), raw)
-        head = forward_head(json.loads(raw), raw, parsed)
-        assert head is not None
-        async for w in router.stream(parsed, head):
-            ev = event_from_dict(w.fields)
-            tokens.extend(ev.token_ids)
-            events.append(ev)
-        return tokens, events
     async for ev in router.generate(req):
         tokens.extend(ev.token_ids)
         events.append(ev)
@@ -139,8 +126,7 @@ def test_retry_when_a_worker_is_down_before_the_router_noticed(spawn):
 
 
 @pytest.mark.parametrize("disaggregated", [False, True])
-@pytest.mark.parametrize("forward", [False, True], ids=["encoded", "forwarded"])
-def test_migration_when_a_decode_worker_is_killed_mid_stream(spawn, disaggregated, forward):
+def test_migration_when_a_decode_worker_is_killed_mid_stream(spawn, disaggregated):
     decode = [spawn("--worker-id", f"d{i}", "--role", "decode", "--token-delay", "0.01") for i in range(3)]
     prefill = [spawn("--worker-id", "p", "--role", "prefill")] if disaggregated else []
     prompt_len = 600 if disaggregated else 64  # >= pd_min_prompt_tokens: through the prefill pool
@@ -148,7 +134,7 @@ def test_migration_when_a_decode_worker_is_killed_mid_stream(spawn, disaggregate
     async def main():
         async with Router(config(decode=tuple(w.url for w in decode), prefill=tuple(w.url for w in prefill))) as r:
             reqs = [request(i, prompt_len=prompt_len, max_tokens=40) for i in range(20)]
-            tasks = [asyncio.create_task(collect(r, q, forward)) for q in reqs]
+            tasks = [asyncio.create_task(collect(r, q)) for q in reqs]
             dec = [w for w in r.registry.workers() if w.role == "decode"]
             await until(lambda: sum(v.in_flight_tokens for w in dec for v in w.ranks) >= 20 * (prompt_len + 8))
             victim = max(dec, key=lambda w: w.in_flight)
@@ -165,8 +151,7 @@ def test_migration_when_a_decode_worker_is_killed_mid_stream(spawn, disaggregate
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("forward", [False, True], ids=["encoded", "forwarded"])
-def test_disaggregated_equals_colocated_and_short_prompts_skip_prefill(spawn, forward):
+def test_disaggregated_equals_colocated_and_short_prompts_skip_prefill(spawn):
     p = spawn("--worker-id", "p", "--role", "prefill")
     d = spawn("--worker-id", "d", "--role", "decode")
 
@@ -174,14 +159,14 @@ def test_disaggregated_equals_colocated_and_short_prompts_skip_prefill(spawn, fo
         async with Router(config(prefill=(p.url,), decode=(d.url,))) as r:
             long_reqs = [request(i, prompt_len=600) for i in range(4)]
             for q in long_reqs:
-                toks, events = await collect(r, q, forward)
+                toks, events = await collect(r, q)
                 assert toks == expected(q)
                 assert events[0].token_ids == toks[:1] and events[0].finish_reason is None  # first token first
                 assert all(e.num_prompt_tokens in (0, 600) for e in events)
-            toks, _ = await collect(r, request(10, prompt_len=100), forward)
+            toks, _ = await collect(r, request(10, prompt_len=100))
             assert toks == expected(request(10, prompt_len=100))
             one = request(11, prompt_len=600, max_tokens=1)  # done after the prefill stage
-            toks, events = await collect(r, one, forward)
+            toks, events = await collect(r, one)
             assert toks == expected(one) and events[-1].finish_reason == "length"
             ps, ds = await stats(p.url), await stats(d.url)
             assert ps["prefill_only"] == 5 and ds["continued"] == 4 and ds["fresh"] == 1

@@ -78,6 +78,7 @@ class Run:
         self._top_n = req.sampling.top_logprobs
         self._eos = gw.catalog.eos_token_id
         self._skip = skip_ids
+        self._skipped = 0  # tokens of ``skip_ids`` left out of the text (skip_special_tokens)
         # With ``keep_ids`` (include_stop_str_in_output): the ids pushed to the processor, and how
         # many came before the batch that completed a stop-string match.
         self._keep = keep_ids
@@ -130,6 +131,7 @@ class Run:
                         self.completion_tokens += len(ids)
                         if self._skip and not self._skip.isdisjoint(ids):
                             keep = [i for i, t in enumerate(ids) if t not in self._skip]
+                            self._skipped += len(ids) - len(keep)
                             ids = [ids[i] for i in keep]
                             lps = [lps[i] for i in keep] if lps else lps
                     if ids:
@@ -148,6 +150,8 @@ class Run:
                             return
                 if ev.finish_reason is not None:
                     self.engine_done = True
+                    if self._skipped:  # generated, not shown: the usage counts them (as OpenAI and vLLM do)
+                        out += push(dr.InferenceChunk.text("", self._skipped))
                     out += push(dr.InferenceChunk.finish(_FINISH[ev.finish_reason]))
                     out += proc.finish()
                     yield out

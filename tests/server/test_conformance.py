@@ -245,8 +245,12 @@ def test_skip_special_tokens(make_gateway, catalog):
     gw = make_gateway(FakeEngine([19923, pad, 2058, EOS]))
     r = chat(gw, **NO_THINK).json()
     assert r["choices"][0]["message"]["content"] == "Hello world"
+    assert r["usage"]["completion_tokens"] == 3  # the skipped token was generated: counted (OpenAI, vLLM)
     r = chat(gw, skip_special_tokens=False, **NO_THINK).json()
-    assert "<｜▁pad▁｜>" in r["choices"][0]["message"]["content"]
+    assert "<｜▁pad▁｜>" in r["choices"][0]["message"]["content"] and r["usage"]["completion_tokens"] == 3
+    streamed = chunks_of(chat(gw, stream=True, stream_options={"include_usage": True}, **NO_THINK))
+    assert streamed[-1]["usage"]["completion_tokens"] == 3
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed[:-1]) == "Hello world"
 
 
 # ---- streamed usage by the spec -------------------------------------------------------------------

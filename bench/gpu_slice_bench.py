@@ -522,7 +522,7 @@ def native_rows(args, bw: float, mm: float, rows: list) -> None:
     print(f"fp8 matmul (_scaled_mm row-wise) {fp8_mm / 1e12:.0f} TFLOP/s", flush=True)
     with tempfile.TemporaryDirectory(dir=args.native_dir or None) as tmp:
         t0 = time.perf_counter()
-        ckpt = make_random_checkpoint(f"{tmp}/ckpt", "v4-flash", layers=args.native_layers, device="cuda")
+        ckpt = make_random_checkpoint(f"{tmp}/ckpt", "v4-flash", layers=args.native_layers, device="cuda", mtp=False)
         t1 = time.perf_counter()
         model = load_model(ckpt, dtype="bfloat16", device="cuda", progress=False, fp8=Fp8GemmConfig(), fp4_experts=True)
         print(f"native checkpoint: written {t1 - t0:.1f} s, loaded {time.perf_counter() - t1:.1f} s", flush=True)

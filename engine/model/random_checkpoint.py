@@ -202,13 +202,13 @@ def mtp_specs(cfg: dict[str, Any]) -> list[Spec]:
     return out
 
 
-def shard_specs(cfg: dict[str, Any]) -> list[list[Spec]]:
-    """The shards in order: embedding, one per layer, head + norm + mHC head, MTP."""
+def shard_specs(cfg: dict[str, Any], mtp: bool = True) -> list[list[Spec]]:
+    """The shards in order: embedding, one per layer, head + norm + mHC head, MTP (unless not ``mtp``)."""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     head = [Spec("head.weight", (v, h), "linear"), Spec("norm.weight", (h,), "norm")]
     _hc(head, "hc_head", cfg, head=True)
     layers = [layer_specs(cfg, i) for i in range(cfg["num_hidden_layers"])]
-    return [[Spec("embed.weight", (v, h), "embed")], *layers, head, mtp_specs(cfg)]
+    return [[Spec("embed.weight", (v, h), "embed")], *layers, head, *([mtp_specs(cfg)] if mtp else [])]
 
 
 DTYPES = {
@@ -258,16 +258,21 @@ def _input_width(spec: Spec) -> int:
 
 
 def make_random_checkpoint(
-    out_dir: str | Path, preset: str = "v4-flash", layers: int | None = None, seed: int = 0, device: str | None = None
+    out_dir: str | Path, preset: str = "v4-flash", layers: int | None = None, seed: int = 0, device: str | None = None,
+    mtp: bool = True,
 ) -> Path:
-    """Write the checkpoint (module docstring) to ``out_dir``; ``device`` defaults to CUDA if present."""
+    """Write the checkpoint (module docstring) to ``out_dir``; ``device`` defaults to CUDA if present.
+    ``mtp=False`` leaves the MTP layer out (``num_nextn_predict_layers`` 0; its FP4 experts are a
+    layer's bytes to write and, dequantised on load, 12.9 GB of host memory at full width)."""
     from engine.model.tiny import copy_tokenizer
 
     cfg = config_dict(preset, layers)
+    if not mtp:
+        cfg["num_nextn_predict_layers"] = 0
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = shard_specs(cfg)
+    shards = shard_specs(cfg, mtp)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     gen = torch.Generator(device=dev).manual_seed(seed)
     weight_map: dict[str, str] = {}
@@ -297,7 +302,7 @@ def _run(args: argparse.Namespace) -> int:
     import time
 
     t0 = time.perf_counter()
-    path = make_random_checkpoint(args.out, args.preset, args.layers, args.seed, args.device)
+    path = make_random_checkpoint(args.out, args.preset, args.layers, args.seed, args.device, mtp=not args.no_mtp)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
@@ -310,4 +315,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where values are drawn (default: cuda if available)")
+    p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out (no speculative decoding; a faster write and load)")
     p.set_defaults(func=_run)

@@ -164,3 +164,10 @@ def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, tmp_path
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="experts of .* incomplete"):
         load_model(broken, dtype="float32", progress=False)
+
+
+def test_without_mtp_layer() -> None:
+    """``--no-mtp``: the same shards but the MTP layer's (the bench's faster write and load)."""
+    cfg = config_dict("v4-flash", 2)
+    full, bare = shard_specs(cfg), shard_specs(cfg, mtp=False)
+    assert bare == full[:-1] and all(s.name.startswith("mtp.") for s in full[-1])

@@ -50,7 +50,7 @@ SAMPLING: Table = {
     "n": "n choices, each its own engine request (seed + i when seeded); usage summed",
 }
 STRUCTURED: Table = {
-    "response_format": "structured output: text, json_object, json_schema (the client's own schema; strict as OpenAI means it; a keyword the grammar cannot enforce: 400 naming it)",
+    "response_format": "structured output: text, json_object (a JSON object), json_schema (the client's own schema; strict as OpenAI means it; a keyword the grammar cannot enforce: 400 naming it)",
     "guided_json": "vLLM: the output follows this JSON schema (an object or JSON text; audited as response_format)",
     "guided_regex": "vLLM: the output matches this regular expression (xgrammar)",
     "guided_choice": "vLLM: the output is exactly one of these strings",
@@ -147,7 +147,7 @@ RESPONSES: Table = {
     "tools": "function tools (and namespaces)",
     "tool_choice": "auto, none, required, or a named function",
     "text": "text.format: text, json_object, json_schema (structured output)",
-    "store": "default true: the response is kept (bounded LRU with a TTL) for GET/DELETE /v1/responses/{id} and previous_response_id",
+    "store": "default true: the response is kept (the shared Redis or this gateway's LRU, with a TTL: --responses-store) for GET/DELETE /v1/responses/{id} and previous_response_id",
     "previous_response_id": "continue a stored response's conversation (its input and output items before this input; its instructions are not carried over); unknown: 404",
     "background": "true (needs store; not with stream): answered at once with status queued; poll GET /v1/responses/{id}; POST /v1/responses/{id}/cancel",
     **METADATA,

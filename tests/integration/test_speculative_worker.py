@@ -4,7 +4,8 @@ Two workers, one with ``--speculative-config`` and one without, give the same gr
 batched requests of mixed lengths that cross 128-token units (their KV store on, so drafts stop at
 each unit boundary); the speculative one reports drafts and acceptances under vLLM's metric names.
 Through the router, a plain prefill worker handing off to a speculative decode worker (sharing a
-KV tier) gives those tokens too.
+KV tier) gives those tokens too, and so does a speculative decode worker killed with SIGKILL
+mid-stream, its streams migrated to another speculative decode worker.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from tests.integration.workers import AUTH, start_workers
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def _requests() -> list[GenerateRequest]:
+def _requests(max_tokens: int = 48, lengths: tuple[int, ...] = (3, 120, 200, 60)) -> list[GenerateRequest]:
     rng, lang = random.Random(5), TrainConfig()
-    prompts = [[rng.randrange(2, 129280) for _ in range(n)] + sentence(lang, 1000 + n % 64, 4) for n in (3, 120, 200, 60)]
-    return [GenerateRequest(f"h{i}", p, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    prompts = [[rng.randrange(2, 129280) for _ in range(n)] + sentence(lang, 1000 + n % 64, 4) for n in lengths]
+    return [GenerateRequest(f"h{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
 
 
-async def _generate(url: str) -> dict[str, list[int]]:
+async def _generate(url: str, reqs: list[GenerateRequest] | None = None) -> dict[str, list[int]]:
     client = WorkerClient(url, auth=AUTH)
 
     async def one(req: GenerateRequest) -> tuple[str, list[int]]:
@@ -42,7 +43,7 @@ async def _generate(url: str) -> dict[str, list[int]]:
         return req.request_id, tokens
 
     try:
-        return dict(await asyncio.gather(*(one(r) for r in _requests())))
+        return dict(await asyncio.gather(*(one(r) for r in reqs or _requests())))
     finally:
         await client.close()
 
@@ -105,4 +106,57 @@ def test_prefill_handoff_to_a_speculative_decode_worker(trained_mtp_model_dir, t
         assert _metric(decode.url, "vllm:spec_decode_num_accepted_tokens_total") > 0
     finally:
         for w in (prefill, decode, plain):
+            w.terminate()
+
+
+def test_speculative_decode_worker_killed_mid_stream_migrates(trained_mtp_model_dir, tmp_path_factory) -> None:
+    logs, kv = tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("kv-mig")
+    spec = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}')
+    prefill = start_workers(trained_mtp_model_dir, kv, ["prefill"], logs)[0]
+    victim, survivor = start_workers(trained_mtp_model_dir, kv, ["decode", "decode"], logs, extra=spec)
+    plain = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-plain3"), ["mixed"], logs)[0]
+    reqs = lambda: _requests(max_tokens=200, lengths=(3, 120, 200, 60, 90, 150))  # noqa: E731
+    config = RouterConfig(policy="round_robin", load_interval_s=0.1, health_interval_s=0.2, kv_events_interval_s=0.2, backoff_base_s=0.01,
+                          pd_min_prompt_tokens=0, prefill=(prefill.url,), decode=(victim.url, survivor.url))  # fmt: skip
+    dead = f"decode-0-{victim.port}"
+
+    async def scenario() -> dict[str, tuple[list[int], list[str]]]:
+        router = Router(config, auth=AUTH)
+        await router.start()
+        seen: list[str] = []
+
+        async def one(req: GenerateRequest) -> tuple[str, tuple[list[int], list[str]]]:
+            tokens, workers = [], []
+            async for ev in router.generate(req):
+                assert ev.finish_reason != "error", ev.error
+                tokens += ev.token_ids
+                if ev.token_ids:
+                    workers.append(ev.worker_id or "")
+                    seen.append(ev.worker_id or "")
+            return req.request_id, (tokens, workers)
+
+        async def kill_when_streaming() -> None:
+            for _ in range(4000):  # until the victim has streamed some tokens
+                if seen.count(dead) >= 3:
+                    break
+                await asyncio.sleep(0.005)
+            victim.kill()
+
+        try:
+            killer = asyncio.create_task(kill_when_streaming())
+            out = dict(await asyncio.gather(*(one(r) for r in reqs())))
+            await killer
+            return out
+        finally:
+            await router.stop()
+
+    try:
+        want = asyncio.run(_generate(plain.url, reqs()))
+        got = asyncio.run(scenario())
+        assert victim.proc.poll() is not None
+        assert {r: t for r, (t, _) in got.items()} == want
+        assert any(dead in ws and ws[-1] != dead for _, ws in got.values()), "no stream was migrated"
+        assert _metric(survivor.url, "vllm:spec_decode_num_accepted_tokens_total") > 0
+    finally:
+        for w in (prefill, victim, survivor, plain):
             w.terminate()

@@ -80,6 +80,7 @@ def _engine(args: argparse.Namespace) -> int:
         speculative=speculative,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         weights=args.weights,
+        bounded_replay_tokens=args.bounded_replay_tokens,
     )
     run_worker(
         WorkerConfig(
@@ -178,6 +179,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--speculative-config", default=env("DEEPSERVE_SPECULATIVE_CONFIG"), metavar="JSON",
                    help='speculative decoding with the checkpoint\'s MTP layer (vLLM spelling): \'{"method": "mtp", "num_speculative_tokens": 3}\'')  # fmt: skip
     e.add_argument("--snapshot-interval", type=int, default=1, help="store a boundary snapshot every N units while decoding")
+    e.add_argument("--bounded-replay-tokens", type=int, default=0, metavar="N",
+                   help="DeepSeek-V4.1: a prefix resumed from KV blocks without a snapshot replays its decoder (ratio-1) layers "
+                   "over only its last N tokens (DeepInfer's YOCO KEEP_TOKENS, at least the window; approximate); 0 = exact replay")  # fmt: skip
     e.add_argument("--register", action="append", default=[], metavar="ROUTER_URL", help="register with this router service (repeatable); deregister on drain")
     e.add_argument("--advertise-url", default=None, help="URL routers should use for this worker (default http://HOST:PORT)")
     e.add_argument("--stall-timeout", type=float, default=120.0, help="seconds the engine thread may go without a turn while it has work before /health turns 503")

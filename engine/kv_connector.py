@@ -18,7 +18,8 @@ boundary decode crosses (every ``snapshot_interval_units``, 0 = none; the last o
 Restored from the longest run of present blocks that ends in a snapshot strictly before the last
 prompt token (the engine must compute at least one token to sample), exactly. Without any
 snapshot, blocks alone resume exactly by replaying ``layers × (W-1)`` tokens over the cached rows
-(see ``replay_start``), or approximately with a bounded replay when asked for. A hit is taken only when
+(``Units.replay_start``), or approximately with V4.1's bounded replay when asked for
+(``bounded_replay_tokens``; such a state stores blocks but no snapshots). A hit is taken only when
 loading is predicted to be faster than recomputing: ``load = bytes / load_bw + units × latency``
 versus ``recompute = tokens / prefill_tps``, both rates measured online (EMA).
 """
@@ -66,6 +67,10 @@ class Units(Protocol):
     def snapshot_meta(self, state: Any) -> dict[str, int]: ...
 
     def apply(self, state: Any, blocks: Seq[Record], snap: Record | None, tokens: Seq[int]) -> None: ...
+
+    def replay_start(self, prefix: int) -> int: ...
+
+    def stores_snapshot(self, state: Any) -> bool: ...
 
 
 class V4Units:
@@ -131,6 +136,16 @@ class V4Units:
     def snapshot_meta(self, state: SequenceState) -> dict[str, int]:
         return {}
 
+    def stores_snapshot(self, state: SequenceState) -> bool:
+        return True
+
+    def replay_start(self, prefix: int) -> int:
+        """``layers × (W-1)`` tokens before ``prefix``, down to a unit boundary: layer ``l``'s
+        window is exact once ``l+1`` windows of recomputed tokens have passed through it, and
+        every compressor restarts on a window boundary."""
+        cfg = self.model.config
+        return max(0, prefix - cfg.num_hidden_layers * (cfg.sliding_window - 1)) // self.unit * self.unit
+
     @property
     def block_bytes(self) -> int:
         from engine.runtime.state_pool import state_bytes
@@ -144,13 +159,15 @@ class V4Units:
         return state_bytes(self.model.config, self.model.dtype)[1]
 
 
-def units_for(model: Any) -> Units:
-    """The record builder of ``model``'s family."""
+def units_for(model: Any, bounded_replay_tokens: int = 0) -> Units:
+    """The record builder of ``model``'s family (``bounded_replay_tokens``: V4.1 only)."""
     if isinstance(model, DeepseekV4ForCausalLM):
+        if bounded_replay_tokens:
+            raise ValueError("bounded replay bounds V4.1's decoder (ratio-1) layers; DeepSeek-V4 has none")
         return V4Units(model)
     from engine.kv_units_v41 import V41Units
 
-    return V41Units(model)
+    return V41Units(model, bounded_replay_tokens)
 
 
 class KVConnector:
@@ -168,19 +185,19 @@ class KVConnector:
         dp_rank: int | None = None,
     ) -> None:
         """``dp_rank``: the engine's DP rank, named in the store's KV events for what it stores
-        (None: the store's default rank)."""
+        (None: the store's default rank). ``bounded_replay_tokens`` > 0: V4.1's bounded replay
+        of blocks-only resumes (``engine.kv_units_v41``; approximate), 0: exact replay."""
         if snapshot_interval_units < 0:
             raise ValueError("snapshot_interval_units must be >= 0 (0 = no decode snapshots)")
         self.store = store
         self.read, self.write = read, write
-        self.units = units_for(model)
+        self.units = units_for(model, bounded_replay_tokens)
         self.unit = self.units.unit
         self.dtype_name = str(model.dtype).replace("torch.", "")
         self.fingerprint = self.units.fingerprint
         self.interval = snapshot_interval_units  # 0: snapshots at the prompt's last unit only
         self.dp_rank = dp_rank
         self.metrics = metrics
-        self.bounded_replay = bounded_replay_tokens  # 0 = exact replay (layers × (W-1) tokens)
         # online cost model (EMA); conservative starting points
         self.prefill_tps = 2000.0  # tokens/s this engine prefills
         self.load_bw = 500e6  # bytes/s the store delivers
@@ -217,22 +234,9 @@ class KVConnector:
         elif present and self.units.replays:
             self._restore_units(seq, model, keys, present, snapshot=False)
 
-    def replay_start(self, units: int, model: DeepseekV4ForCausalLM) -> int:
-        """First token to recompute when resuming from ``units`` blocks without a snapshot.
-
-        Exact mode: ``layers × (W-1)`` tokens back — layer ``l``'s window is exact again once
-        ``l+1`` windows of recomputed tokens have passed through it. Bounded mode (DeepInfer's
-        V4.1 style, approximate): only ``bounded_replay_tokens``. Rounded down to a whole unit so
-        every compressor restarts on a window boundary.
-        """
-        cfg = model.config
-        back = self.bounded_replay if self.bounded_replay else cfg.num_hidden_layers * (cfg.sliding_window - 1)
-        start = max(0, units * self.unit - back)
-        return (start // self.unit) * self.unit
-
     def _restore_units(self, seq: Sequence, model: DeepseekV4ForCausalLM, keys: list[str], units: int, snapshot: bool) -> None:
         """Load ``units`` blocks (+ the snapshot after them, or set up a replay) into ``seq``."""
-        start = units * self.unit if snapshot else self.replay_start(units, model)
+        start = units * self.unit if snapshot else self.units.replay_start(units * self.unit)
         if start == 0:
             return  # a replay from token 0 saves nothing
         est_bytes = units * self.units.block_bytes + (self.units.snapshot_bytes if snapshot else 0)
@@ -282,7 +286,8 @@ class KVConnector:
         seq.saved_upto = n
 
     def _records(self, seq: Sequence, n: int) -> list[tuple[str, RecordHeader, dict[str, torch.Tensor]]]:
-        """The block records of the units of ``seq.tokens[:n]`` not stored yet and the snapshot at ``n``."""
+        """The block records of the units of ``seq.tokens[:n]`` not stored yet and the snapshot at
+        ``n`` (none for a state the units do not store as one)."""
         keys = self.keys(seq.tokens[:n])
         items = []
         for i in range(seq.saved_upto // self.unit, len(keys)):
@@ -291,6 +296,8 @@ class KVConnector:
             header = RecordHeader("block", self.fingerprint, self.dtype_name, i * self.unit, (i + 1) * self.unit,
                                   parent=keys[i - 1] if i else ROOT_KEY, key=keys[i])  # fmt: skip
             items.append((keys[i], header, self.units.block_tensors(seq.state, i)))
+        if not self.units.stores_snapshot(seq.state):
+            return items  # an approximate state (bounded replay): its exact blocks only
         snap_header = RecordHeader("snapshot", self.fingerprint, self.dtype_name, 0, n, parent=keys[-1],
                                    meta=self.units.snapshot_meta(seq.state), key=snapshot_key(keys[-1]))  # fmt: skip
         items.append((snapshot_key(keys[-1]), snap_header, self.units.snapshot_tensors(seq.state)))

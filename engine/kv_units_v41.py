@@ -6,8 +6,9 @@ in DeepInfer's byte layout (``engine.backends.deepinfer.layout``), encoded by ``
 
 - **block** (unit ``i``): one GPU block's regions, for every KV-source layer ``l`` the rows of
   tokens ``[128i, 128(i+1))``: ``L{l}.ica`` ``(128/r, Di/2 + Di/32)`` FP4 indexer keys (zeros where
-  the source runs no indexer) and ``L{l}.ca`` ``(128/r, D/2 + D/16)`` FP4 compressed KV, uint8;
-  the layers reading a source's KV own nothing.
+  the source runs no indexer) and ``L{l}.ca`` ``(128/r, D/2 + D/16)`` FP4 compressed KV (or
+  ``(128/r, D + D/32)`` MXFP8 where the config's ``use_fp4_sparse_kv`` is false), uint8; the layers
+  reading a source's KV own nothing.
 - **snapshot** (after ``n = 128j`` tokens): ``windows`` ``(L, min(n, W-1), D + D/32)`` every layer's
   window ring as FP8 rows (all layers, so resume is exact; DeepInfer's own snapshot keeps only
   the layers before the first ratio-1 one and replays the rest), ``L{l}.buf_kv`` / ``L{l}.buf_gate``
@@ -15,10 +16,14 @@ in DeepInfer's byte layout (``engine.backends.deepinfer.layout``), encoded by ``
   ``engram`` ``(≤ N-1,)`` int64, the last compressed token ids; ``meta.tokens`` = n.
 
 Blocks + the snapshot after them restore the state exactly. Blocks alone restore the sources'
-rows and keys; the connector then replays the tokens from a unit boundary before them (their
-compressor skips the tokens it holds rows for), which refills the windows: exact once every
-layer's window has been recomputed (``layers × (W-1)`` tokens back), approximate with the
-connector's bounded replay (DeepInfer's V4.1 mode).
+rows and keys; the engine then replays the tokens from a unit boundary before them (the
+compressors skip the tokens they hold rows for), which refills the windows (``replay_start``):
+exact once every layer's window has been recomputed (``layers × (W-1)`` tokens back). Bounded
+replay (opt-in, ``keep`` = DeepInfer's ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``): the encoder
+layers replay exactly as far as the decoder needs, the decoder layers (from the first ratio-1
+layer) only the prefix's last ``keep`` tokens, their windows starting empty there (DeepInfer's
+visibility rectangle); approximate, so such a state stores no snapshots (its blocks are exact:
+the decoder's KV source reads the encoder's exact output).
 The key fingerprint covers every layout switch: the architecture (``V41Config.fingerprint``:
 window, ratios, KV/index sources, engram sizes), DeepInfer's layout (main KV format, ring, block
 bytes), this module's ``FORMAT`` and row formats, the model dtype and, for engram checkpoints,
@@ -35,38 +40,52 @@ import torch
 from engine.backends.deepinfer.layout import KVSTORE_GRAIN, cache_layout
 from engine.model.v41.config import V41Config
 from engine.model.v41.model import DeepseekV41ForCausalLM
-from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, decode_rows, encode_rows
+from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, MXFP8_MAIN, RowFormat, decode_rows, encode_rows
 from engine.model.v41.state import V41SequenceState
 from kvstore.record import Record
 
 FORMAT = "v41u1"
 
 
+def main_format(cfg: V41Config) -> RowFormat:
+    """The compressed-KV row format ``cfg`` selects (``use_fp4_sparse_kv``)."""
+    return FP4_MAIN if cfg.use_fp4_sparse_kv else MXFP8_MAIN
+
+
 def unsupported(cfg: V41Config) -> str | None:
     """Why ``cfg``'s caches have no record format (None: they have one)."""
     if cfg.unit_tokens != KVSTORE_GRAIN:
         return f"V4.1 KV units need compress ratios dividing {KVSTORE_GRAIN}, got {sorted(set(cfg.compress_ratios))}"
-    for name, d, fmt in (("head_dim", cfg.head_dim, FP8_WINDOW), ("head_dim", cfg.head_dim, FP4_MAIN), ("index_head_dim", cfg.index_head_dim, FP4_INDEX)):
+    for name, d, fmt in (("head_dim", cfg.head_dim, FP8_WINDOW), ("head_dim", cfg.head_dim, main_format(cfg)), ("index_head_dim", cfg.index_head_dim, FP4_INDEX)):
         if not fmt.fits(d):
             return f"{name} {d} is not quantised in blocks of {fmt.block} (the model leaves it unquantised)"
     return None
 
 
 class V41Units:
-    """Builds and applies the V4.1 records of one model (see the module docstring)."""
+    """Builds and applies the V4.1 records of one model (see the module docstring);
+    ``bounded_replay_tokens`` > 0: blocks-only resumes replay the decoder layers over that many
+    tokens only (at least the window)."""
 
     unit = KVSTORE_GRAIN
     replays = True
 
-    def __init__(self, model: DeepseekV41ForCausalLM) -> None:
+    def __init__(self, model: DeepseekV41ForCausalLM, bounded_replay_tokens: int = 0) -> None:
         cfg = model.config
         problem = unsupported(cfg)
         if problem:
             raise ValueError(problem)
-        self.model, self.cfg = model, cfg
-        self.layout = cache_layout(cfg)  # FP4 main KV, as the model computes it
+        if bounded_replay_tokens < 0:
+            raise ValueError("bounded_replay_tokens must be >= 0 (0 = exact replay)")
+        if bounded_replay_tokens and bounded_replay_tokens < cfg.sliding_window:
+            raise ValueError(f"bounded_replay_tokens {bounded_replay_tokens} must cover the window ({cfg.sliding_window} tokens)")
+        if bounded_replay_tokens and cfg.first_decoder_layer == cfg.num_hidden_layers:
+            raise ValueError("bounded replay bounds the decoder (ratio-1) layers, and this model has none")
+        self.model, self.cfg, self.keep = model, cfg, bounded_replay_tokens
+        self.main = main_format(cfg)
+        self.layout = cache_layout(cfg, fp4_kv=cfg.use_fp4_sparse_kv)  # the main KV format the model computes
         self.dtype_name = str(model.dtype).removeprefix("torch.")
-        formats = "-".join(f"{f.block}{'e2m1' if f.fp4 else 'e4m3'}{'e4m3' if f.e4m3_scale else 'ue8m0'}" for f in (FP8_WINDOW, FP4_MAIN, FP4_INDEX))
+        formats = "-".join(f"{f.block}{'e2m1' if f.fp4 else 'e4m3'}{'e4m3' if f.e4m3_scale else 'ue8m0'}" for f in (FP8_WINDOW, self.main, FP4_INDEX))
         parts = [self.layout.fingerprint(cfg.fingerprint()), FORMAT, formats, self.dtype_name]
         if model.hasher is not None:  # the hashes run over this tokenizer's compressed ids
             parts.append(hashlib.blake2b(model.hasher.token_map.numpy().tobytes(), digest_size=8).hexdigest())
@@ -80,7 +99,7 @@ class V41Units:
             src = state.sources[region.layer]
             a = unit_idx * region.rows
             if region.name == "ca":
-                out[region.tensor_name] = encode_rows(src.rows[a : a + region.rows], FP4_MAIN)
+                out[region.tensor_name] = encode_rows(src.rows[a : a + region.rows], self.main)
             elif src.keys is not None:
                 out[region.tensor_name] = encode_rows(src.keys[a : a + region.rows], FP4_INDEX)
             else:
@@ -100,6 +119,21 @@ class V41Units:
     def snapshot_meta(self, state: V41SequenceState) -> dict[str, int]:
         return {"tokens": state.num_tokens}
 
+    def stores_snapshot(self, state: V41SequenceState) -> bool:
+        """Whether ``state`` may be stored as a snapshot: not after a bounded replay (approximate)."""
+        return state.decoder_from == 0
+
+    # ---- replay -----------------------------------------------------------------------
+    def replay_start(self, prefix: int) -> int:
+        """First token to recompute when ``prefix`` tokens (whole units) resume from blocks alone,
+        on a unit boundary so every compressor restarts on a group boundary. Exact: ``layers ×
+        (W-1)`` back (layer ``l``'s window is exact once ``l+1`` windows of recomputed tokens
+        passed through it). Bounded: the encoder layers' ``E × (W-1)`` before the ``keep``
+        tokens the decoder replays, so the decoder's inputs are exact there."""
+        cfg, w = self.cfg, self.cfg.sliding_window - 1
+        back = cfg.first_decoder_layer * w + self.keep if self.keep else cfg.num_hidden_layers * w
+        return max(0, prefix - back) // self.unit * self.unit
+
     # ---- restore ----------------------------------------------------------------------
     def apply(self, state: V41SequenceState, blocks: Sequence[Record], snap: Record | None, tokens: Sequence[int]) -> None:
         """Fill the fresh ``state`` from the blocks and the snapshot after ``tokens`` (``snap=None``:
@@ -111,6 +145,8 @@ class V41Units:
             raise ValueError(f"blocks of {len(blocks) * self.unit} tokens cannot resume a prefix of {n}")
         if snap is not None:
             self._apply_snapshot(state, snap, n)
+        elif self.keep and len(blocks) * self.unit - self.keep > n:
+            state.decoder_from = len(blocks) * self.unit - self.keep
         for region in self.layout.regions:
             src = state.sources[region.layer]
             raws = [b.tensors[region.tensor_name] for b in blocks]
@@ -118,7 +154,7 @@ class V41Units:
                 raise ValueError(f"block {region.tensor_name} does not fit the layout {(region.rows, region.row_bytes)}")
             raw = torch.cat(raws)
             if region.name == "ca":
-                src.rows = decode_rows(raw, cfg.head_dim, FP4_MAIN).to(dev, dtype)
+                src.rows = decode_rows(raw, cfg.head_dim, self.main).to(dev, dtype)
             elif src.keys is not None:
                 src.keys = decode_rows(raw, cfg.index_head_dim, FP4_INDEX).to(dev, dtype)
         if self.model.hasher is not None:

@@ -57,6 +57,10 @@ class EngineConfig:
     (``load_model(fp8=..., fp4_experts=True)``: the FP8 GEMM/GEMV and FP4 expert kernels, a quarter
     to a half of bf16's bytes), ``dequantized`` to the model dtype (the parity path), ``auto``
     native on CUDA when the checkpoint stores them, else dequantized.
+    ``bounded_replay_tokens``: DeepSeek-V4.1 only, DeepInfer's YOCO ``KEEP_TOKENS``: a prefix
+    resumed from block records without a snapshot replays its decoder (ratio-1) layers over only
+    its last this many tokens (at least the window; approximate, ``engine/kv_units_v41.py``);
+    0 = the exact full replay.
     """
 
     max_num_batched_tokens: int = 2048
@@ -74,6 +78,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     long_prefill_token_threshold: int | None = None
     weights: Literal["auto", "native", "dequantized"] = "auto"
+    bounded_replay_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -86,6 +91,8 @@ class EngineConfig:
             raise ValueError("grammar_timeout_s must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.bounded_replay_tokens < 0:
+            raise ValueError("bounded_replay_tokens must be >= 0 (0 = exact replay)")
         if self.weights not in ("auto", "native", "dequantized"):
             raise ValueError(f"weights must be auto, native or dequantized, not {self.weights!r}")
 

@@ -93,18 +93,15 @@ def test_hit_on_blocks_only_replays_exactly(request, model_name, prompt_len) -> 
     assert store.remove(snapshot_key(keys[-1]))
     query = base + _tokens(20, 4)
     got, resumed_at = _resume_logits(conn, model, query)
-    assert 0 < resumed_at == conn.replay_start(len(keys), model) < upto
+    assert 0 < resumed_at == conn.units.replay_start(len(keys) * conn.unit) < upto
     assert (got - _cold(model, query)).abs().max().item() <= TOL
 
 
-def test_bounded_replay_is_approximate_and_off_by_default(small) -> None:
-    assert KVConnector(_store(), small).bounded_replay == 0
-    conn = KVConnector(_store(), small, bounded_replay_tokens=16)
-    base = _tokens(300, 5)
-    _fill(conn, small, base, 256)
-    conn.store.remove(snapshot_key(conn.keys(base[:256])[-1]))
-    _, resumed_at = _resume_logits(conn, small, base + [7, 8])
-    assert resumed_at == 128  # 256 - 16 rounded down to a unit: replays 128 tokens only
+def test_bounded_replay_is_refused_for_v4(small) -> None:
+    """Bounded replay bounds V4.1's decoder layers (tests/engine/test_kv_units_v41_bounded.py);
+    V4 has none, so asking for it is an error rather than a silent exact replay."""
+    with pytest.raises(ValueError, match="DeepSeek-V4 has none"):
+        KVConnector(_store(), small, bounded_replay_tokens=16)
 
 
 @pytest.mark.parametrize("tier", ["ssd", "fs"])

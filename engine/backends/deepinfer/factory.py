@@ -11,10 +11,8 @@ against ``tests/engine/backends/deepinfer_standin.py``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,12 +79,6 @@ def read_output(request_output: Any, ptr: int) -> RawOutput:
     )
 
 
-def _fp4_kv(model_dir: str) -> bool:
-    """``use_fp4_sparse_kv`` from config.json's text_config (DeepInfer's default: True)."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return bool((raw.get("text_config") or raw).get("use_fp4_sparse_kv", True))
-
-
 def build_deepinfer(ctx: BackendContext, registry: CollectorRegistry | None) -> BackendGroup:
     """Build this process's DeepInfer engine for ``ctx.role`` and DP rank ``ctx.dp_rank``."""
     if ctx.dp > 1 and ctx.dp_rank is None:
@@ -102,7 +94,7 @@ def build_deepinfer(ctx: BackendContext, registry: CollectorRegistry | None) -> 
         raise EngineError(f"the deepinfer backend needs DeepInfer built on this node (docs/DEEPINFER.md): {exc}") from exc
     cfg = V41Config.from_dir(ctx.model_dir)
     env = DeepInferEnv.from_environ(os.environ)
-    layout = cache_layout(cfg, env, fp4_kv=_fp4_kv(ctx.model_dir))
+    layout = cache_layout(cfg, env, fp4_kv=cfg.use_fp4_sparse_kv)
     blocks_visible = hasattr(Sequence, "block_table")
     if ctx.role != "mixed" and not blocks_visible:
         raise EngineError("prefill/decode roles move block rows, and this DeepInfer does not expose Sequence.block_table (apply the patch in docs/DEEPINFER.md)")

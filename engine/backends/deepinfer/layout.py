@@ -150,7 +150,7 @@ class CacheLayout:
 
 def n_prefill_layer(cfg: V41Config) -> int:
     """The first ratio-1 layer (DeepInfer's ``_n_prefill_layer``): the YOCO consumers start there."""
-    return next((i for i, r in enumerate(cfg.compress_ratios) if r == 1), cfg.num_hidden_layers)
+    return cfg.first_decoder_layer
 
 
 def cache_layout(cfg: V41Config, env: DeepInferEnv = DeepInferEnv(), fp4_kv: bool = True) -> CacheLayout:

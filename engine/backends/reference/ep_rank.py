@@ -133,6 +133,7 @@ def build_rank(ctx: BackendContext, group: ExpertGroup, device: str) -> tuple[EP
             read=cfg.kv_cache in ("read", "readwrite"),
             write=cfg.kv_cache in ("write", "readwrite"),
             snapshot_interval_units=cfg.snapshot_interval_units,
+            bounded_replay_tokens=cfg.bounded_replay_tokens,
             dp_rank=group.rank,
         )
     core = EngineCore(model, build_sampler(model, ctx.model_dir), cfg, kv=kv, dp_rank=group.rank, ep=group)

@@ -53,6 +53,7 @@ def build_reference(ctx: BackendContext, registry: CollectorRegistry | None) -> 
                 read=engine_cfg.kv_cache in ("read", "readwrite"),
                 write=engine_cfg.kv_cache in ("write", "readwrite"),
                 snapshot_interval_units=engine_cfg.snapshot_interval_units,
+                bounded_replay_tokens=engine_cfg.bounded_replay_tokens,
                 metrics=metrics,
                 dp_rank=rank,
             )

@@ -4,7 +4,7 @@ Every layer attends over its last ``W`` tokens: one key=value head (``kv_norm(wk
 FP8-rounded), per-head sinks that only enlarge the softmax denominator. A layer with
 ``compress_ratio > 0`` also attends over the compressed rows of its group, which only the
 group's KV-source layer computes (``Compressor``: ``r`` tokens pooled by a softmax gate, or one
-row per token at ratio 1; rotated at the group's first position, FP4-rounded) — CSA2 "reuse".
+row per token at ratio 1; rotated at the group's first position, FP4-rounded, or MXFP8 with ``use_fp4_sparse_kv`` false) — CSA2 "reuse".
 Which rows a query sees is chosen by the last index source (``Indexer``): the top
 ``index_topk`` complete rows by ``Σ_h w_h · relu(q_h · k)`` over FP4 queries and keys, inside
 the candidate blocks of the candidate source when one ran earlier in the stack.
@@ -58,12 +58,14 @@ class Shared:
 
 @dataclass
 class Chunk:
-    """One sequence's new tokens inside the flattened batch: rows ``[start, end)``."""
+    """One sequence's new tokens inside the flattened batch: rows ``[start, end)``, the first at
+    position ``first_pos``."""
 
     state: V41SequenceState
     start: int
     end: int
     shared: Shared
+    first_pos: int
 
 
 class Compressor(nn.Module):
@@ -191,6 +193,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         is_source = layer_idx in cfg.kv_source_layer_ids
         self.compressor = Compressor(cfg, self.ratio, dtype) if is_source else None
+        self.fp4_rows = cfg.use_fp4_sparse_kv  # else MXFP8: the window's format (DeepInfer's V41_FORMAT holds both)
         self.indexer = Indexer(cfg, layer_idx, dtype, tuning) if layer_idx in cfg.index_source_layer_ids else None
 
     def empty_source(self, dtype: torch.dtype, device: torch.device) -> SourceState | None:
@@ -233,13 +236,14 @@ class Attention(nn.Module):
         sh = c.shared
         if self.compressor is not None:
             src = c.state.sources[self.layer_idx]
-            latents, first = self.compressor.update(src, x, c.state.num_tokens)
+            latents, first = self.compressor.update(src, x, c.first_pos)
             if latents is not None:
                 pos = first + self.ratio * torch.arange(latents.shape[0], device=x.device)
                 rope = rotary.cos_sin(pos, latents.dtype)  # (G, rd/2) each
                 if src.keys is not None:  # the source is also an index source: it owns the keys
                     src.keys = torch.cat([src.keys, self.indexer.keys(latents, rope)])  # (T, Di)
-                src.rows = torch.cat([src.rows, fp4_compressed(apply_rope(latents, *rope))])  # (T, D)
+                rounding = fp4_compressed if self.fp4_rows else fp8_window
+                src.rows = torch.cat([src.rows, rounding(apply_rope(latents, *rope))])  # (T, D)
             # a new group: what the previous group's index sources chose does not apply to it
             c.shared = sh = Shared(rows=src.rows, keys=src.keys)
         if self.indexer is not None:

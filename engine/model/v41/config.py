@@ -16,6 +16,12 @@ Layer roles, all per layer index:
   reused by the layers after them up to the next index source;
 - ``candidate_source_layer_id``: the index source whose top blocks bound every later index
   source's choice (two-level top-k); negative disables it.
+
+The layers from the first ratio-1 one on (``first_decoder_layer``) are the "decoder" (DeepInfer's
+YOCO consumers); the layers before it the "encoder". ``use_fp4_sparse_kv`` (DeepInfer's text-config
+key, default true; the ``transformers`` reference knows only FP4) picks the compressed KV's
+rounding: FP4 e2m1 per 16 channels, or MXFP8 (false: e4m3 per 32 channels, UE8M0 scales, the
+window KV's own format).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class V41Config:
     index_n_heads: int = 32
     index_head_dim: int = 128
     index_topk: int = 512
+    use_fp4_sparse_kv: bool = True  # compressed KV rounded to FP4 (True) or MXFP8 (False)
     o_groups: int = 8
     o_lora_rank: int = 1024
     moe_intermediate_size: int = 2304
@@ -124,6 +131,11 @@ class V41Config:
         if self.compress_ratios[layer_idx] == 0:
             return None
         return max(s for s in self.kv_source_layer_ids if s <= layer_idx)
+
+    @property
+    def first_decoder_layer(self) -> int:
+        """The first ratio-1 layer (DeepInfer's ``n_prefill_layer``; ``num_hidden_layers``: none)."""
+        return next((i for i, r in enumerate(self.compress_ratios) if r == 1), self.num_hidden_layers)
 
     @property
     def unit_tokens(self) -> int:
@@ -199,6 +211,7 @@ class V41Config:
             index_n_heads=get("index_n_heads", int),
             index_head_dim=get("index_head_dim", int),
             index_topk=get("index_topk", int),
+            use_fp4_sparse_kv=get("use_fp4_sparse_kv", bool),
             o_groups=get("o_groups", int),
             o_lora_rank=get("o_lora_rank", int),
             moe_intermediate_size=get("moe_intermediate_size", int),

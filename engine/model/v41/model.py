@@ -10,6 +10,12 @@ Single-pass mHC: each site (attention, FFN) computes ``pre / post / comb`` from 
 of its input streams, but collapses its input with the ``pre`` the *previous* site computed
 (the first site of the stack collapses stream 0 only; the last ``pre`` collapses the output).
 There is no V4 ``hc_head``.
+
+Bounded replay (a state with ``decoder_from`` past a chunk's first position, see
+``V41SequenceState``): the encoder layers run on every token; at the first decoder layer the
+batch is compacted to the rows from ``decoder_from`` on, as DeepInfer's YOCO compaction does, and
+the decoder layers run on those only. A chunk left without decoder rows returns its last
+encoder-side row (a replay chunk that does not end the prompt: never sampled).
 """
 
 from __future__ import annotations
@@ -130,8 +136,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = torch.zeros(n, cfg.hc_mult, dtype=torch.float32, device=device)  # (N, hc): one-hot first mix
         pre[:, 0] = 1.0
         ropes = {kind: rot.cos_sin(positions, embeds.dtype) for kind, rot in self.rotary.items()}
-        parts = [Chunk(st, a, b, Shared()) for (st, _), (a, b) in zip(chunks, spans)]
-        for layer in self.model.layers:
+        parts = [Chunk(st, a, b, Shared(), st.num_tokens) for (st, _), (a, b) in zip(chunks, spans)]
+        ends = [b - 1 for _, b in spans]  # each chunk's last row in the current layout (None: none)
+        encoder_out = None
+        for i, layer in enumerate(self.model.layers):
+            if i == cfg.first_decoder_layer and any(p.first_pos < p.state.decoder_from for p in parts):
+                if logits in ("all", "hidden_all"):
+                    raise ValueError("a bounded replay computes no decoder rows before decoder_from: not every token has logits")
+                encoder_out = streams, pre
+                kept, parts, ends = decoder_rows(parts)
+                idx = torch.tensor(kept, dtype=torch.long, device=device)
+                streams, pre, positions = streams[idx], pre[idx], positions[idx]
+                hash_ids = None if hash_ids is None else hash_ids[idx]
+                ropes = {kind: (cos[idx], sin[idx]) for kind, (cos, sin) in ropes.items()}
             streams, pre = layer(streams, pre, hash_ids, positions, ropes, self.rotary["compress"], parts)
 
         for state, ids in chunks:
@@ -140,7 +157,34 @@ class DeepseekV41ForCausalLM(nn.Module):
             if self.hasher is not None:
                 state.engram = self.hasher.history(state.token_ids)
         if logits not in ("all", "hidden_all"):
-            last = torch.tensor([b - 1 for _, b in spans], device=device)
-            streams, pre = streams[last], pre[last]
+            if encoder_out is None:
+                last = torch.tensor(ends, device=device)
+                streams, pre = streams[last], pre[last]
+            else:  # a chunk without decoder rows: its last encoder-side row
+                pick = [(streams, pre, e) if e is not None else (*encoder_out, b - 1) for e, (_, b) in zip(ends, spans)]
+                streams = torch.stack([s[r] for s, _, r in pick])
+                pre = torch.stack([p[r] for _, p, r in pick])
         hidden = self.model.norm(collapse(pre, streams))  # (B or N, H)
         return hidden if logits in ("hidden", "hidden_all") else self.head.logits(hidden)
+
+
+def decoder_rows(parts: list[Chunk]) -> tuple[list[int], list[Chunk], list[int | None]]:
+    """A bounded replay's compaction at the first decoder layer: the flattened rows the decoder
+    layers compute (each chunk's tokens from its state's ``decoder_from`` on), the chunks with
+    rows in that compact layout, and each chunk's last compact row (None: it has none)."""
+    rows: list[int] = []
+    compact: list[Chunk] = []
+    ends: list[int | None] = []
+    for p in parts:
+        skip = min(max(0, p.state.decoder_from - p.first_pos), p.end - p.start)
+        a = len(rows)
+        rows.extend(range(p.start + skip, p.end))
+        if len(rows) == a:
+            ends.append(None)
+            continue
+        sh = p.shared  # per-query picks follow their rows (a new KV source replaces them anyway)
+        top = None if sh.top is None else (sh.top[0][skip:], sh.top[1][skip:])
+        cands = None if sh.candidates is None else sh.candidates[skip:]
+        compact.append(Chunk(p.state, a, len(rows), Shared(sh.rows, sh.keys, top, cands), p.first_pos + skip))
+        ends.append(len(rows) - 1)
+    return rows, compact, ends

@@ -8,7 +8,9 @@ DeepInfer one. A row of ``d`` values is its data bytes, then its scale bytes:
 - ``FP8_WINDOW`` (window KV, 32-channel blocks): ``d`` e4m3 bytes, ``d/32`` UE8M0 bytes (``2^(b-127)``);
 - ``FP4_MAIN`` (compressed KV, 16-channel blocks): ``d/2`` bytes of e2m1 pairs (element ``2j`` in the
   low nibble, the sign in bit 3), ``d/16`` e4m3 scale bytes;
-- ``FP4_INDEX`` (indexer keys, 32-channel blocks): ``d/2`` e2m1-pair bytes, ``d/32`` UE8M0 bytes.
+- ``FP4_INDEX`` (indexer keys, 32-channel blocks): ``d/2`` e2m1-pair bytes, ``d/32`` UE8M0 bytes;
+- ``MXFP8_MAIN`` (compressed KV of a ``use_fp4_sparse_kv: false`` checkpoint): the window's
+  layout, ``d`` e4m3 bytes then ``d/32`` UE8M0 bytes (528 B at d = 512).
 
 Encoding finds, per block, a scale under which every value is exactly a code times the scale
 (the quantiser's own or an equivalent one: a power-of-two rescale of e4m3/e2m1 codes stays on
@@ -46,6 +48,7 @@ class RowFormat:
 FP8_WINDOW = RowFormat(block=32, fp4=False, e4m3_scale=False)
 FP4_MAIN = RowFormat(block=16, fp4=True, e4m3_scale=True)
 FP4_INDEX = RowFormat(block=32, fp4=True, e4m3_scale=False)
+MXFP8_MAIN = RowFormat(block=32, fp4=False, e4m3_scale=False)  # DeepInfer's V41_FORMAT, as FP8_WINDOW
 
 _E4M3_SCALE_FLOOR = 2.0**-9  # the compressed-KV quantiser's smallest scale (e4m3's smallest subnormal)
 

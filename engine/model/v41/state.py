@@ -7,7 +7,10 @@ sliding window, T = compressed rows so far).
   while a replay recomputes tokens whose rows were restored from the KV store);
   ``keys`` (T, Di) the shared indexer keys, rotated and FP4-rounded (None without an indexer);
   ``buf_kv`` / ``buf_gate`` (< r, D) fp32 projections of the tokens of the unfinished group;
-- ``engram`` the last ``engram_max_ngram_size - 1`` compressed token ids (engram checkpoints).
+- ``engram`` the last ``engram_max_ngram_size - 1`` compressed token ids (engram checkpoints);
+- ``decoder_from`` > 0 after a bounded replay (``engine.kv_units_v41``): the decoder layers (from
+  ``first_decoder_layer`` on) compute only the tokens from this position, their windows starting
+  empty there; the state is then approximate and never stored as a snapshot.
 
 Rows and keys grow with the sequence (block data); the rest is a fixed-size boundary state.
 """
@@ -62,6 +65,7 @@ class V41SequenceState:
     engram: list[int] = field(default_factory=list)
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # every token the state has consumed
+    decoder_from: int = 0  # bounded replay: the decoder layers' first computed position
 
     def nbytes(self) -> int:
         return sum(w.numel() * w.element_size() for w in self.windows) + sum(s.nbytes() for s in self.sources.values())
@@ -69,5 +73,5 @@ class V41SequenceState:
     def clone(self) -> V41SequenceState:
         return V41SequenceState(
             [w.clone() for w in self.windows], {i: s.clone() for i, s in self.sources.items()},
-            list(self.engram), self.num_tokens, list(self.token_ids),
+            list(self.engram), self.num_tokens, list(self.token_ids), self.decoder_from,
         )  # fmt: skip

@@ -90,11 +90,11 @@ def keep_of(spec: str, window: int) -> int:
     return int(mult.rstrip("*") or 1) * window + int(add or 0)
 
 
-def engine_with_store(ckpt: str, model: DeepseekV41ForCausalLM, keep: int = 0) -> EngineCore:
+def engine_with_store(ckpt: str, model: DeepseekV41ForCausalLM, keep: int = 0, config: EngineConfig = EngineConfig()) -> EngineCore:
     """An engine over a fresh memory store: its prefill stops at the prompt's last whole unit
     (to store it), so a cold run is chunked at 256 as the resumed one is."""
     store = build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry())
-    return build_engine(ckpt, EngineConfig(), model=model, kv=KVConnector(store, model, bounded_replay_tokens=keep))
+    return build_engine(ckpt, config, model=model, kv=KVConnector(store, model, bounded_replay_tokens=keep))
 
 
 def resumed(ckpt: str, model: DeepseekV41ForCausalLM, prefix: list[int], prompt: list[int], keep: int) -> dict[str, Any]:
@@ -105,6 +105,8 @@ def resumed(ckpt: str, model: DeepseekV41ForCausalLM, prefix: list[int], prompt:
     generate(engine, "store", prefix + [prompt[-1]] * 20, steps=1)  # computes [0, 256) + the rest
     if not store.remove(snapshot_key(engine.kv.keys(prefix)[-1])):
         raise RuntimeError("the prefix's snapshot was not stored")
+    for key in engine.kv.keys(prefix)[:-1]:  # any earlier one too (a step budget below 256 saves them)
+        store.remove(snapshot_key(key))
     with RowCounter(model) as rows:
         tokens, logprobs, cached = generate(engine, "resume", prompt)
     skipped = rows.encoder - rows.decoder  # tokens only the encoder layers ran

@@ -92,6 +92,24 @@ def test_a_long_enough_keep_is_exact(case) -> None:
     assert got[0] == cold[0] and got[1] == cold[1]
 
 
+def test_replay_chunks_before_the_decoders_start_pass_the_encoder_only() -> None:
+    """A 16-token step budget cuts the replay into chunks that end before ``decoder_from``: they
+    run the encoder layers only (their logits are never sampled), and the result is the same."""
+    ckpt, ref = fixture_case("tester")
+    model = load_v41_model(ckpt, dtype="float32")
+    keep = model.config.sliding_window + 6
+    prefix = _prefix(ref)
+    prompt = prefix + [ref["prompts"][0]["prompt_ids"][0]]
+    cold = generate(engine_with_store(str(ckpt), model), "cold", prompt)
+    engine = engine_with_store(str(ckpt), model, keep, EngineConfig(max_num_batched_tokens=16))
+    generate(engine, "store", prefix + [prompt[-1]] * 20, steps=1)
+    assert all(engine.kv.store.remove(snapshot_key(k)) for k in engine.kv.keys(prefix))  # 16-token chunks end at 128 too
+    with RowCounter(model) as rows:
+        tokens, logprobs, _ = generate(engine, "resume", prompt)
+    assert rows.decoder - (len(tokens) - 1) == keep + 1 and rows.encoder - (len(tokens) - 1) == 129
+    assert tokens == cold[0] and max(abs(a - b) for a, b in zip(logprobs, cold[1])) <= 1e-4
+
+
 def test_the_setting_is_checked() -> None:
     """Shorter than the window, negative, or on a model without decoder layers: refused."""
     model = load_v41_model(fixture_case("tester")[0], dtype="float32")

@@ -145,6 +145,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                     raise ValueError("a bounded replay computes no decoder rows before decoder_from: not every token has logits")
                 encoder_out = streams, pre
                 kept, parts, ends = decoder_rows(parts)
+                if not kept:
+                    break  # no chunk reaches decoder_from yet: the decoder layers have nothing to do
                 idx = torch.tensor(kept, dtype=torch.long, device=device)
                 streams, pre, positions = streams[idx], pre[idx], positions[idx]
                 hash_ids = None if hash_ids is None else hash_ids[idx]

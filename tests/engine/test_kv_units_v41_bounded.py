@@ -11,9 +11,11 @@ import random
 from dataclasses import replace
 
 import pytest
+import torch
 
 from bench.v41_replay_drift import PREFIX, RowCounter, engine_with_store, generate
 from deepserve.cli import build_parser
+from deepserve.protocol import GenerateRequest
 from engine.kv_connector import KVConnector, snapshot_key
 from engine.kv_units_v41 import V41Units
 from engine.model.config import ModelConfig
@@ -22,6 +24,9 @@ from engine.model.tiny import tiny_config_dict
 from engine.model.v41.loader import load_v41_model
 from engine.model.v41.model import DeepseekV41ForCausalLM
 from engine.runtime.config import EngineConfig
+from engine.runtime.sequence import Sequence
+from kvstore import KVStoreConfig, build_store
+from prometheus_client import CollectorRegistry
 from tests.engine.model.v41.conftest import CASES, fixture_case
 
 pytestmark = pytest.mark.timeout(300)
@@ -108,6 +113,30 @@ def test_replay_chunks_before_the_decoders_start_pass_the_encoder_only() -> None
         tokens, logprobs, _ = generate(engine, "resume", prompt)
     assert rows.decoder - (len(tokens) - 1) == keep + 1 and rows.encoder - (len(tokens) - 1) == 129
     assert tokens == cold[0] and max(abs(a - b) for a, b in zip(logprobs, cold[1])) <= 1e-4
+
+
+def test_a_batch_mixes_bounded_and_plain_chunks() -> None:
+    """In one forward a plain chunk runs every layer and a bounded one (``decoder_from`` inside
+    it) only its kept rows in the decoder: each gives what it gives alone."""
+    model = load_v41_model(fixture_case("tester")[0], dtype="float32")
+    rng = random.Random(3)
+    ids = [rng.randrange(model.config.vocab_size) for _ in range(260)]
+    conn = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), model, bounded_replay_tokens=14)
+    seq = Sequence(request=GenerateRequest("s", ids), sampling=None, tokens=list(ids), num_prompt=len(ids))  # type: ignore[arg-type]
+    seq.state = model.new_state()
+    model([(seq.state, ids[:256])])
+    seq.num_computed = seq.snapshot_at = 256
+    conn.save(seq, model)
+    assert conn.store.remove(snapshot_key(conn.keys(ids[:256])[-1]))
+    seq = Sequence(request=GenerateRequest("q", ids), sampling=None, tokens=list(ids), num_prompt=len(ids))  # type: ignore[arg-type]
+    conn.restore(seq, model)
+    bounded = seq.state
+    assert seq.num_computed == 128 and bounded.decoder_from == 256 - 14
+    alone_bounded, alone_plain = bounded.clone(), model.new_state()
+    want = torch.cat([model([(alone_plain, ids[:30])]), model([(alone_bounded, ids[128:])])])
+    got = model([(model.new_state(), ids[:30]), (bounded, ids[128:])])
+    assert (got - want).abs().max() < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(bounded.windows, alone_bounded.windows))
 
 
 def test_the_setting_is_checked() -> None:

@@ -332,7 +332,8 @@ def hc_pre_norm(hc, norm, streams: torch.Tensor, tuning: HcPreTuning = PREFILL.h
     fn = hc.fn.float().contiguous()
     fn3 = None
     if streams.dtype == torch.bfloat16:  # the bf16 terms of fn, kept on the module until fn changes
-        key = (hc.fn.data_ptr(), hc.fn._version)
+        # an inference tensor (weights made under inference_mode) has no version counter and cannot change in place
+        key = (hc.fn.data_ptr(), 0 if hc.fn.is_inference() else hc.fn._version)
         cached = getattr(hc, "_fn_bf16x3", None)
         if cached is None or cached[0] != key:
             cached = hc._fn_bf16x3 = (key, split_bf16x3(fn))

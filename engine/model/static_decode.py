@@ -519,6 +519,7 @@ class StaticDecoder:
         if len(set(slots)) != n:
             raise ValueError("a slot appears twice in one step")
 
+    @torch.inference_mode()  # the slot buffers are inference tensors (made under inference_mode)
     def capture_graphs(self) -> None:
         """Capture every bucket's step graph now (else each on its first step): the engine measures
         its free GPU memory after this (``engine.runtime.memory``)."""

@@ -8,7 +8,7 @@ directory unless ``--model`` names one). For each concurrency B, B requests arri
 prompt of ``--prompt-len - 8`` random token ids then 8 tokens of the synthetic language
 (``engine/model/tiny_mtp.py``), greedy, ``ignore_eos``, exactly N output tokens each, through one
 in-process ``EngineCore`` — without speculation (decode in the host slot pools) and with
-``num_speculative_tokens = k`` (decode on the general path: one verify forward per step).
+``num_speculative_tokens = k`` (one verify step of 1 + k tokens per slot in the host slot pools).
 Reported per point: output tokens/s (B·N / submission → last token), ITL = mean over requests of
 (last token − first token) / (N − 1), tokens per verify step = 1 + accepted / verifies, the
 acceptance rate of each draft position, and whether every request's tokens equal the

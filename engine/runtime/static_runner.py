@@ -10,7 +10,9 @@ sequence that outgrows the slot's ``max_tokens``). Preemption, abort and finish 
 
 Which sequences move: decode sequences whose state is in the normal compressor mode (not a
 KV-replay state) and shorter than ``max_tokens``, while slots are free; the others keep the
-general path, so the result of a step is the same either way (tests compare the two).
+general path, so the result of a step is the same either way (tests compare the two). A
+speculative sequence (``engine/runtime/speculative.py``) moves in the same way once it decodes,
+with room for ``verify_width`` tokens; its steps are ``verify`` + ``accept``.
 """
 
 from __future__ import annotations

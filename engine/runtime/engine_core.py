@@ -237,7 +237,7 @@ class EngineCore:
                 wait(self._kv_loading | set(compiling), timeout=0.002, return_when=FIRST_COMPLETED)  # no busy spin
             return events
         self._note_scheduled(out)
-        t0 = time.perf_counter()
+        kind, t0 = _batch_kind(out), time.perf_counter()
         plain, spec = self._split(out)
         if spec:
             events.extend(self._spec_output(spec, self.spec.step(spec, units=self.kv is not None, static=self.static)))  # type: ignore[union-attr]
@@ -246,7 +246,7 @@ class EngineCore:
         if self.kv is not None and out.num_tokens > 2 * len(out.scheduled):
             self.kv.observe_prefill(out.num_tokens, time.perf_counter() - t0)
         if self.metrics:
-            self.metrics.on_step(self, out.num_tokens)
+            self.metrics.on_step(self, out.num_tokens, time.perf_counter() - t0, kind)
         return events
 
     def _poll_kv_loads(self) -> None:
@@ -443,3 +443,10 @@ class EngineCore:
     @property
     def queued_tokens(self) -> int:
         return sum(s.remaining for s in self.scheduler.waiting + self.scheduler.running)
+
+
+def _batch_kind(out: SchedulerOutput) -> str:
+    """``decode`` when every scheduled row extends a decoding sequence (one new token, or a
+    speculative run), ``prefill`` when none does, else ``mixed``."""
+    decoding = [seq.num_computed >= seq.num_prompt for seq, _ in out.scheduled]
+    return "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed"

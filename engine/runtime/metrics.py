@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 # Token-count histograms: 1, 2, 5 x powers of ten up to 1M, as vLLM builds them.
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+# Engine step times: 1, 2, 3, 5, 7.5 x powers of ten from 0.1 ms to 10 s.
+_STEP_BUCKETS = tuple(m * 10.0**e for e in range(-4, 1) for m in (1, 2, 3, 5, 7.5)) + (10.0,)
 
 
 class EngineMetricFamilies:
@@ -42,6 +44,13 @@ class EngineMetricFamilies:
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=registry)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=registry)
         self.finished = Counter("vllm:request_success", "Finished requests by reason", labels + ["finished_reason"], registry=registry)
+        # not a vLLM family: the wall time of one engine step, from scheduling to sampled tokens on
+        # the host, by the kind of batch it ran (decode: one new token per row; prefill: no decode
+        # row; mixed) -- the figure the bandwidth floor of a decode step is set beside
+        self.step_time = Histogram(
+            "deepserve_engine_step_seconds", "Wall time of one engine step by batch kind", labels + ["kind"],
+            buckets=_STEP_BUCKETS, registry=registry,
+        )
         self.preemptions = Counter("vllm:num_preemptions", "Preempted sequences", labels, registry=registry)
         self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token", labels, buckets=_LATENCY_BUCKETS, registry=registry)
         self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request", labels, buckets=_TOKEN_BUCKETS, registry=registry)
@@ -118,8 +127,9 @@ class EngineMetrics:
         if seq.first_token is not None and seq.last_token is not None:
             self._l(self.f.decode_time).observe(seq.last_token - seq.first_token)
 
-    def on_step(self, core: EngineCore, num_tokens: int = 0) -> None:
-        """After a step that ran ``num_tokens`` tokens (0: an idle report)."""
+    def on_step(self, core: EngineCore, num_tokens: int = 0, seconds: float = 0.0, kind: str = "") -> None:
+        """After a step that ran ``num_tokens`` tokens in ``seconds`` on a ``kind`` batch
+        (``decode``, ``prefill`` or ``mixed``; 0 tokens: an idle report)."""
         if not self._cache_info_set:
             self._cache_info_set = True
             c = core.config
@@ -130,6 +140,7 @@ class EngineMetrics:
             ).set(1)
         if num_tokens:
             self._l(self.f.iteration_tokens).observe(num_tokens)
+            self.f.step_time.labels(**self.labels, kind=kind).observe(seconds)
         self._l(self.f.waiting).set(core.num_waiting)
         self._l(self.f.running).set(core.num_running)
         self._l(self.f.kv_usage).set(core.pool.usage)

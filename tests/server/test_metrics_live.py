@@ -78,6 +78,7 @@ def test_one_scrape_counts_match_requests(live_stack) -> None:
 def test_vllm_parity_metrics(live_stack) -> None:
     client = openai.OpenAI(base_url=live_stack.url + "/v1", api_key=E2E_KEY)
     before = _scrape(live_stack.url)
+    steps_before = _by_label(live_stack.url, "deepserve_engine_step_seconds_count", "kind")
     r = client.chat.completions.create(
         model=E2E_MODEL, messages=[{"role": "user", "content": "parity"}], max_tokens=4, n=2, seed=1,
         extra_body={"thinking": {"type": "disabled"}, "ignore_eos": True},
@@ -94,6 +95,11 @@ def test_vllm_parity_metrics(live_stack) -> None:
     assert delta("vllm:request_params_n_count") == 1 and delta("vllm:request_params_n_sum") == 2
     assert delta("vllm:iteration_tokens_total_count") > 0 and delta("vllm:iteration_tokens_total_sum") >= 2 * r.usage.prompt_tokens
     assert delta("vllm:time_per_output_token_seconds_count") == 2 * 3
+    # every step that ran tokens is timed, by batch kind: the prompt once, then 3 decode steps
+    assert delta("deepserve_engine_step_seconds_count") == delta("vllm:iteration_tokens_total_count")
+    steps = _by_label(live_stack.url, "deepserve_engine_step_seconds_count", "kind")
+    ran = {k: steps.get(k, 0.0) - steps_before.get(k, 0.0) for k in steps}
+    assert ran.get("decode", 0) >= 3 and ran.get("prefill", 0) + ran.get("mixed", 0) >= 1
     for name in ("prefill", "decode", "inference"):
         assert delta(f"vllm:request_{name}_time_seconds_count") == 2
     assert after["vllm:cache_config_info"] >= 1

@@ -1,0 +1,386 @@
+"""DeepSeek-V4.1 decode over fixed slots: host-sync-free, fixed-shape steps, one CUDA graph per
+batch-size bucket (V4's ``engine/model/static_decode.py`` for the V4.1 family).
+
+Every sequence lives in a *slot* of preallocated pools (``S`` slots plus scratch slot ``S``, which
+padded rows of a bucket point at); D = head_dim, Di = index_head_dim, W = sliding window, r a KV
+source's compress ratio, ``Tc = max_tokens // r``:
+
+- every layer: ``ring (S+1, W, D)``, the FP8-rounded window keys, token ``p`` at ``p % W``;
+- every KV-source layer: ``rows (S+1, Tc+1, D)`` the shared compressed KV (FP4- or MXFP8-rounded,
+  rotated at its group's first position), ``keys (S+1, Tc+1, Di)`` the FP4 indexer keys (a source
+  that is also an index source), row ``Tc`` a scratch row; ``buf_kv / buf_gate (S+1, r, D)`` fp32
+  projections of the open group (ratio > 1), token ``p`` at ``p % r``;
+- engram checkpoints: ``history (S+1, N-1)`` the last ``N-1`` compressed token ids (the pad id
+  before a sequence's start).
+
+The values are the general path's (``V41SequenceState`` holds the same rounded tensors), so
+``load`` / ``export`` are copies. The step is the general path's math, layer by layer, with the
+batch as the leading axis: projections, engram, mHC and MoE on the ``b`` rows; a source's group
+closing at token ``p`` (``p % r == r-1``) pooled for every row and written by ``index_copy_`` to
+``rows[slot, p // r]`` (the scratch row for the others); the indexer scores all ``Tc`` columns
+(``-inf`` from each row's count of complete rows on), level one (candidate blocks) and level two
+(top ``index_topk``) with fixed ``k``; attention is one masked softmax with the sinks over
+[the window in position order, the chosen rows]. What the general path's ``Shared`` hands from
+layer to layer (the group's picks and candidate blocks) is reset at every KV source, as there.
+
+Routed experts: on CUDA in bf16 ``kernels.moe.moe_experts`` (grouped, no host sync; the routing
+weight is applied after the down projection instead of before it), else one gathered matmul per
+(token, pick), summed in expert order as ``MoE.forward`` does. The experts' weights are stacked
+once (``(E, 2I, H)`` gate|up and ``(E, H, I)`` down) and the model's expert parameters become views
+of the stacks, so the weights are held once.
+
+Same numbers as the general path in fp32 (tests: same greedy tokens, logprobs within 1e-4 on the
+fixtures). Known difference, as in V4's static decoder: ``topk`` over ``Tc`` columns may break exact
+score ties at the cut differently from the general path's over the rows so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.static_decode import BUCKETS, bucket_for
+from engine.model.v41.attention import candidate_blocks
+from engine.model.v41.layers import collapse, expand
+from engine.model.v41.model import DeepseekV41ForCausalLM
+from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
+from engine.model.v41.state import SourceState, V41SequenceState
+from kernels._common import use_triton
+from kernels.moe import has_grouped_mm, moe_experts
+from kernels.reference import apply_rope_eager as apply_rope
+
+
+@dataclass
+class SourcePool:
+    """One KV-source layer's pools for all slots (module docstring)."""
+
+    ratio: int
+    rows: torch.Tensor  # (S+1, Tc+1, D)
+    keys: torch.Tensor | None  # (S+1, Tc+1, Di)
+    buf_kv: torch.Tensor | None  # (S+1, r, D) fp32, ratio > 1
+    buf_gate: torch.Tensor | None  # (S+1, r, D) fp32
+
+
+class V41SlotDecoder:
+    """Slot pool + fixed-shape decode step of a ``DeepseekV41ForCausalLM`` (module docstring).
+
+    ``max_slots`` sequences of up to ``max_tokens`` tokens each. ``use_graphs`` (default: on
+    CUDA) captures one CUDA graph per bucket on its first use. ``step`` returns float32 logits
+    ``(n, V)``; with graphs the graph's output buffer, valid until the next step."""
+
+    output = "logits"
+    verify_width = 1  # no speculative verify steps for V4.1 yet
+
+    def __init__(
+        self, model: DeepseekV41ForCausalLM, max_slots: int, max_tokens: int,
+        use_graphs: bool | None = None, buckets: Sequence[int] = BUCKETS,
+    ) -> None:  # fmt: skip
+        self.model, self.cfg = model, model.config
+        self.device, self.dtype = model.device, model.dtype
+        self.max_slots, self.max_tokens, self.scratch = max_slots, max_tokens, max_slots
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.buckets = tuple(sorted({b for b in buckets if b < max_slots} | {max_slots}))
+        cfg, s1, dev, dt = self.cfg, max_slots + 1, self.device, self.dtype
+        with torch.inference_mode():
+            self.rings = [torch.zeros(s1, cfg.sliding_window, cfg.head_dim, dtype=dt, device=dev) for _ in model.model.layers]
+            self.sources: dict[int, SourcePool] = {}
+            for i in cfg.kv_source_layer_ids:
+                r, tc = cfg.compress_ratios[i], max_tokens // cfg.compress_ratios[i]
+                keys = torch.zeros(s1, tc + 1, cfg.index_head_dim, dtype=dt, device=dev) if i in cfg.index_source_layer_ids else None
+                bufs = [torch.zeros(s1, r, cfg.head_dim, dtype=torch.float32, device=dev) for _ in range(2)] if r > 1 else [None, None]
+                self.sources[i] = SourcePool(r, torch.zeros(s1, tc + 1, cfg.head_dim, dtype=dt, device=dev), keys, *bufs)
+            keep = cfg.engram_max_ngram_size - 1 if model.hasher is not None else 0
+            self.history = torch.zeros(s1, keep, dtype=torch.long, device=dev)
+            self._inputs = torch.zeros(3, self.buckets[-1], dtype=torch.long, device=dev)  # ids, positions, slots
+        self._stack_experts()
+        self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
+        self.num_tokens = [0] * max_slots
+        self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def _stack_experts(self) -> None:
+        """Stack each layer's routed experts (gate|up ``(E, 2I, H)``, down ``(E, H, I)``) and make
+        the experts' parameters views of the stacks (the weights are held once)."""
+        self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.model.model.layers:
+            ex = layer.ffn.experts
+            gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in ex])  # (E, 2I, H)
+            down = torch.stack([e.w2.weight for e in ex])  # (E, H, I)
+            inter = gate_up.shape[1] // 2
+            for j, e in enumerate(ex):
+                e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = gate_up[j, :inter], gate_up[j, inter:], down[j]
+            self._experts.append((gate_up, down))
+
+    def nbytes(self) -> int:
+        """Bytes of the slot pools."""
+        ts = [*self.rings, self.history]
+        for sp in self.sources.values():
+            ts += [t for t in (sp.rows, sp.keys, sp.buf_kv, sp.buf_gate) if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    # ---- state import / export -------------------------------------------------------------
+    @torch.inference_mode()
+    def load(self, slot: int, state: V41SequenceState) -> None:
+        """Copy a general-path state (after prefill) into ``slot``; ``ValueError`` for a state the
+        slots cannot hold (a bounded replay's, one mid-replay, one with no room left)."""
+        n, cfg = state.num_tokens, self.cfg
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.max_slots})")
+        if n >= self.max_tokens:
+            raise ValueError(f"state of {n} tokens leaves no room in a {self.max_tokens}-token slot")
+        if state.decoder_from:
+            raise ValueError("a bounded-replay state cannot be loaded into a slot")
+        for i, sp in self.sources.items():
+            src = state.sources[i]
+            if src.rows.shape[0] * sp.ratio + src.buf_kv.shape[0] != n:
+                raise ValueError("only states whose compressors hold exactly their tokens can be loaded")
+        w = cfg.sliding_window
+        for ring, win in zip(self.rings, state.windows):
+            m = min(win.shape[0], w - 1, n)
+            if m:
+                ring[slot, torch.arange(n - m, n, device=self.device) % w] = win[win.shape[0] - m :].to(self.dtype)
+        for i, sp in self.sources.items():
+            src = state.sources[i]
+            t = src.rows.shape[0]
+            sp.rows[slot, :t] = src.rows
+            if sp.keys is not None:
+                sp.keys[slot, :t] = src.keys
+            if sp.buf_kv is not None:
+                nb = src.buf_kv.shape[0]
+                sp.buf_kv[slot, :nb] = src.buf_kv  # token p at p % r: a group starts at index 0
+                sp.buf_gate[slot, :nb] = src.buf_gate
+        if self.history.shape[1]:
+            hist = self.model.hasher.history(state.token_ids)
+            pad = [self.model.hasher.pad_id] * (self.history.shape[1] - len(hist))
+            self.history[slot] = torch.tensor(pad + hist, dtype=torch.long)
+        self.num_tokens[slot] = n
+        self.token_ids[slot] = list(state.token_ids)
+
+    @torch.inference_mode()
+    def export(self, slot: int) -> V41SequenceState:
+        """``slot``'s state as a general-path ``V41SequenceState`` (copies)."""
+        n, w = self.num_tokens[slot], self.cfg.sliding_window
+        m = min(n, w - 1)
+        at = torch.arange(n - m, n, device=self.device) % w
+        windows = [ring[slot, at].clone() for ring in self.rings]
+        sources = {}
+        for i, sp in self.sources.items():
+            t = n // sp.ratio
+            nb = n - t * sp.ratio
+            keys = None if sp.keys is None else sp.keys[slot, :t].clone()
+            if sp.buf_kv is None:
+                buf = torch.empty(0, self.cfg.head_dim, dtype=torch.float32, device=self.device)
+                sources[i] = SourceState(sp.rows[slot, :t].clone(), keys, buf, buf.clone())
+            else:
+                sources[i] = SourceState(sp.rows[slot, :t].clone(), keys, sp.buf_kv[slot, :nb].clone(), sp.buf_gate[slot, :nb].clone())
+        ids = list(self.token_ids[slot])
+        engram = self.model.hasher.history(ids) if self.model.hasher is not None else []
+        return V41SequenceState(windows, sources, engram, n, ids)
+
+    def free(self, slot: int) -> None:
+        self.num_tokens[slot] = 0
+        self.token_ids[slot] = []
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, slots: Sequence[int], token_ids: Sequence[int], bucket: int | None = None) -> torch.Tensor:
+        """One decode token per listed slot → float32 logits ``(n, V)``; ``bucket`` forces the
+        padded batch size (one of ``self.buckets``, at least ``n``)."""
+        n = len(slots)
+        if n != len(token_ids) or n == 0 or len(set(slots)) != n:
+            raise ValueError("one token per slot, each slot once, at least one slot")
+        if any(self.num_tokens[s] >= self.max_tokens for s in slots):
+            raise ValueError(f"a slot is full ({self.max_tokens} tokens)")
+        if bucket is not None and (bucket not in self.buckets or bucket < n):
+            raise ValueError(f"bucket {bucket} is not a bucket of at least {n} rows")
+        b = bucket_for(n, self.buckets) if bucket is None else bucket
+        if self.use_graphs and b not in self._graphs:
+            self._capture(b)
+        pad = b - n
+        host = torch.tensor(
+            [list(token_ids) + [0] * pad, [self.num_tokens[s] for s in slots] + [0] * pad, list(slots) + [self.scratch] * pad],
+            dtype=torch.long,
+        )  # fmt: skip
+        self._inputs[:, :b].copy_(host, non_blocking=self.device.type == "cuda")
+        if self.use_graphs:
+            graph, out = self._graphs[b]
+            graph.replay()
+        else:
+            out = self._forward(b)
+        for s, t in zip(slots, token_ids):
+            self.num_tokens[s] += 1
+            self.token_ids[s].append(int(t))
+        return out[:n]
+
+    @torch.inference_mode()  # the slot buffers are inference tensors
+    def capture_graphs(self) -> None:
+        """Capture every bucket's step graph now (else each on its first step)."""
+        for b in self.buckets:
+            if b not in self._graphs:
+                self._capture(b)
+
+    def _capture(self, b: int) -> None:
+        """Warm up and capture bucket ``b`` on scratch inputs (they touch only the scratch slot)."""
+        init = torch.zeros(3, b, dtype=torch.long)
+        init[2] = self.scratch
+        self._inputs[:, :b] = init.to(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._forward(b)
+        torch.cuda.synchronize(self.device)
+        self._graphs[b] = (graph, out)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The step over the first ``b`` input columns → float32 logits ``(b, V)``."""
+        model, cfg = self.model, self.cfg
+        ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]  # (b,) each
+        hash_ids = self._engram_hashes(ids, slots) if self.history.shape[1] else None
+        embeds = model.model.embed(ids)  # (b, H)
+        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
+        pre = F.one_hot(torch.zeros_like(ids), cfg.hc_mult).float()  # (b, hc): one-hot first mix
+        ropes = {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
+        group: dict[str, torch.Tensor | None] = {}  # the KV group's rows, keys, picks, candidates
+        for i, layer in enumerate(model.model.layers):
+            if layer.engram is not None:
+                streams = layer.engram(streams, hash_ids[:, layer.engram.slot])
+            attn_pre, post, comb = layer.hc_attn.gates(streams)
+            x = layer.attn_norm(collapse(pre, streams))  # (b, H)
+            streams = expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb)
+            ffn_pre, post, comb = layer.hc_ffn.gates(streams)
+            x = layer.ffn_norm(collapse(attn_pre, streams))
+            streams, pre = expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
+        return model.head.logits(model.model.norm(collapse(pre, streams)))  # (b, V)
+
+    def _engram_hashes(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``NgramHasher.hash_ids`` of one new token per row → ``(b, L, cols)``; advances each
+        slot's history."""
+        hasher = self.model.hasher
+        seq = torch.cat([self.history[slots], hasher.token_map.to(ids.device)[ids, None]], dim=1)  # (b, N)
+        self.history.index_copy_(0, slots, seq[:, 1:])
+        products = seq.flip(-1)[:, None, :] * hasher.multipliers.to(ids.device)  # (b, L, N): [t, t-1, ...]
+        rolling, cols = products[..., 0], []
+        for k in range(1, hasher.max_ngram):
+            rolling = torch.bitwise_xor(rolling, products[..., k])  # the (k+1)-gram's hash, (b, L)
+            cols.append(rolling[..., None] % hasher.primes[:, k - 1].to(ids.device))  # (b, L, heads)
+        return torch.cat(cols, dim=-1) + hasher.offsets.to(ids.device)
+
+    def _attention(
+        self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], group: dict[str, torch.Tensor | None],
+    ) -> torch.Tensor:  # fmt: skip
+        """``Attention.forward`` of one token per row: ``x (b, H)`` → ``(b, H)``."""
+        b, nh, d, w = x.shape[0], attn.n_heads, attn.head_dim, attn.window
+        cos, sin = ropes[attn.rope_kind]
+        q_res = attn.q_norm(attn.wq_a(x))  # (b, qr)
+        q = apply_rope(attn.wq_b(q_res).view(b, nh, d), cos, sin)  # (b, nh, D)
+        kv = fp8_window(apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin))  # (b, D)
+        ring = self.rings[i]
+        ring.view(-1, d).index_copy_(0, slots * w + pos % w, kv)
+        win_pos = pos[:, None] - (w - 1) + torch.arange(w, device=x.device)  # (b, W) oldest first
+        keys = ring[slots[:, None], win_pos % w]  # (b, W, D)
+        mask = torch.zeros(b, w, dtype=torch.float32, device=x.device).masked_fill(win_pos < 0, float("-inf"))  # (b, W)
+        if attn.ratio:
+            rows, bias = self._compressed(i, attn, x, q_res, pos, slots, ropes["compress"], group)
+            if rows is not None:
+                keys, mask = torch.cat([keys, rows], dim=1), torch.cat([mask, bias], dim=-1)  # (b, W+Tc, ...)
+        logits = torch.matmul(q, keys.transpose(1, 2)) * attn.scaling + mask[:, None, :]  # (b, nh, L)
+        logits = torch.cat([logits, attn.attn_sink.float()[None, :, None].expand(b, -1, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # sink only in the denominator
+        out = apply_rope(torch.matmul(probs, keys), cos, -sin)  # (b, nh, D)
+        return attn.wo_b(attn.wo_a(out.view(b, attn.o_groups, -1)).flatten(1))
+
+    def _compressed(
+        self, i: int, attn, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+        comp_rope: tuple[torch.Tensor, torch.Tensor], group: dict[str, torch.Tensor | None],
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+        """The group's rows ``(b, Tc, D)`` and each row's bias over them ``(b, Tc)`` (0 = chosen);
+        a KV source first adds the group closing now and starts a new ``group``."""
+        if attn.compressor is not None:
+            self._compress(i, attn, x, pos, slots)
+            sp = self.sources[i]
+            group.clear()
+            group["rows"] = sp.rows[slots, :-1]  # (b, Tc, D)
+            group["keys"] = None if sp.keys is None else sp.keys[slots, :-1]  # (b, Tc, Di)
+        rows = group["rows"]
+        if attn.indexer is not None and group["keys"] is not None:
+            group["top"] = self._select(attn, attn.indexer, x, q_res, pos, comp_rope, group)
+        bias = torch.full((x.shape[0], rows.shape[1] + 1), float("-inf"), dtype=torch.float32, device=x.device)  # (b, Tc+1)
+        if group.get("top") is not None:  # a pick that is not a complete row goes to the dropped last column
+            top, valid = group["top"]
+            bias.scatter_(-1, torch.where(valid, top, rows.shape[1]), 0.0)
+        return rows, bias[:, :-1]
+
+    def _compress(self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """``Compressor.update`` for one token per row: the group closing at ``pos`` (every row
+        at ratio 1) rotated, rounded and written to its row (the scratch row for open groups)."""
+        comp, sp, r = attn.compressor, self.sources[i], self.sources[i].ratio
+        if r == 1:
+            latents, done = comp.norm(comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
+        else:
+            at = slots * r + pos % r
+            sp.buf_kv.view(-1, sp.buf_kv.shape[-1]).index_copy_(0, at, F.linear(x.float(), comp.wkv.weight.float()))
+            sp.buf_gate.view(-1, sp.buf_gate.shape[-1]).index_copy_(0, at, F.linear(x.float(), comp.wgate.weight.float()))
+            weights = sp.buf_gate[slots].softmax(dim=1)  # (b, r, D) over the group's tokens
+            latents = comp.norm((sp.buf_kv[slots] * weights).sum(dim=1).to(x.dtype))  # (b, D)
+            done = pos % r == r - 1
+        tc = sp.rows.shape[1] - 1
+        flat = slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc)  # (b,)
+        rope = self.model.rotary["compress"].cos_sin(pos - pos % r, latents.dtype)  # the group's first position
+        if sp.keys is not None:
+            sp.keys.view(-1, sp.keys.shape[-1]).index_copy_(0, flat, attn.indexer.keys(latents, rope))
+        rounding = fp4_compressed if attn.fp4_rows else fp8_window
+        sp.rows.view(-1, sp.rows.shape[-1]).index_copy_(0, flat, rounding(apply_rope(latents, *rope)))
+
+    def _select(
+        self, attn, idx, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor], group: dict[str, torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``Indexer.select`` over all ``Tc`` columns: chosen rows ``(b, k)`` and ``(b, k)`` True
+        where the choice is a complete row; the candidate source publishes ``group["candidates"]``."""
+        keys = group["keys"]  # (b, Tc, Di)
+        b, tc = x.shape[0], keys.shape[1]
+        q = fp4_indexer(apply_rope(idx.wq_b(q_res).view(b, idx.n_heads, idx.head_dim), *rope))  # (b, Hi, Di)
+        weights = idx.weights_proj(x).float() * idx.heads_scaling  # (b, Hi)
+        complete = torch.div(pos + 1, idx.ratio, rounding_mode="floor")  # (b,) rows < this are complete
+        scores = torch.einsum("shd,std->sht", q.float(), keys.float()).relu_() * idx.softmax_scale  # (b, Hi, Tc)
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (b, Tc)
+        scores = scores.masked_fill(torch.arange(tc, device=x.device)[None, :] >= complete[:, None], float("-inf"))
+        if idx.is_candidate_source:
+            group["candidates"] = candidate_blocks(scores, complete, idx.block_topk, idx.block_size)  # (b, Tc)
+        elif idx.uses_candidates and group.get("candidates") is not None:
+            scores = scores.masked_fill(~group["candidates"], float("-inf"))
+        top = scores.topk(min(idx.topk, tc), dim=-1, sorted=False)
+        return top.indices, top.values > float("-inf")
+
+    def _moe(self, i: int, moe, x: torch.Tensor) -> torch.Tensor:
+        """``MoE.forward`` of ``x (b, H)`` without host syncs (module docstring)."""
+        weights, indices = moe.gate(x)  # (b, k) each
+        gate_up, down = self._experts[i]
+        shared = moe.shared_experts(x).float()  # (b, H)
+        if self.grouped_moe:
+            return moe_experts(x, weights, indices, gate_up, down, moe.shared_experts.limit, add=shared.to(x.dtype))
+        order = indices.argsort(dim=-1)  # summed in expert order, as MoE.forward
+        indices, weights = indices.gather(1, order), weights.gather(1, order)
+        b, k = indices.shape
+        h = torch.matmul(gate_up[indices], x[:, None, :, None]).squeeze(-1).float()  # (b, k, 2I)
+        gate, up = h.chunk(2, dim=-1)
+        limit = moe.shared_experts.limit
+        if limit > 0:
+            up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+        act = (weights.unsqueeze(-1) * (F.silu(gate) * up)).to(x.dtype)  # (b, k, I)
+        y_k = torch.matmul(down[indices], act.unsqueeze(-1)).squeeze(-1).float()  # (b, k, H)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for j in range(k):
+            y = y + y_k[:, j]
+        return (y + shared).to(x.dtype)

@@ -1,0 +1,81 @@
+"""The V4.1 slot decoder (``engine/model/v41/slot_decode.py``) against the general path on CPU in
+fp32: the same greedy tokens and chosen-token logprobs within 1e-4 at every decode step of every
+fixture prompt, all prompts of a case stepping together (mixed lengths, a padded bucket), across
+window and compressor-group boundaries; ``export`` gives back the general path's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.v41.loader import load_v41_model
+from engine.model.v41.slot_decode import V41SlotDecoder
+from tests.engine.model.v41.conftest import BAR, CASES, fixture_case
+
+STEPS = 12  # decode steps per prompt: past W = 8 / 16 ring rows and several groups of 2
+
+
+def _logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_slot_steps_match_the_general_path(case: str) -> None:
+    ckpt, ref = fixture_case(case)
+    model = load_v41_model(ckpt, dtype="float32", device="cpu")
+    prompts = ref["prompts"]
+    general, slotted = [], []
+    for p in prompts:
+        st = model.new_state()
+        model([(st, p["prompt_ids"])])
+        general.append(st)
+        slotted.append(st.clone())
+    longest = max(len(p["prompt_ids"]) for p in prompts)
+    dec = V41SlotDecoder(model, max_slots=len(prompts) + 1, max_tokens=longest + STEPS + 1)
+    slots = [len(prompts) - i for i in range(len(prompts))]  # not in order, slot 0 unused: a padded bucket
+    for s, st in zip(slots, slotted):
+        dec.load(s, st)
+    worst = 0.0
+    for k in range(STEPS):
+        feed = [p["greedy_tokens"][k] for p in prompts]  # teacher-forced: the reference's picks
+        want = _logprobs(model([(st, [t]) for st, t in zip(general, feed)]))  # (n, V)
+        got = _logprobs(dec.step(slots, feed))
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), (case, k)
+        worst = max(worst, float((got - want).abs().max()))
+        if k == STEPS // 2:  # export, and a fresh decoder continues from the exported states
+            for s, st in zip(slots, general):
+                out = dec.export(s)
+                assert out.num_tokens == st.num_tokens and out.token_ids == st.token_ids and out.engram == st.engram
+                for a, b in zip(out.windows, st.windows):
+                    assert torch.equal(a, b)
+                for i, src in st.sources.items():
+                    assert torch.equal(out.sources[i].rows, src.rows)
+                    # fp32 projections of the open group: last bits of the batched step's activations
+                    torch.testing.assert_close(out.sources[i].buf_kv, src.buf_kv, rtol=1e-4, atol=1e-5)
+                    assert (src.keys is None) == (out.sources[i].keys is None)
+                    assert src.keys is None or torch.equal(out.sources[i].keys, src.keys)
+            moved = V41SlotDecoder(model, max_slots=len(prompts), max_tokens=dec.max_tokens)
+            for s, st in enumerate(dec.export(s) for s in slots):
+                moved.load(s, st)
+            dec, slots = moved, list(range(len(prompts)))
+    assert worst <= BAR, (case, worst)
+
+
+def test_load_refuses_states_the_slots_cannot_hold() -> None:
+    ckpt, _ = fixture_case("tester")
+    model = load_v41_model(ckpt, dtype="float32", device="cpu")
+    dec = V41SlotDecoder(model, max_slots=2, max_tokens=16)
+    st = model.new_state()
+    model([(st, list(range(2, 18)))])
+    with pytest.raises(ValueError, match="no room"):
+        dec.load(0, st)
+    short = model.new_state()
+    model([(short, [2, 3, 4])])
+    short.decoder_from = 2
+    with pytest.raises(ValueError, match="bounded-replay"):
+        dec.load(0, short)
+    short.decoder_from = 0
+    dec.load(0, short)
+    with pytest.raises(ValueError, match="each slot once"):
+        dec.step([0, 0], [5, 6])
+    assert dec.nbytes() > 0

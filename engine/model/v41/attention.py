@@ -167,7 +167,7 @@ def candidate_blocks(scores: torch.Tensor, complete: torch.Tensor, topk_blocks: 
     blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=scores.device)[None, :] == newest[:, None], float("inf"))
     top = blocks.topk(min(topk_blocks, blocks.shape[1]), dim=-1)
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-    return keep.repeat_interleave(block_size, dim=-1)[:, :t]
+    return keep[:, :, None].expand(-1, -1, block_size).flatten(1)[:, :t]  # (no host sync: a CUDA graph runs it)
 
 
 class Attention(nn.Module):

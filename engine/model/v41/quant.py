@@ -21,10 +21,6 @@ import torch
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP4_MAX = 6.0  # float4_e2m1's largest value
 FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code 0..7
-# Midpoints between neighbouring magnitudes. A tie rounds to the even code: down at the
-# midpoints whose lower code is even, up at the others.
-_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
-_TIES_UP = (0.75, 1.75, 3.5)
 
 
 def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
@@ -34,14 +30,15 @@ def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (already within ±6) rounded onto the e2m1 grid, ties to the even code."""
+    """``x`` (already within ±6) rounded onto the e2m1 grid, ties to the even code.
+
+    The grid's step is 0.5 below 2, 1 below 4 and 2 above, so each range rounds half-to-even at
+    its own step (``torch.round``): every tie lands on the even code, as the table of midpoints
+    says (down at 0.25, 1.25, 2.5, 5; up at 0.75, 1.75, 3.5). Pure elementwise ops, no constant
+    tensors: the same code runs inside a CUDA graph."""
     mag = x.abs()
-    down = torch.tensor(_TIES_DOWN, dtype=mag.dtype, device=mag.device)
-    up = torch.tensor(_TIES_UP, dtype=mag.dtype, device=mag.device)
-    # code = midpoints passed: strictly for ties-down ones, inclusively for ties-up ones
-    code = torch.bucketize(mag, down, right=False) + torch.bucketize(mag, up, right=True)
-    grid = torch.tensor(FP4_GRID, dtype=mag.dtype, device=mag.device)
-    return torch.where(torch.signbit(x), -grid[code], grid[code])
+    q = torch.where(mag < 2.0, torch.round(mag * 2.0) * 0.5, torch.where(mag < 4.0, torch.round(mag), torch.round(mag * 0.5) * 2.0))
+    return torch.where(torch.signbit(x), -q, q)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:

@@ -247,7 +247,8 @@ class V41SlotDecoder:
         hash_ids = self._engram_hashes(ids, slots) if self.history.shape[1] else None
         embeds = model.model.embed(ids)  # (b, H)
         streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
-        pre = F.one_hot(torch.zeros_like(ids), cfg.hc_mult).float()  # (b, hc): one-hot first mix
+        pre = torch.zeros(b, cfg.hc_mult, dtype=torch.float32, device=ids.device)  # (b, hc): one-hot first mix
+        pre[:, 0] = 1.0
         ropes = {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
         group: dict[str, torch.Tensor | None] = {}  # the KV group's rows, keys, picks, candidates
         for i, layer in enumerate(model.model.layers):

@@ -19,6 +19,22 @@ def test_e2m1_rounds_to_nearest_ties_to_even_code() -> None:
     assert torch.equal(round_e2m1(grid), grid) and torch.equal(round_e2m1(-grid), -grid)
 
 
+def test_e2m1_equals_the_nearest_grid_point_by_brute_force() -> None:
+    """Every midpoint, its fp32 neighbours and a dense sweep: the nearest grid value, a tie to
+    the even code (fp32 and bf16)."""
+    grid = torch.tensor(FP4_GRID)
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([mids, torch.nextafter(mids, grid[1:]), torch.nextafter(mids, grid[:-1]), torch.linspace(0, 6, 4801)])
+    x = torch.cat([x, -x])
+    dist = (x.abs()[:, None] - grid[None, :]).abs()  # (n, 8)
+    best = dist == dist.min(dim=1, keepdim=True).values
+    code = torch.where(best.sum(1) > 1, best.int().argmax(1) + (best.int().argmax(1) % 2), best.int().argmax(1))  # a tie: the even code
+    want = torch.where(torch.signbit(x), -grid[code], grid[code])
+    assert torch.equal(round_e2m1(x), want)
+    xb = x.bfloat16()
+    assert torch.equal(round_e2m1(xb).float(), round_e2m1(xb.float()))
+
+
 def test_fp4_blocks_land_on_the_scaled_grid() -> None:
     """Each block is ``grid value × scale``, the scale from the block's input max as documented."""
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))

@@ -90,8 +90,9 @@ def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cp
 
 
 def family_engine_config(model: DeepseekV4ForCausalLM, config: EngineConfig) -> EngineConfig:
-    """``config`` with what the model's family cannot do turned off. V4.1: no static slot decoder
-    (the general path), and ``kv_cache="off"`` for the shapes its KV records cannot hold."""
+    """``config`` with what the model's family cannot do turned off. V4.1: slot decode only on
+    CUDA (``V41SlotDecoder``; on CPU the general path), and ``kv_cache="off"`` for the shapes its
+    KV records cannot hold."""
     if isinstance(model, DeepseekV4ForCausalLM):
         return config
     from dataclasses import replace
@@ -102,7 +103,7 @@ def family_engine_config(model: DeepseekV4ForCausalLM, config: EngineConfig) -> 
     if problem and config.kv_cache != "off":
         log.warning("DeepSeek-V4.1 KV store off for this checkpoint: %s", problem)
         config = replace(config, kv_cache="off")
-    return replace(config, static_decode=False)
+    return config if model.device.type == "cuda" else replace(config, static_decode=False)
 
 
 def build_sampler(model: DeepseekV4ForCausalLM, model_dir: str | Path, seed: int | None = None) -> Sampler:

@@ -1,5 +1,6 @@
 """Decode steps through slot pools: the static, CUDA-graph decoder on GPU
-(``engine/model/static_decode.py``), the host slot decoder on CPU (``engine/model/host_decode.py``).
+(``engine/model/static_decode.py``; V4.1: ``engine/model/v41/slot_decode.py``), the host slot
+decoder on CPU (``engine/model/host_decode.py``).
 
 The general path serves every prefill chunk; a sequence whose next step feeds one token (decode)
 moves into a ``StaticDecoder`` slot — its state is copied in once, then every decode step of all
@@ -23,6 +24,8 @@ from engine.model.host_decode import HostDecoder
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.state import SequenceState
 from engine.model.static_decode import DECODE, DecodeTuning, StaticDecoder
+from engine.model.v41.model import DeepseekV41ForCausalLM
+from engine.model.v41.slot_decode import V41SlotDecoder
 from engine.runtime.sequence import Sequence
 
 
@@ -43,6 +46,8 @@ class StaticRunner:
         here; ``verify_width``: tokens per slot of its verify steps (speculative decoding: 1 + k)."""
         if decoder is not None:
             self.decoder = decoder
+        elif isinstance(model, DeepseekV41ForCausalLM):  # V4.1: its own slot decoder (no verify steps)
+            self.decoder = V41SlotDecoder(model, max_slots, max_tokens, use_graphs=use_graphs)  # type: ignore[assignment]
         elif model.device.type == "cpu" and not use_graphs:
             self.decoder: StaticDecoder = HostDecoder(model, max_slots, max_tokens, verify_width=verify_width)
         else:
@@ -144,7 +149,10 @@ class StaticRunner:
 
 
 def _normal_mode(state: SequenceState, decoder: StaticDecoder) -> bool:
-    """The state can be loaded: every compressor has consumed exactly its complete windows."""
+    """The state can be loaded: every compressor has consumed exactly its complete windows
+    (a V4.1 state: ``V41SlotDecoder.load`` refuses one it cannot hold)."""
+    if not isinstance(state, SequenceState):
+        return True
     n = state.num_tokens
     for layer, ls in zip(decoder.model.model.layers, state.layers):
         attn = layer.self_attn

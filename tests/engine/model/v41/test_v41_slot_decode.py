@@ -8,9 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepserve.protocol import GenerateRequest
 from engine.model.v41.loader import load_v41_model
 from engine.model.v41.slot_decode import V41SlotDecoder
+from engine.runtime.builder import build_engine, build_sampler, family_engine_config
+from engine.runtime.config import EngineConfig
+from engine.runtime.engine_core import EngineCore
 from tests.engine.model.v41.conftest import BAR, CASES, fixture_case
+from tests.engine.runtime.helpers import greedy, run
 
 STEPS = 12  # decode steps per prompt: past W = 8 / 16 ring rows and several groups of 2
 
@@ -79,3 +84,21 @@ def test_load_refuses_states_the_slots_cannot_hold() -> None:
     with pytest.raises(ValueError, match="each slot once"):
         dec.step([0, 0], [5, 6])
     assert dec.nbytes() > 0
+
+
+def test_engine_decodes_v41_through_the_slots() -> None:
+    """The engine's static runner picks ``V41SlotDecoder`` for a V4.1 model (on CPU only when
+    asked for: ``family_engine_config`` keeps the general path there) and gives the general
+    engine's greedy tokens and logprobs on a mixed batch."""
+    ckpt, ref = fixture_case("flash_shape")
+    model = load_v41_model(ckpt, dtype="float32", device="cpu")
+    reqs = [GenerateRequest(f"r{i}", p["prompt_ids"], greedy(10)) for i, p in enumerate(ref["prompts"])]
+    general = run(build_engine(ckpt, EngineConfig(), model=model), reqs)
+    assert family_engine_config(model, EngineConfig()).static_decode is False
+    engine = EngineCore(model, build_sampler(model, ckpt), EngineConfig(static_decode=True, static_max_tokens=128))
+    assert isinstance(engine.static.decoder, V41SlotDecoder)
+    slotted = run(engine, reqs)
+    assert engine.static.steps > 0 and len(engine.static._free) == engine.config.max_num_seqs
+    for r in reqs:
+        assert slotted[r.request_id].tokens == general[r.request_id].tokens, r.request_id
+        assert max(abs(a - b) for a, b in zip(slotted[r.request_id].logprobs, general[r.request_id].logprobs)) < BAR

@@ -11,34 +11,15 @@ every precision, fp32 included. Three formats, all blockwise over the last axis:
   ``2^ceil(log2(max(amax, 6·2⁻¹²⁶) / 6))``.
 
 A last axis that is not a whole number of blocks is left unquantised (tiny test shapes), as the
-reference does. Values are rounded to the nearest grid point, ties to the even code.
+reference does. Values are rounded to the nearest grid point, ties to the even code. The stored
+codes of these formats, and their unpacking, are ``kernels.v41_kv``.
 """
 
 from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-FP4_MAX = 6.0  # float4_e2m1's largest value
-FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code 0..7
-
-
-def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
-    """``2^ceil(log2 t)`` of positive fp32 ``t``, exactly (from the binary exponent)."""
-    mantissa, exponent = torch.frexp(t)  # t = m · 2^e, m in [0.5, 1)
-    return torch.ldexp(torch.ones_like(t), exponent - (mantissa == 0.5).to(exponent.dtype))
-
-
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (already within ±6) rounded onto the e2m1 grid, ties to the even code.
-
-    The grid's step is 0.5 below 2, 1 below 4 and 2 above, so each range rounds half-to-even at
-    its own step (``torch.round``): every tie lands on the even code, as the table of midpoints
-    says (down at 0.25, 1.25, 2.5, 5; up at 0.75, 1.75, 3.5). Pure elementwise ops, no constant
-    tensors: the same code runs inside a CUDA graph."""
-    mag = x.abs()
-    q = torch.where(mag < 2.0, torch.round(mag * 2.0) * 0.5, torch.where(mag < 4.0, torch.round(mag), torch.round(mag * 0.5) * 2.0))
-    return torch.where(torch.signbit(x), -q, q)
+from kernels.v41_kv import FP4_GRID, FP4_MAX, FP8_MAX, pow2_ceil, round_e2m1  # noqa: F401 (the formats' constants and roundings)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:

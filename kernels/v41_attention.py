@@ -1,0 +1,146 @@
+"""DeepSeek-V4.1 decode attention over stored FP8/FP4 codes, dequantised in the kernel.
+
+One query token per batch row ``b`` with ``H`` heads attends over one shared key=value head:
+
+- its window ring ``win_q[slot_b, :win_len[b]]`` (e4m3 codes, ue8m0 exponent per 32 channels;
+  order inside the ring does not matter, softmax is permutation invariant), and
+- the compressed rows the indexer chose, ``picks[b]`` (``-1``: none) into its slot's rows
+  ``rows_q[slot_b]`` (packed e2m1 codes, e4m3 scale per 16 channels).
+
+Softmax over ``[logits · scale, sink_h]`` with the sink column dropped; the output ``(B, H, D)``
+fp32 still carries the keys' RoPE (the caller un-rotates it). Layout (``kernels.v41_kv``)::
+
+    q        (B, H, D)        fp32 / bf16
+    win_q    (S, W, D)        float8_e4m3fn      win_e  (S, W, D/32)    uint8
+    rows_q   (S, T, D/2)      uint8              rows_s (S, T, D/16)    float8_e4m3fn
+    slot, win_len (B,) int    picks (B, K) int   sinks (H,) fp32
+
+The Triton kernel: grid ``(B, cdiv(H, BH))``, each program holds ``BH`` heads' queries and walks
+the window in tiles of ``BN`` rows, then the picks, with an online softmax in fp32; codes become
+values in registers (e4m3 through a cast, e2m1 from its three bits, ue8m0 by placing the exponent).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import HAS_TRITON, dot_precision, next_pow2, use_triton
+from kernels.v41_kv import unpack_fp4_rows, unpack_fp8_window
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from kernels._common import mma
+
+    @triton.jit
+    def _e2m1(nib):
+        """Values of 4-bit e2m1 codes (int32): sign bit 3, exponent bits 1-2, mantissa bit 0."""
+        e = (nib >> 1) & 3
+        m = (nib & 1).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.5, tl.where(e == 1, 1.0 + m * 0.5, tl.where(e == 2, 2.0 + m, 4.0 + 2.0 * m)))
+        return tl.where((nib & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def _v41_decode_kernel(
+        q_ptr, wq_ptr, we_ptr, rq_ptr, rs_ptr, slot_ptr, wlen_ptr, pick_ptr, sink_ptr, out_ptr,
+        H, W, T, K, scale,
+        s_qb, s_qh, s_wqs, s_wqn, s_wes, s_wen, s_rqs, s_rqn, s_rss, s_rsn, s_pb, s_ob, s_oh,
+        D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h0 = tl.program_id(1) * BH
+        heads = h0 + tl.arange(0, BH)
+        dims = tl.arange(0, D)
+        hmask = heads < H
+        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)  # (BH, D)
+        slot = tl.load(slot_ptr + b)
+        wlen = tl.load(wlen_ptr + b)
+        m_i = tl.full((BH,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BH,), tl.float32)
+        acc = tl.zeros((BH, D), tl.float32)
+        for n0 in range(0, W, BN):  # the window ring
+            rows = n0 + tl.arange(0, BN)
+            ok = rows < wlen
+            codes = tl.load(wq_ptr + slot * s_wqs + rows[:, None] * s_wqn + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + dims[None, :] // 32, mask=ok[:, None], other=127).to(tl.int32)
+            k = codes * (ex << 23).to(tl.float32, bitcast=True)  # (BN, D): 2^(e-127) from its bits
+            s = mma(q, tl.trans(k), PRECISION) * scale  # (BH, BN)
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + mma(p, k, PRECISION)
+            m_i = m_new
+        if HAS_ROWS:
+            for n0 in range(0, K, BN):  # the indexer's picks
+                j = n0 + tl.arange(0, BN)
+                pick = tl.load(pick_ptr + b * s_pb + j, mask=j < K, other=-1)
+                ok = pick >= 0
+                row = tl.where(ok, pick, 0)
+                byte = tl.load(rq_ptr + slot * s_rqs + row[:, None] * s_rqn + dims[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
+                nib = (byte >> ((dims[None, :] % 2) * 4)) & 15
+                sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + dims[None, :] // 16, mask=ok[:, None], other=0.0).to(tl.float32)
+                k = _e2m1(nib) * sc  # (BN, D)
+                s = mma(q, tl.trans(k), PRECISION) * scale
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + mma(p, k, PRECISION)
+                m_i = m_new
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+        m_fin = tl.maximum(m_i, sink)
+        denom = l_i * tl.exp(m_i - m_fin) + tl.exp(sink - m_fin)  # the sink only in the denominator
+        out = acc * (tl.exp(m_i - m_fin) / denom)[:, None]
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + dims[None, :], out, mask=hmask[:, None])
+
+
+def v41_decode_attention_reference(
+    q: torch.Tensor, win_q: torch.Tensor, win_e: torch.Tensor, win_len: torch.Tensor, slot: torch.Tensor,
+    rows_q: torch.Tensor | None, rows_s: torch.Tensor | None, picks: torch.Tensor | None, sinks: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """The module's attention in PyTorch (dequantise, then one masked softmax with the sinks)."""
+    b, w = q.shape[0], win_q.shape[1]
+    keys = unpack_fp8_window(win_q[slot], win_e[slot])  # (B, W, D)
+    mask = torch.zeros(b, w, device=q.device).masked_fill(torch.arange(w, device=q.device)[None] >= win_len[:, None], float("-inf"))
+    if rows_q is not None:
+        ok = picks >= 0  # (B, K)
+        at = picks.clamp_min(0)
+        rq = rows_q[slot[:, None], at]  # (B, K, D/2)
+        rs = rows_s[slot[:, None], at]
+        keys = torch.cat([keys, unpack_fp4_rows(rq, rs)], dim=1)  # (B, W+K, D)
+        mask = torch.cat([mask, torch.zeros_like(ok, dtype=torch.float32).masked_fill(~ok, float("-inf"))], dim=1)
+    logits = torch.matmul(q.float(), keys.transpose(1, 2)) * scale + mask[:, None, :]  # (B, H, L)
+    logits = torch.cat([logits, sinks.float()[None, :, None].expand(b, -1, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs, keys)  # (B, H, D)
+
+
+def v41_decode_attention(
+    q: torch.Tensor, win_q: torch.Tensor, win_e: torch.Tensor, win_len: torch.Tensor, slot: torch.Tensor,
+    rows_q: torch.Tensor | None, rows_s: torch.Tensor | None, picks: torch.Tensor | None, sinks: torch.Tensor, scale: float,
+    block_h: int = 16, block_n: int = 32,
+) -> torch.Tensor:  # fmt: skip
+    """Decode attention over stored codes → fp32 ``(B, H, D)`` (module docstring): the Triton
+    kernel where it runs, else ``v41_decode_attention_reference``."""
+    if not use_triton(q):
+        return v41_decode_attention_reference(q, win_q, win_e, win_len, slot, rows_q, rows_s, picks, sinks, scale)
+    b, h, d = q.shape
+    assert d == next_pow2(d) and d % 32 == 0, "head_dim must be a power of two, a multiple of 32"
+    out = torch.empty(b, h, d, dtype=torch.float32, device=q.device)
+    has_rows = rows_q is not None
+    rq = rows_q if has_rows else win_q.view(torch.uint8)
+    rs = rows_s if has_rows else win_q
+    pk = picks if has_rows else slot[:, None]
+    bh = max(16, min(block_h, next_pow2(h)))
+    _v41_decode_kernel[(b, triton.cdiv(h, bh))](
+        q, win_q, win_e, rq, rs, slot, win_len, pk, sinks, out,
+        h, win_q.shape[1], rq.shape[1], pk.shape[1], float(scale),
+        q.stride(0), q.stride(1), win_q.stride(0), win_q.stride(1), win_e.stride(0), win_e.stride(1),
+        rq.stride(0), rq.stride(1), rs.stride(0), rs.stride(1), pk.stride(0), out.stride(0), out.stride(1),
+        D=d, BH=bh, BN=block_n, HAS_ROWS=has_rows, PRECISION=dot_precision(q.dtype),
+    )  # fmt: skip
+    return out

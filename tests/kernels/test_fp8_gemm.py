@@ -136,6 +136,7 @@ def test_random_bf16_against_reference(shape, config) -> None:
     assert err <= 1e-2, f"relative error {err:.3g}"
 
 
+@pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively
 def test_fp8_gemm_under_interpreter() -> None:
     """The GPU tests above on CPU through Triton's interpreter (a child pytest: the interpreter is
     chosen when Triton kernels are defined)."""

@@ -84,6 +84,7 @@ def test_gemv_reference_for_several_rows() -> None:
     assert torch.equal(fp8_gemv(x, wq, scales_to_fp32(ws)), fp8_linear(x, wq, scales_to_fp32(ws)))
 
 
+@pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively
 def test_fp8_gemv_under_interpreter() -> None:
     """The GPU tests above on CPU through Triton's interpreter (a child pytest)."""
     run_gpu_tests_interpreted(__file__)

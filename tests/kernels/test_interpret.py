@@ -33,6 +33,7 @@ def run_interpreted(targets: list[str], timeout: float) -> None:
     assert "passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
 
 
+@pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively
 def test_kernels_under_triton_interpreter() -> None:
     run_interpreted(KERNEL_TESTS, timeout=500)
 

@@ -74,6 +74,7 @@ def test_moe_experts_fp4(n_tokens) -> None:
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively
 def test_moe_fp4_under_interpreter() -> None:
     """The kernel tests above on CPU through Triton's interpreter (a child pytest)."""
     run_gpu_tests_interpreted(__file__)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,21 @@ import torch
 torch.set_num_threads(1)  # tiny CPU ops: spin-waiting threads cost more than they give (see builder)
 
 pytest_plugins = ["tests.conftest_redis"] if (Path(__file__).parent / "conftest_redis.py").exists() else []
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """``build(dir)`` run once for the whole run, shared by every pytest-xdist worker: the first
+    worker builds under a lock in the run's common temp root, the others wait and reuse it."""
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # one root per run, above each worker's own
+    out, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    out.mkdir(exist_ok=True)
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            done.write_text(str(build(out)))
+    return Path(done.read_text())
 
 
 @pytest.fixture(scope="session")
@@ -35,4 +53,7 @@ def trained_mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.model.tiny import make_tiny_model
     from engine.model.tiny_mtp import TrainConfig
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-mtp") / "model", seed=0, preset="tiny", train_mtp=TrainConfig(seed=0))
+    return built_once(
+        tmp_path_factory, "tiny-mtp",
+        lambda d: make_tiny_model(d / "model", seed=0, preset="tiny", train_mtp=TrainConfig(seed=0)),
+    )

@@ -77,7 +77,10 @@ class V41SlotDecoder:
     def __init__(
         self, model: DeepseekV41ForCausalLM, max_slots: int, max_tokens: int,
         use_graphs: bool | None = None, buckets: Sequence[int] = BUCKETS,
+        experts: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:  # fmt: skip
+        """``experts``: per layer the ``(gate_up, down)`` stacks the model's expert parameters
+        already are views of (a builder that made them so); None: stacked here."""
         self.model, self.cfg = model, model.config
         self.device, self.dtype = model.device, model.dtype
         self.max_slots, self.max_tokens, self.scratch = max_slots, max_tokens, max_slots
@@ -95,17 +98,17 @@ class V41SlotDecoder:
             keep = cfg.engram_max_ngram_size - 1 if model.hasher is not None else 0
             self.history = torch.zeros(s1, keep, dtype=torch.long, device=dev)
             self._inputs = torch.zeros(3, self.buckets[-1], dtype=torch.long, device=dev)  # ids, positions, slots
-        self._stack_experts()
+        self._experts = list(experts) if experts is not None else self._stack_experts()
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
         self.num_tokens = [0] * max_slots
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.no_grad()
-    def _stack_experts(self) -> None:
+    def _stack_experts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Stack each layer's routed experts (gate|up ``(E, 2I, H)``, down ``(E, H, I)``) and make
         the experts' parameters views of the stacks (the weights are held once)."""
-        self._experts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        stacks = []
         for layer in self.model.model.layers:
             ex = layer.ffn.experts
             gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in ex])  # (E, 2I, H)
@@ -113,7 +116,8 @@ class V41SlotDecoder:
             inter = gate_up.shape[1] // 2
             for j, e in enumerate(ex):
                 e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = gate_up[j, :inter], gate_up[j, inter:], down[j]
-            self._experts.append((gate_up, down))
+            stacks.append((gate_up, down))
+        return stacks
 
     def nbytes(self) -> int:
         """Bytes of the slot pools."""

@@ -78,10 +78,10 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """e2m1 values (fp32) of packed codes ``q (..., D/2)`` → ``(..., D)``."""
-    codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)
-    grid = torch.tensor(FP4_GRID, device=q.device)
-    mag = grid[(codes & 7).long()]
-    return torch.where((codes & 8).bool(), -mag, mag)
+    codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).int()
+    e, m = (codes >> 1) & 3, (codes & 1).float()  # exponent and mantissa bits: FP4_GRID by arithmetic
+    mag = torch.where(e == 0, m * 0.5, torch.ldexp(1.0 + m * 0.5, (e - 1).clamp_min(0)))
+    return torch.where((codes & 8) != 0, -mag, mag)
 
 
 def pack_fp4_rows(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,23 +5,34 @@ Every sequence lives in a *slot* of preallocated pools (``S`` slots plus scratch
 padded rows of a bucket point at); D = head_dim, Di = index_head_dim, W = sliding window, r a KV
 source's compress ratio, ``Tc = max_tokens // r``:
 
-- every layer: ``ring (S+1, W, D)``, the FP8-rounded window keys, token ``p`` at ``p % W``;
-- every KV-source layer: ``rows (S+1, Tc+1, D)`` the shared compressed KV (FP4- or MXFP8-rounded,
-  rotated at its group's first position), ``keys (S+1, Tc+1, Di)`` the FP4 indexer keys (a source
-  that is also an index source), row ``Tc`` a scratch row; ``buf_kv / buf_gate (S+1, r, D)`` fp32
-  projections of the open group (ratio > 1), token ``p`` at ``p % r``;
+- every layer: the window ring, FP8 codes ``win_q (S+1, W, D)`` and ue8m0 exponents
+  ``win_e (S+1, W, D/32)``, token ``p`` at ``p % W``;
+- every KV-source layer: the shared compressed KV (rotated at its group's first position), packed
+  e2m1 codes ``rows_q (S+1, Tc+1, D/2)`` and e4m3 scales ``rows_s (S+1, Tc+1, D/16)``; the
+  indexer keys (a source that is also an index source) ``keys_q (S+1, Tc+1, Di/2)`` and ue8m0
+  exponents ``keys_e (S+1, Tc+1, Di/32)``; row ``Tc`` a scratch row; ``buf_kv / buf_gate (S+1, r,
+  D)`` fp32 projections of the open group (ratio > 1), token ``p`` at ``p % r``;
 - engram checkpoints: ``history (S+1, N-1)`` the last ``N-1`` compressed token ids (the pad id
   before a sequence's start).
 
-The values are the general path's (``V41SequenceState`` holds the same rounded tensors), so
-``load`` / ``export`` are copies. The step is the general path's math, layer by layer, with the
-batch as the leading axis: projections, engram, mHC and MoE on the ``b`` rows; a source's group
-closing at token ``p`` (``p % r == r-1``) pooled for every row and written by ``index_copy_`` to
-``rows[slot, p // r]`` (the scratch row for the others); the indexer scores all ``Tc`` columns
-(``-inf`` from each row's count of complete rows on), level one (candidate blocks) and level two
-(top ``index_topk``) with fixed ``k``; attention is one masked softmax with the sinks over
-[the window in position order, the chosen rows]. What the general path's ``Shared`` hands from
-layer to layer (the group's picks and candidate blocks) is reset at every KV source, as there.
+Codes and scales are ``kernels.v41_kv``'s (the bytes of ``row_codec``'s FP8_WINDOW / FP4_MAIN /
+FP4_INDEX rows, kept as uint8: 528, 288 and 68 B a row at the released widths), so the pools hold
+exactly the values of the general path's ``V41SequenceState``: ``load`` encodes them
+(``row_codec.encode_rows``, which refuses values off their grid), ``export`` decodes them. The
+slots need whole blocks (``head_dim``, ``index_head_dim`` multiples of 32) and FP4 compressed KV;
+other checkpoints keep the general path (``ValueError`` at construction).
+
+The step is the general path's math, layer by layer, with the batch as the leading axis:
+projections, engram, mHC and MoE on the ``b`` rows; a source's group closing at token ``p``
+(``p % r == r-1``) pooled for every row, packed and written by ``index_copy_`` to row ``p // r``
+(the scratch row for the others); the indexer scores all ``Tc`` columns (``-inf`` from each row's
+count of complete rows on), level one (candidate blocks) and level two (top ``index_topk``) with
+fixed ``k``; attention is one masked softmax with the sinks over [the window, the chosen rows].
+What the general path's ``Shared`` hands from layer to layer (the group's picks and candidate
+blocks) is reset at every KV source, as there. Where Triton runs (CUDA) the indexer scores and
+the attention are ``kernels.v41_indexer`` / ``kernels.v41_attention`` over the codes, dequantised
+in registers (fp32 accumulation); elsewhere the codes are unpacked and the step runs the general
+path's PyTorch ops on the same values.
 
 Routed experts: on CUDA in bf16 ``kernels.moe.moe_experts`` (grouped, no host sync; the routing
 weight is applied after the down projection instead of before it), else one gathered matmul per
@@ -46,22 +57,42 @@ from engine.model.static_decode import BUCKETS, bucket_for
 from engine.model.v41.attention import candidate_blocks
 from engine.model.v41.layers import collapse, expand
 from engine.model.v41.model import DeepseekV41ForCausalLM
-from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
+from engine.model.v41.quant import fp4_indexer
+from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, encode_rows
 from engine.model.v41.state import SourceState, V41SequenceState
 from kernels._common import use_triton
 from kernels.moe import has_grouped_mm, moe_experts
 from kernels.reference import apply_rope_eager as apply_rope
+from kernels.v41_attention import v41_decode_attention
+from kernels.v41_indexer import v41_indexer_scores
+from kernels.v41_kv import pack_fp4_keys, pack_fp4_rows, pack_fp8_window, unpack_fp4_keys, unpack_fp4_rows, unpack_fp8_window
+
+E4M3 = torch.float8_e4m3fn
 
 
 @dataclass
 class SourcePool:
-    """One KV-source layer's pools for all slots (module docstring)."""
+    """One KV-source layer's pools for all slots (module docstring; codes as uint8)."""
 
     ratio: int
-    rows: torch.Tensor  # (S+1, Tc+1, D)
-    keys: torch.Tensor | None  # (S+1, Tc+1, Di)
+    rows_q: torch.Tensor  # (S+1, Tc+1, D/2) packed e2m1
+    rows_s: torch.Tensor  # (S+1, Tc+1, D/16) e4m3 bytes
+    keys_q: torch.Tensor | None  # (S+1, Tc+1, Di/2) packed e2m1
+    keys_e: torch.Tensor | None  # (S+1, Tc+1, Di/32) ue8m0
     buf_kv: torch.Tensor | None  # (S+1, r, D) fp32, ratio > 1
     buf_gate: torch.Tensor | None  # (S+1, r, D) fp32
+
+    def rows(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The slots' rows as values ``(b, Tc, D)`` (the scratch row left out)."""
+        return unpack_fp4_rows(self.rows_q[slots, :-1], self.rows_s[slots, :-1].view(E4M3)).to(dtype)
+
+    def keys(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The slots' indexer keys as values ``(b, Tc, Di)``."""
+        return unpack_fp4_keys(self.keys_q[slots, :-1], self.keys_e[slots, :-1]).to(dtype)
+
+
+def _u8(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.uint8, device=device)
 
 
 class V41SlotDecoder:
@@ -87,19 +118,25 @@ class V41SlotDecoder:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.buckets = tuple(sorted({b for b in buckets if b < max_slots} | {max_slots}))
         cfg, s1, dev, dt = self.cfg, max_slots + 1, self.device, self.dtype
+        if cfg.head_dim % 32 or cfg.index_head_dim % 32 or not cfg.use_fp4_sparse_kv:
+            raise ValueError("the V4.1 slots store FP8/FP4 codes: head_dim and index_head_dim must be multiples of 32, compressed KV FP4")
+        d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
         with torch.inference_mode():
-            self.rings = [torch.zeros(s1, cfg.sliding_window, cfg.head_dim, dtype=dt, device=dev) for _ in model.model.layers]
+            self.win_q = [_u8((s1, w, d), dev) for _ in model.model.layers]  # e4m3 bytes
+            self.win_e = [_u8((s1, w, d // 32), dev) for _ in model.model.layers]
             self.sources: dict[int, SourcePool] = {}
             for i in cfg.kv_source_layer_ids:
                 r, tc = cfg.compress_ratios[i], max_tokens // cfg.compress_ratios[i]
-                keys = torch.zeros(s1, tc + 1, cfg.index_head_dim, dtype=dt, device=dev) if i in cfg.index_source_layer_ids else None
-                bufs = [torch.zeros(s1, r, cfg.head_dim, dtype=torch.float32, device=dev) for _ in range(2)] if r > 1 else [None, None]
-                self.sources[i] = SourcePool(r, torch.zeros(s1, tc + 1, cfg.head_dim, dtype=dt, device=dev), keys, *bufs)
+                index = i in cfg.index_source_layer_ids
+                keys = (_u8((s1, tc + 1, di // 2), dev), _u8((s1, tc + 1, di // 32), dev)) if index else (None, None)
+                bufs = [torch.zeros(s1, r, d, dtype=torch.float32, device=dev) for _ in range(2)] if r > 1 else [None, None]
+                self.sources[i] = SourcePool(r, _u8((s1, tc + 1, d // 2), dev), _u8((s1, tc + 1, d // 16), dev), *keys, *bufs)
             keep = cfg.engram_max_ngram_size - 1 if model.hasher is not None else 0
             self.history = torch.zeros(s1, keep, dtype=torch.long, device=dev)
             self._inputs = torch.zeros(3, self.buckets[-1], dtype=torch.long, device=dev)  # ids, positions, slots
         self._experts = list(experts) if experts is not None else self._stack_experts()
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
+        self.kernels = use_triton(self._inputs)  # attention and indexer scores over the codes in Triton
         self.num_tokens = [0] * max_slots
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -121,9 +158,9 @@ class V41SlotDecoder:
 
     def nbytes(self) -> int:
         """Bytes of the slot pools."""
-        ts = [*self.rings, self.history]
+        ts = [*self.win_q, *self.win_e, self.history]
         for sp in self.sources.values():
-            ts += [t for t in (sp.rows, sp.keys, sp.buf_kv, sp.buf_gate) if t is not None]
+            ts += [t for t in (sp.rows_q, sp.rows_s, sp.keys_q, sp.keys_e, sp.buf_kv, sp.buf_gate) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
     # ---- state import / export -------------------------------------------------------------
@@ -142,17 +179,26 @@ class V41SlotDecoder:
             src = state.sources[i]
             if src.rows.shape[0] * sp.ratio + src.buf_kv.shape[0] != n:
                 raise ValueError("only states whose compressors hold exactly their tokens can be loaded")
-        w = cfg.sliding_window
-        for ring, win in zip(self.rings, state.windows):
+        w, d, di, dev = cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, self.device
+        encoded = []  # every encoding first: one that fails (ValueError) leaves the slot untouched
+        for win in state.windows:
             m = min(win.shape[0], w - 1, n)
-            if m:
-                ring[slot, torch.arange(n - m, n, device=self.device) % w] = win[win.shape[0] - m :].to(self.dtype)
+            encoded.append((m, encode_rows(win[win.shape[0] - m :], FP8_WINDOW).to(dev)))
+        rows = {}
         for i, sp in self.sources.items():
             src = state.sources[i]
+            keys = encode_rows(src.keys, FP4_INDEX).to(dev) if sp.keys_q is not None else None
+            rows[i] = (encode_rows(src.rows, FP4_MAIN).to(dev), keys)
+        for (m, raw), q, e in zip(encoded, self.win_q, self.win_e):
+            if m:
+                at = torch.arange(n - m, n, device=dev) % w
+                q[slot, at], e[slot, at] = raw[:, :d], raw[:, d:]
+        for i, sp in self.sources.items():
+            src, (raw, keys) = state.sources[i], rows[i]
             t = src.rows.shape[0]
-            sp.rows[slot, :t] = src.rows
-            if sp.keys is not None:
-                sp.keys[slot, :t] = src.keys
+            sp.rows_q[slot, :t], sp.rows_s[slot, :t] = raw[:, : d // 2], raw[:, d // 2 :]
+            if keys is not None:
+                sp.keys_q[slot, :t], sp.keys_e[slot, :t] = keys[:, : di // 2], keys[:, di // 2 :]
             if sp.buf_kv is not None:
                 nb = src.buf_kv.shape[0]
                 sp.buf_kv[slot, :nb] = src.buf_kv  # token p at p % r: a group starts at index 0
@@ -170,17 +216,19 @@ class V41SlotDecoder:
         n, w = self.num_tokens[slot], self.cfg.sliding_window
         m = min(n, w - 1)
         at = torch.arange(n - m, n, device=self.device) % w
-        windows = [ring[slot, at].clone() for ring in self.rings]
+        windows = [unpack_fp8_window(q[slot, at].view(E4M3), e[slot, at]).to(self.dtype) for q, e in zip(self.win_q, self.win_e)]
         sources = {}
+        one = torch.tensor([slot], device=self.device)
         for i, sp in self.sources.items():
             t = n // sp.ratio
             nb = n - t * sp.ratio
-            keys = None if sp.keys is None else sp.keys[slot, :t].clone()
+            rows = sp.rows(one, self.dtype)[0, :t].clone()
+            keys = None if sp.keys_q is None else sp.keys(one, self.dtype)[0, :t].clone()
             if sp.buf_kv is None:
                 buf = torch.empty(0, self.cfg.head_dim, dtype=torch.float32, device=self.device)
-                sources[i] = SourceState(sp.rows[slot, :t].clone(), keys, buf, buf.clone())
+                sources[i] = SourceState(rows, keys, buf, buf.clone())
             else:
-                sources[i] = SourceState(sp.rows[slot, :t].clone(), keys, sp.buf_kv[slot, :nb].clone(), sp.buf_gate[slot, :nb].clone())
+                sources[i] = SourceState(rows, keys, sp.buf_kv[slot, :nb].clone(), sp.buf_gate[slot, :nb].clone())
         ids = list(self.token_ids[slot])
         engram = self.model.hasher.history(ids) if self.model.hasher is not None else []
         return V41SequenceState(windows, sources, engram, n, ids)
@@ -254,7 +302,7 @@ class V41SlotDecoder:
         pre = torch.zeros(b, cfg.hc_mult, dtype=torch.float32, device=ids.device)  # (b, hc): one-hot first mix
         pre[:, 0] = 1.0
         ropes = {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
-        group: dict[str, torch.Tensor | None] = {}  # the KV group's rows, keys, picks, candidates
+        group: dict = {}  # the KV group: its source layer, its rows (unpacked when asked), picks, candidates
         for i, layer in enumerate(model.model.layers):
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, layer.engram.slot])
@@ -281,54 +329,78 @@ class V41SlotDecoder:
 
     def _attention(
         self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], group: dict[str, torch.Tensor | None],
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], group: dict,
     ) -> torch.Tensor:  # fmt: skip
         """``Attention.forward`` of one token per row: ``x (b, H)`` → ``(b, H)``."""
         b, nh, d, w = x.shape[0], attn.n_heads, attn.head_dim, attn.window
         cos, sin = ropes[attn.rope_kind]
         q_res = attn.q_norm(attn.wq_a(x))  # (b, qr)
         q = apply_rope(attn.wq_b(q_res).view(b, nh, d), cos, sin)  # (b, nh, D)
-        kv = fp8_window(apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin))  # (b, D)
-        ring = self.rings[i]
-        ring.view(-1, d).index_copy_(0, slots * w + pos % w, kv)
-        win_pos = pos[:, None] - (w - 1) + torch.arange(w, device=x.device)  # (b, W) oldest first
-        keys = ring[slots[:, None], win_pos % w]  # (b, W, D)
-        mask = torch.zeros(b, w, dtype=torch.float32, device=x.device).masked_fill(win_pos < 0, float("-inf"))  # (b, W)
+        codes, exps = pack_fp8_window(apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin))  # (b, D), (b, D/32)
+        win_q, win_e = self.win_q[i], self.win_e[i]
+        at = slots * w + pos % w
+        win_q.view(-1, d).index_copy_(0, at, codes.view(torch.uint8))
+        win_e.view(-1, d // 32).index_copy_(0, at, exps)
+        picks = None
         if attn.ratio:
-            rows, bias = self._compressed(i, attn, x, q_res, pos, slots, ropes["compress"], group)
-            if rows is not None:
-                keys, mask = torch.cat([keys, rows], dim=1), torch.cat([mask, bias], dim=-1)  # (b, W+Tc, ...)
+            self._compressed(i, attn, x, q_res, pos, slots, ropes["compress"], group)
+            if group.get("top") is not None:  # a pick that is not a complete row: -1
+                top, valid = group["top"]
+                picks = torch.where(valid, top, -1)  # (b, k)
+        if self.kernels:
+            sp = self.sources.get(self.cfg.kv_source_of(i)) if picks is not None else None
+            out = v41_decode_attention(
+                q, win_q.view(E4M3), win_e, torch.clamp(pos + 1, max=w), slots,
+                None if sp is None else sp.rows_q[:, :-1], None if sp is None else sp.rows_s[:, :-1].view(E4M3),
+                picks, attn.attn_sink, attn.scaling,
+            ).to(q.dtype)  # fmt: skip
+        else:
+            out = self._attend(attn, q, pos, slots, win_q, win_e, group, picks)
+        out = apply_rope(out, cos, -sin)  # (b, nh, D)
+        return attn.wo_b(attn.wo_a(out.view(b, attn.o_groups, -1)).flatten(1))
+
+    def _attend(
+        self, attn, q: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, win_q: torch.Tensor, win_e: torch.Tensor,
+        group: dict, picks: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The general path's masked softmax with the sinks, on the unpacked values: ``q (b, nh,
+        D)`` over [the window in position order, the group's rows (the picks; -inf elsewhere)]."""
+        b, w = q.shape[0], attn.window
+        win_pos = pos[:, None] - (w - 1) + torch.arange(w, device=q.device)  # (b, W) oldest first
+        idx = win_pos % w
+        keys = unpack_fp8_window(win_q[slots[:, None], idx].view(E4M3), win_e[slots[:, None], idx]).to(q.dtype)  # (b, W, D)
+        mask = torch.zeros(b, w, dtype=torch.float32, device=q.device).masked_fill(win_pos < 0, float("-inf"))  # (b, W)
+        if attn.ratio:
+            rows = group["rows"]()  # (b, Tc, D)
+            bias = torch.full((b, rows.shape[1] + 1), float("-inf"), dtype=torch.float32, device=q.device)  # (b, Tc+1)
+            if picks is not None:  # a pick that is not a complete row goes to the dropped last column
+                bias.scatter_(-1, torch.where(picks >= 0, picks, rows.shape[1]), 0.0)
+            keys, mask = torch.cat([keys, rows], dim=1), torch.cat([mask, bias[:, :-1]], dim=-1)  # (b, W+Tc, ...)
         logits = torch.matmul(q, keys.transpose(1, 2)) * attn.scaling + mask[:, None, :]  # (b, nh, L)
         logits = torch.cat([logits, attn.attn_sink.float()[None, :, None].expand(b, -1, 1)], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # sink only in the denominator
-        out = apply_rope(torch.matmul(probs, keys), cos, -sin)  # (b, nh, D)
-        return attn.wo_b(attn.wo_a(out.view(b, attn.o_groups, -1)).flatten(1))
+        return torch.matmul(probs, keys)  # (b, nh, D)
 
     def _compressed(
         self, i: int, attn, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        comp_rope: tuple[torch.Tensor, torch.Tensor], group: dict[str, torch.Tensor | None],
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
-        """The group's rows ``(b, Tc, D)`` and each row's bias over them ``(b, Tc)`` (0 = chosen);
-        a KV source first adds the group closing now and starts a new ``group``."""
+        comp_rope: tuple[torch.Tensor, torch.Tensor], group: dict,
+    ) -> None:  # fmt: skip
+        """A KV source adds the group closing now and starts a new ``group`` (its rows, unpacked
+        when asked); an index source publishes its picks ``group["top"]``."""
         if attn.compressor is not None:
             self._compress(i, attn, x, pos, slots)
             sp = self.sources[i]
             group.clear()
-            group["rows"] = sp.rows[slots, :-1]  # (b, Tc, D)
-            group["keys"] = None if sp.keys is None else sp.keys[slots, :-1]  # (b, Tc, Di)
-        rows = group["rows"]
-        if attn.indexer is not None and group["keys"] is not None:
-            group["top"] = self._select(attn, attn.indexer, x, q_res, pos, comp_rope, group)
-        bias = torch.full((x.shape[0], rows.shape[1] + 1), float("-inf"), dtype=torch.float32, device=x.device)  # (b, Tc+1)
-        if group.get("top") is not None:  # a pick that is not a complete row goes to the dropped last column
-            top, valid = group["top"]
-            bias.scatter_(-1, torch.where(valid, top, rows.shape[1]), 0.0)
-        return rows, bias[:, :-1]
+            group["source"] = i
+            group["rows"] = lambda sp=sp: sp.rows(slots, x.dtype)
+        sp = self.sources[group["source"]]
+        if attn.indexer is not None and sp.keys_q is not None:
+            group["top"] = self._select(attn.indexer, sp, x, q_res, pos, slots, comp_rope, group)
 
     def _compress(self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
         """``Compressor.update`` for one token per row: the group closing at ``pos`` (every row
-        at ratio 1) rotated, rounded and written to its row (the scratch row for open groups)."""
+        at ratio 1) rotated, packed and written to its row (the scratch row for open groups)."""
         comp, sp, r = attn.compressor, self.sources[i], self.sources[i].ratio
         if r == 1:
             latents, done = comp.norm(comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
@@ -339,28 +411,35 @@ class V41SlotDecoder:
             weights = sp.buf_gate[slots].softmax(dim=1)  # (b, r, D) over the group's tokens
             latents = comp.norm((sp.buf_kv[slots] * weights).sum(dim=1).to(x.dtype))  # (b, D)
             done = pos % r == r - 1
-        tc = sp.rows.shape[1] - 1
+        tc = sp.rows_q.shape[1] - 1
         flat = slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc)  # (b,)
         rope = self.model.rotary["compress"].cos_sin(pos - pos % r, latents.dtype)  # the group's first position
-        if sp.keys is not None:
-            sp.keys.view(-1, sp.keys.shape[-1]).index_copy_(0, flat, attn.indexer.keys(latents, rope))
-        rounding = fp4_compressed if attn.fp4_rows else fp8_window
-        sp.rows.view(-1, sp.rows.shape[-1]).index_copy_(0, flat, rounding(apply_rope(latents, *rope)))
+        if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated
+            idx = attn.indexer
+            kq, ke = pack_fp4_keys(apply_rope(idx.k_norm(idx.wk(latents)), *rope))
+            sp.keys_q.view(-1, kq.shape[-1]).index_copy_(0, flat, kq)
+            sp.keys_e.view(-1, ke.shape[-1]).index_copy_(0, flat, ke)
+        rq, rs = pack_fp4_rows(apply_rope(latents, *rope))
+        sp.rows_q.view(-1, rq.shape[-1]).index_copy_(0, flat, rq)
+        sp.rows_s.view(-1, rs.shape[-1]).index_copy_(0, flat, rs.view(torch.uint8))
 
     def _select(
-        self, attn, idx, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor], group: dict[str, torch.Tensor | None],
+        self, idx, sp: SourcePool, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor], group: dict,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``Indexer.select`` over all ``Tc`` columns: chosen rows ``(b, k)`` and ``(b, k)`` True
         where the choice is a complete row; the candidate source publishes ``group["candidates"]``."""
-        keys = group["keys"]  # (b, Tc, Di)
-        b, tc = x.shape[0], keys.shape[1]
+        b, tc = x.shape[0], sp.keys_q.shape[1] - 1
         q = fp4_indexer(apply_rope(idx.wq_b(q_res).view(b, idx.n_heads, idx.head_dim), *rope))  # (b, Hi, Di)
         weights = idx.weights_proj(x).float() * idx.heads_scaling  # (b, Hi)
         complete = torch.div(pos + 1, idx.ratio, rounding_mode="floor")  # (b,) rows < this are complete
-        scores = torch.einsum("shd,std->sht", q.float(), keys.float()).relu_() * idx.softmax_scale  # (b, Hi, Tc)
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (b, Tc)
-        scores = scores.masked_fill(torch.arange(tc, device=x.device)[None, :] >= complete[:, None], float("-inf"))
+        if self.kernels:
+            scores = v41_indexer_scores(q, weights, sp.keys_q[:, :-1], sp.keys_e[:, :-1], slots, complete, idx.softmax_scale)  # (b, Tc)
+        else:
+            keys = sp.keys(slots, x.dtype)  # (b, Tc, Di)
+            scores = torch.einsum("shd,std->sht", q.float(), keys.float()).relu_() * idx.softmax_scale  # (b, Hi, Tc)
+            scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (b, Tc)
+            scores = scores.masked_fill(torch.arange(tc, device=x.device)[None, :] >= complete[:, None], float("-inf"))
         if idx.is_candidate_source:
             group["candidates"] = candidate_blocks(scores, complete, idx.block_topk, idx.block_size)  # (b, Tc)
         elif idx.uses_candidates and group.get("candidates") is not None:

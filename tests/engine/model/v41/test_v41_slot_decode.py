@@ -5,6 +5,11 @@ window and compressor-group boundaries; ``export`` gives back the general path's
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -102,3 +107,16 @@ def test_engine_decodes_v41_through_the_slots() -> None:
     for r in reqs:
         assert slotted[r.request_id].tokens == general[r.request_id].tokens, r.request_id
         assert max(abs(a - b) for a, b in zip(slotted[r.request_id].logprobs, general[r.request_id].logprobs)) < BAR
+
+
+@pytest.mark.slow
+def test_kernel_path_under_interpreter() -> None:
+    """The step through ``kernels.v41_attention`` / ``kernels.v41_indexer`` (the CUDA path) on
+    CPU under Triton's interpreter: the same comparison with the general path (~40 s)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("already under the interpreter")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "test_slot_steps_match_the_general_path"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[4], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]

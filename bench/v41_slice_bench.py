@@ -11,7 +11,7 @@ drawn as per-layer stacks that the model's expert parameters are views of (the w
 Rows: ``decode`` = ``V41SlotDecoder.step`` (CUDA graph, inputs copied, synced) at each batch, the
 context's state prefilled once by the general path and loaded into every slot; beside it the floor
 = the bytes the step must read (every dense weight, the expected distinct routed experts of the
-batch, the lm_head, each slot's window, compressed rows and indexer keys as the pools hold them)
+batch, the lm_head, each slot's FP8 window, chosen FP4 rows and FP4 indexer keys as the pools hold them)
 at the copy bandwidth measured in the same run. ``parity`` = the slot step's logits against the
 general path's on the same states and tokens. ``prefill`` = one chunk of ``--prefill`` tokens on
 the general path, its FLOPs (projections, experts, attention, indexer) against the bf16 matmul
@@ -32,7 +32,7 @@ from bench.gpu_slice_bench import _sync_time, copy_bandwidth, matmul_rate, touch
 from engine.model.rope import Rotary
 from engine.model.v41.config import V41Config
 from engine.model.v41.model import DeepseekV41ForCausalLM
-from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, MXFP8_MAIN
+from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, MXFP8_MAIN
 from engine.model.v41.slot_decode import V41SlotDecoder
 
 SLICE = dict(num_hidden_layers=4, compress_ratios=(0, 2, 2, 2), kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3), candidate_source_layer_id=1)
@@ -90,15 +90,17 @@ def dense_bytes(model: DeepseekV41ForCausalLM) -> tuple[float, float]:
     return total - routed - embed.numel() * embed.element_size(), expert
 
 
-def state_bytes(cfg: V41Config, context: int, elem: int) -> float:
-    """Bytes of one slot's attended state at ``context`` tokens, as the pools hold it."""
-    total = cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * elem
+def state_bytes(cfg: V41Config, context: int) -> float:
+    """Bytes of one slot's state a step reads at ``context`` tokens, as the pools store it: every
+    layer's FP8 window ring, the top-k chosen FP4 rows of each compressed layer, all complete FP4
+    indexer keys at each index source."""
+    total = cfg.num_hidden_layers * cfg.sliding_window * FP8_WINDOW.row_bytes(cfg.head_dim)
     for i, r in enumerate(cfg.compress_ratios):
         if r:
-            src = cfg.kv_source_of(i)
-            total += context // cfg.compress_ratios[src] * cfg.head_dim * elem
+            rows = context // cfg.compress_ratios[cfg.kv_source_of(i)]
+            total += min(cfg.index_topk, rows) * FP4_MAIN.row_bytes(cfg.head_dim)
             if i in cfg.index_source_layer_ids:
-                total += context // cfg.compress_ratios[src] * cfg.index_head_dim * elem
+                total += rows * FP4_INDEX.row_bytes(cfg.index_head_dim)
     return total
 
 
@@ -156,7 +158,7 @@ def run(cfg: V41Config, device: str, batches: list[int], context: int, prefill: 
         for b in batches:
             toks = torch.randint(2, cfg.vocab_size, (b,), generator=gen).tolist()
             step = _sync_time(lambda b=b, toks=toks: dec.step(list(range(b)), toks), 2, iters)
-            floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context, 2)
+            floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context)
             out["rows"].append({"kind": "decode", "batch": b, "context": context, "step_ms": step * 1e3,
                                 "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "x_floor": step / (floor_bytes / bw)})  # fmt: skip
         # parity: the slot step against the general path on the same states and tokens

@@ -1,11 +1,9 @@
-"""The request path shared by Chat Completions, Responses and Anthropic Messages.
+"""Chat Completions, Responses and Anthropic Messages on the shared request skeleton.
 
-Steps, each failing with a ``GatewayError`` (rendered by the app's exception handler):
-authenticate (401) -> read the body with its size and time limits (413/408) -> parse JSON (400)
--> model known (404) -> a prompt that cannot fit the context whatever its tokens (400,
-``server/size_check.py``) -> rate limit (429) -> deepseek-recipe conversion (400) -> encode the prompt
+The skeleton (``server/request_flow.py``) validates, admits and delivers; this module is the
+recipe routes' render and shape steps: -> deepseek-recipe conversion (400) -> encode the prompt
 (both on the render pool for large bodies, ``server/render_pool.py``) -> resolve ``max_tokens``
-against the context (400) -> admission (503) -> engine.
+against the context (400) -> one engine run per choice -> the protocol's chunks, whole or streamed.
 
 Streaming answers wait for the first engine event before sending headers, so failures that happen
 before any token (no worker, engine refusal) still get their HTTP status; later failures become
@@ -15,7 +13,6 @@ an error event in the stream. The three protocols differ only in the ``RecipePro
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol
@@ -27,14 +24,13 @@ from starlette.responses import Response, StreamingResponse
 from server.chat_shape import ChatStreamShaper, echo_text, merge_answers
 from server.convert import build_generate_request
 from server.decode import matched_stop
-from server.errors import GatewayError, InvalidRequest, ModelNotFound, from_conversion_error
+from server.errors import GatewayError, InvalidRequest, from_conversion_error
 from server.extensions import parse_extras, truncated
-from server.fields import check_fields
-from server.generation import ClientDisconnected, Run, race_disconnect
+from server.generation import Run, race_disconnect
 from server.prompt_logprobs import with_chat_prompt_logprobs
 from server.reasoning_cap import cap_sampling, requested_cap
+from server.request_flow import admit, deliver
 from server.request_id import ids
-from server.size_check import check_prompt_size
 from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
 from server.structured import with_auto_tool_choice
@@ -62,32 +58,6 @@ class RecipeProtocol:
 
 
 # ---- shared request steps -------------------------------------------------------------------------
-def parse_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest(
-            "We could not parse the JSON body of your request. The request body must be valid JSON.",
-            code="invalid_json",
-        ) from None
-    except RecursionError:  # nesting deeper than the parser's stack
-        raise InvalidRequest("The JSON body of your request is nested too deeply.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    return body
-
-
-def check_model(gw: Gateway, body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if model is None:
-        raise InvalidRequest("You must provide a model parameter.", param="model", code="missing_required_parameter")
-    if not isinstance(model, str):
-        raise InvalidRequest("Invalid type for 'model': expected a string.", param="model", code="invalid_type")
-    if model not in gw.catalog.served:
-        raise ModelNotFound(f"The model `{model}` does not exist or you do not have access to it.", param="model")
-    return model
-
-
 def body_error(exc: ValueError) -> InvalidRequest:
     """deepseek-recipe raises ``ValueError('invalid request body: ...')`` for a mistyped body."""
     message = str(exc) or "Invalid request body."
@@ -133,20 +103,11 @@ class Answer:
 
 
 async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Callable[[dict[str, Any], str], Awaitable[AnswerHooks]] | None = None) -> Response:
-    """The shared path (module docstring); ``make_hooks(body, key)``: the endpoint's hooks."""
-    gw: Gateway = request.app.state.gateway
-    started = time.perf_counter()
-    route = gw.metrics.by_route[proto.route]
-    key = gw.authenticate(request)
-    raw = await gw.read_body(request)
-    body = parse_object(raw)
-    check_fields(body, proto.route)
-    model = check_model(gw, body)
-    catalog = gw.catalog
-    check_prompt_size(body, proto.route, catalog.context_len, catalog.max_token_bytes)
-    if gw.limiter.enabled:
-        gw.limiter.admit(key)
-    hooks = await make_hooks(body, key) if make_hooks is not None else None
+    """The recipe routes on the shared skeleton (``server.request_flow``); ``make_hooks(body, key)``:
+    the endpoint's hooks."""
+    req = await admit(request, proto.route)
+    gw, body, catalog = req.gw, req.body, req.gw.catalog
+    hooks = await make_hooks(body, req.key) if make_hooks is not None else None
     recipe_body = proto.prepare_body(hooks.body(body) if hooks is not None else body)
     extras = parse_extras(body, catalog.vocab_size, chat=proto.chat)
     cap = requested_cap(body, proto.route)
@@ -154,8 +115,8 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
         raise InvalidRequest(
             f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
         )
-    size = len(raw) + (hooks.added_bytes if hooks is not None else 0)
-    conv, make_generator, prompt = await gw.render.run(size, _convert, gw, proto, raw if recipe_body is body else recipe_body, recipe_body)
+    size = len(req.raw) + (hooks.added_bytes if hooks is not None else 0)
+    conv, make_generator, prompt = await gw.render.run(size, _convert, gw, proto, recipe_body)
     prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
     capped = cap_sampling(cap, conv, catalog.thinking_end_id)
     if capped:
@@ -174,10 +135,10 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
         if i and greq.sampling.seed is not None:  # choice i: its own seeded stream
             greq.sampling = replace(greq.sampling, seed=(greq.sampling.seed + i) % (1 << 63))
         greqs.append(greq)
-    gw.metrics.params_n.labels(model).observe(extras.n)
+    gw.metrics.params_n.labels(req.model).observe(extras.n)
     skip = catalog.special_ids if extras.skip_special_tokens else frozenset()
     runs: list[Run] = []
-    answer = Answer(rid, runs, proto, model, None, echo_text(body) if extras.echo else "", hooks=hooks)
+    answer = Answer(rid, runs, proto, req.model, None, echo_text(body) if extras.echo else "", hooks=hooks)
     stops = list(conv.parsing_options.stop_sequences) if extras.include_stop_str else []
     answer.stop_text = lambda i: (
         matched_stop(catalog, stops, runs[i].output_ids, runs[i].ids_before_stop) if stops and runs[i].stopped_by_string else ""
@@ -187,38 +148,24 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
             extras, answer.echo, lambda i: (runs[i].prompt_tokens, runs[i].completion_tokens),
             answer.stop_text if stops else None,
         )
-    response: Response | None = None
-    detached = False
-    try:
+
+    async def send() -> tuple[Response, bool]:
         for greq in greqs:
-            await gw.admission.acquire()
-            try:
-                processor = dr.StreamProcessor(make_generator(conv, rid, model), conv.parsing_options, catalog.tokenizer)
-            except BaseException:
-                gw.admission.release()
-                raise
-            gw.limiter.charge(key, len(prompt))
-            route.prompt.inc(len(prompt))
-            runs.append(Run(gw, route, key, greq, processor, started=started, skip_ids=skip, keep_ids=bool(stops)))
+            runs.append(await req.start_run(
+                greq, lambda: dr.StreamProcessor(make_generator(conv, rid, req.model), conv.parsing_options, catalog.tokenizer),
+                skip_ids=skip, keep_ids=bool(stops),
+            ))
         if hooks is not None:
             reply = await hooks.detach(answer)
             if reply is not None:
-                detached = True  # the background run owns the answer now
-                return reply
-        if conv.stream:
-            response = await _stream(request, answer)
-        else:
-            response = await _complete(request, answer)
-        return response
-    except ClientDisconnected:
-        gw.metrics.reject("client_disconnect")
-        return Response(status_code=499)
-    finally:
-        if not detached and not isinstance(response, SSEResponse):  # a stream closes its runs when it ends
-            answer.close()
+                return reply, True  # the background run owns the answer now
+        response = await (_stream(request, answer) if conv.stream else _complete(request, answer))
+        return response, isinstance(response, SSEResponse)  # a stream closes its runs when it ends
+
+    return await deliver(gw, send, answer.close)
 
 
-def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: bytes | dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
+def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
     """(converted request, chunk-generator factory, prompt token ids) of a protocol body."""
     catalog = gw.catalog
     try:
@@ -239,11 +186,11 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: bytes | dict[st
     return conv, make_generator, prompt
 
 
-def _convert(gw: Gateway, proto: RecipeProtocol, source: bytes | dict[str, Any], recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
-    """``convert_and_encode`` of ``source`` (the body, raw or rewritten), falling back to
+def _convert(gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
+    """``convert_and_encode`` of the (parsed, maybe rewritten) body, falling back to
     ``convert_forcing_tools`` (runs on the render pool for large bodies)."""
     try:
-        return convert_and_encode(gw, proto, source)
+        return convert_and_encode(gw, proto, recipe_body)
     except GatewayError as refused:
         return convert_forcing_tools(gw, proto, recipe_body, refused)
 

@@ -23,6 +23,7 @@ boundaries, and reports per-token strings for log probabilities.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -37,15 +38,14 @@ from server.convert import session_key
 from server.decode import decode_tokens, matched_stop, text_processor
 from server.structured import completion_constraint
 from server.extensions import Extras, bool_field, int_field, parse_extras, truncated
-from server.fields import check_fields
 from server.request_id import ids as request_ids
 from server.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
-from server.generation import ClientDisconnected, Run, race_disconnect
-from server.handler import SSEResponse, check_model, parse_object, stream_error
+from server.generation import Run, race_disconnect
+from server.handler import SSEResponse, stream_error
 from server.model import ModelCatalog
 from server.prompt_logprobs import legacy_echo, of_run
+from server.request_flow import admit, deliver
 from server.schemas import COMPLETIONS, ERROR_RESPONSES, json_body
-from server.size_check import check_prompt_size
 from server.sse import DONE
 from server.state import Gateway
 
@@ -294,19 +294,9 @@ def best_of(subs: list[Sub], n: int) -> list[Sub]:
 @router.post(ROUTE, openapi_extra=json_body(COMPLETIONS), responses=ERROR_RESPONSES)
 async def create_completion(request: Request) -> Response:
     """Text completion for one or more prompts; ``stream: true`` answers SSE ending with ``[DONE]``."""
-    gw: Gateway = request.app.state.gateway
-    started = time.perf_counter()
-    route = gw.metrics.by_route[ROUTE]
-    key = gw.authenticate(request)
-    raw = await gw.read_body(request)
-    body = parse_object(raw)
-    check_fields(body, ROUTE)
-    model = check_model(gw, body)
-    catalog = gw.catalog
-    check_prompt_size(body, ROUTE, catalog.context_len, catalog.max_token_bytes)
-    if gw.limiter.enabled:
-        gw.limiter.admit(key)
-    p = await gw.render.run(len(raw), parse_completion, body, catalog)  # tokenises text prompts
+    req = await admit(request, ROUTE)
+    gw, body, model, catalog = req.gw, req.body, req.model, req.gw.catalog
+    p = await gw.render.run(len(req.raw), parse_completion, body, catalog)  # tokenises text prompts
     constraint = completion_constraint(body, compact=gw.config.compact_json)
     rid, engine_rid = request_ids(request, "cmpl-")
     requests: list[tuple[int, GenerateRequest | None]] = []  # (prompt index, engine request)
@@ -325,34 +315,33 @@ async def create_completion(request: Request) -> Response:
             requests.append((k, greq))
 
     subs: list[Sub] = []
-    response: Response | None = None
     gw.metrics.params_n.labels(model).observe(p.n)
     skip = catalog.special_ids if p.extras.skip_special_tokens else frozenset()
-    try:
+
+    def processor(greq: GenerateRequest) -> Any:
+        proc = text_processor(catalog, p.stop, greq.request_id)
+        proc.push(dr.InferenceChunk.ready())
+        return proc
+
+    async def send() -> tuple[Response, bool]:
         for k, greq in requests:
             run = None
             if greq is not None:
-                await gw.admission.acquire()
-                gw.limiter.charge(key, len(greq.prompt_token_ids))
-                route.prompt.inc(len(greq.prompt_token_ids))
-                proc = text_processor(catalog, p.stop, greq.request_id)
-                proc.push(dr.InferenceChunk.ready())
-                run = Run(gw, route, key, greq, proc, started=started, skip_ids=skip, keep_ids=p.extras.include_stop_str)
+                run = await req.start_run(greq, functools.partial(processor, greq), skip_ids=skip, keep_ids=p.extras.include_stop_str)
             subs.append(Sub(Choice(len(subs), p.logprobs is not None), run, len(p.prompts[k][0]), k, score_only=p.max_tokens == 0))
         heads = [_echo(s, p, catalog) for s in subs if s.run is None]  # the others' come with their first event
         if p.stream:
             response = await _stream(request, gw, subs, heads, p, rid, model)
         else:
             response = await _complete(request, subs, p, rid, model, catalog)
-        return response
-    except ClientDisconnected:
-        gw.metrics.reject("client_disconnect")
-        return Response(status_code=499)
-    finally:
-        if not isinstance(response, SSEResponse):  # a stream closes its runs when it ends
-            for s in subs:
-                if s.run:
-                    s.run.close()
+        return response, isinstance(response, SSEResponse)  # a stream closes its runs when it ends
+
+    def close() -> None:
+        for s in subs:
+            if s.run:
+                s.run.close()
+
+    return await deliver(gw, send, close)
 
 
 def _scores_prompt(p: CompletionParams) -> bool:

@@ -18,7 +18,8 @@ from starlette.responses import Response
 from server.decode import decode_tokens
 from server.errors import InvalidRequest
 from server.fields import check_fields
-from server.handler import check_model, convert_and_encode, parse_object
+from server.handler import convert_and_encode
+from server.request_flow import check_model, parse_object
 from server.inputs import prepare_messages
 from server.routes.chat import CHAT
 from server.routes.messages import MESSAGES_PROTOCOL

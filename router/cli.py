@@ -8,6 +8,7 @@ import logging
 from deepserve import internal_auth
 from router.config import RouterConfig
 from router.policies.registry import policy_names
+from router.serving import SERVERS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -31,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--open-metrics", action="store_true", default=None, help="serve /metrics without the internal token")
     p.add_argument("--first-byte-timeout", dest="first_byte_timeout_s", type=float, help="seconds a worker may take to start answering (default 300)")
     p.add_argument("--event-timeout", dest="event_timeout_s", type=float, help="seconds a stream may go without an event before its worker counts as hung (default 60)")
+    p.add_argument("--server", choices=SERVERS, help="the service's HTTP server: http1 (ours, default) or aiohttp (the library)")
     p.add_argument("--log-level", default="INFO")
     internal_auth.add_flags(p)
     p.set_defaults(func=run)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.serving import SERVERS
 from router.transport import TRANSPORTS, Deadlines
 
 ENV_PREFIX = "DEEPSERVE_ROUTER_"
@@ -118,6 +119,8 @@ class RouterConfig:
     open_metrics: bool = False  # /metrics without the internal token
     register_check_address: bool = True  # POST /register only for the caller's own address
     read_timeout_s: float = 30.0  # a request's head and body must arrive within this
+    # The service's HTTP server (router.serving.SERVERS): "http1" (ours) or "aiohttp".
+    server: str = "http1"
     max_connections: int = 4096
 
     def __post_init__(self) -> None:
@@ -133,6 +136,8 @@ class RouterConfig:
             raise ValueError("timeouts must be > 0")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {self.transport!r}")
+        if self.server not in SERVERS:
+            raise ValueError(f"server must be one of {', '.join(SERVERS)}, not {self.server!r}")
 
     @property
     def deadlines(self) -> Deadlines:

@@ -1,4 +1,5 @@
-"""A small HTTP/1.1 server on ``asyncio.Protocol`` + ``httptools``: the router service's front.
+"""A small HTTP/1.1 server on ``asyncio.Protocol`` + ``httptools``: the router service's front
+(the ``http1`` implementation of ``router.serving``; ``router.aiohttp_server`` is the library one).
 
 Why not aiohttp.web: profiling ``deepserve router`` at concurrency 32 (py-spy,
 ``bench/router_bench.py``) put a third of its CPU in aiohttp's server machinery (request and
@@ -45,27 +46,13 @@ from http import HTTPStatus
 import httptools
 
 from deepserve.internal_auth import InternalAuth
+from router.serving import Handler, Response
 
 log = logging.getLogger(__name__)
 
 _MAX_PIPELINED = 16  # queued requests on one connection before reading pauses
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-class Response:
-    """A complete answer: status, body, content type, extra headers."""
-
-    __slots__ = ("status", "body", "content_type", "headers")
-
-    def __init__(self, body: bytes = b"", status: int = 200, content_type: bytes = b"application/json", headers: dict[str, str] | None = None) -> None:
-        self.status = status
-        self.body = body
-        self.content_type = content_type
-        self.headers = headers
-
-
-Handler = Callable[["Request"], Awaitable["Response | None"]]
 
 
 def _head(status: int, content_type: bytes, extra: dict[str, str] | None, keep_alive: bool) -> bytes:

@@ -7,9 +7,10 @@ a worker or a router: ``POST /internal/generate`` (NDJSON ``TokenEvent`` stream)
 ``POST /register {"url", "role"?}``, ``POST /deregister {"worker_id" | "url", "drain"?}``,
 ``POST /drain {"worker_id" | "url", "draining"?}``, ``GET /workers``.
 
-Served by ``router.http_server`` (``asyncio.Protocol`` + ``httptools``) rather than aiohttp.web:
-for a proxy whose handlers are a few lines, the framework was a third of the router's CPU per
-request (``bench/router_bench.py``). The worker's NDJSON lines are passed through as received
+Served through the ``router.serving`` seam (``RouterConfig.server``): by default
+``router.http_server`` (``asyncio.Protocol`` + ``httptools``) rather than aiohttp, because for a
+proxy whose handlers are a few lines the framework was a third of the router's CPU per request
+(``bench/router_bench.py``); ``--server aiohttp`` runs the same handlers on the library. The worker's NDJSON lines are passed through as received
 (``Router.stream``), not decoded into events and encoded again. The client's request body is
 parsed once (orjson) into the typed ``GenerateRequest`` (``parse_body``), and that request is
 what goes on to the worker, encoded with the router's fields (``dp_rank``, ``prefill_only``).
@@ -45,7 +46,7 @@ from deepserve.protocol import ErrorCode, GenerateRequest, OutputConstraint, Sam
 from deepserve.protocol.validate import check_fields
 from router.config import RouterConfig
 from router.errors import RegistrationRefused, RouterError
-from router.http_server import HttpServer, Request, Response
+from router.serving import Response, ServerRequest as Request, make_server
 from router.router import Router
 from router.worker_client import dumps, loads
 
@@ -191,8 +192,8 @@ class RouterService:
             (b"POST", "/drain"): self.drain,
             (b"GET", "/workers"): self.workers,
         }
-        self.server = HttpServer(
-            routes, error_response=_server_error, max_body=64 * 1024 * 1024, read_timeout_s=config.read_timeout_s,
+        self.server = make_server(
+            config.server, routes, error_response=_server_error, max_body=64 * 1024 * 1024, read_timeout_s=config.read_timeout_s,
             max_connections=config.max_connections, auth=self.auth, open_paths=frozenset({"/health", "/metrics"} if config.open_metrics else {"/health"}),
         )
 

@@ -25,3 +25,12 @@ def test_validation():
         PolicyConfig(temperature=-1)
     with pytest.raises(ValueError):
         RouterConfig(block_size=0)
+
+
+def test_server_switch(monkeypatch):
+    monkeypatch.delenv("DEEPSERVE_ROUTER_SERVER", raising=False)
+    assert RouterConfig().server == "http1"  # the default stays ours
+    assert RouterConfig.from_env({"DEEPSERVE_ROUTER_SERVER": "aiohttp"}).server == "aiohttp"
+    assert config_from_args(build_parser().parse_args(["router", "--server", "aiohttp"])).server == "aiohttp"
+    with pytest.raises(ValueError, match="server must be one of"):
+        RouterConfig(server="nope")

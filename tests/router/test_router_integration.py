@@ -14,6 +14,7 @@ from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, Overloaded
 from router.router import Router
 from router.service import RouterService
+from router.serving import SERVERS
 from router.worker_client import WorkerClient
 from tests.router.fake_worker import expected_tokens
 
@@ -301,12 +302,14 @@ def test_cache_aware_follows_kv_events(spawn, fmt):
     asyncio.run(main())
 
 
-def test_registry_health_and_self_registration_via_the_service(spawn):
+@pytest.mark.parametrize("server", SERVERS)
+def test_registry_health_and_self_registration_via_the_service(spawn, server):
+    """The router service over sockets, on each HTTP server of ``router.serving``."""
     a = spawn("--worker-id", "a", "--token-delay", "0.005")
     b = spawn("--worker-id", "b", "--dp", "2")
 
     async def main():
-        router = Router(config(worker=(a.url,)))
+        router = Router(config(worker=(a.url,), server=server))
         service = RouterService(router.config, router=router)
         await service.start("127.0.0.1", 0)
         base = f"http://127.0.0.1:{service.port}"

@@ -1,0 +1,185 @@
+"""The ``aiohttp`` server (``router.serving``): the router's handlers on aiohttp's low-level server.
+
+The library does the HTTP/1.1 (parsing, keep-alive, chunked bodies and answers, backpressure,
+cancelling a handler whose client went away: ``handler_cancellation``); this module adds what
+``router.serving`` asks of every server: the exact route table, the internal token, the body
+limit, the read deadline (measured from the head's arrival: aiohttp has no head deadline, its
+keep-alive timeout closes idle connections), the connection limit, and the service's error bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from aiohttp import web, web_server
+
+from deepserve.internal_auth import InternalAuth
+from router.serving import Response, Routes
+
+log = logging.getLogger(__name__)
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class _Refused(Exception):
+    """A request the server answers itself (``status``), closing its connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Writer:
+    """A chunked answer in progress: prepared on its first write (aiohttp finishes it when the
+    handler returns)."""
+
+    __slots__ = ("_raw", "resp")
+
+    def __init__(self, raw: web.BaseRequest, resp: web.StreamResponse) -> None:
+        self._raw, self.resp = raw, resp
+
+    async def write(self, data: bytes) -> None:
+        if not self.resp.prepared:
+            await self.resp.prepare(self._raw)
+        if data:
+            await self.resp.write(data)  # ConnectionResetError once the client went away
+
+    def end(self) -> None:
+        """Nothing to do: aiohttp writes the last chunk when the handler returns."""
+
+
+class _Request:
+    """``router.serving.ServerRequest`` over an aiohttp request whose body was read."""
+
+    __slots__ = ("_raw", "method", "path", "query", "body", "writer")
+
+    def __init__(self, raw: web.BaseRequest, method: bytes, path: str, query: str, body: bytes) -> None:
+        self._raw, self.method, self.path, self.query, self.body = raw, method, path, query, body
+        self.writer: _Writer | None = None
+
+    @property
+    def peer(self) -> str:
+        return self._raw.remote or ""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {k.lower(): v for k, v in self._raw.headers.items()}
+
+    def stream(self, status: int = 200, content_type: bytes = b"application/x-ndjson", headers: dict[str, str] | None = None) -> _Writer:
+        resp = web.StreamResponse(status=status, headers={"Content-Type": content_type.decode("latin-1"), **(headers or {})})
+        self.writer = _Writer(self._raw, resp)
+        return self.writer
+
+    def query_param(self, name: str, default: str = "") -> str:
+        for part in self.query.split("&"):
+            k, _, v = part.partition("=")
+            if k == name:
+                return v
+        return default
+
+
+def _answer(resp: Response, close: bool = False) -> web.Response:
+    out = web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type.decode("latin-1"), **(resp.headers or {})})
+    if close:
+        out.force_close()
+    return out
+
+
+class AiohttpServer:
+    """Serves ``routes`` on one listening socket through aiohttp (``router.serving`` has the contract)."""
+
+    def __init__(
+        self,
+        routes: Routes,
+        *,
+        error_response: Callable[[int, str], Response],
+        max_body: int = 64 * 1024 * 1024,
+        keepalive_s: float = 75.0,
+        read_timeout_s: float = 30.0,
+        max_connections: int = 4096,
+        auth: InternalAuth | None = None,
+        open_paths: frozenset[str] = frozenset(),
+    ) -> None:
+        self.routes = routes
+        self.paths = {p for _, p in routes}
+        self.error_response = error_response
+        self.max_body = max_body
+        self.keepalive_s = keepalive_s
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
+        self.auth = auth if auth is not None and auth.enabled else None
+        self.ssl = auth.server_ssl if auth is not None else None
+        self.open_paths = open_paths
+        self._http: web_server.Server | None = None
+        self._listener: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> None:
+        self._http = web_server.Server(
+            self._handle, handler_cancellation=True, keepalive_timeout=self.keepalive_s, access_log=None,
+            lingering_time=0,  # a refused body is not read on: the connection closes after the answer
+        )
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._http, host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.ssl,
+        )
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None, "not started"
+        return self._listener.sockets[0].getsockname()[1]
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop listening, let running handlers finish within ``grace_s``, then cancel them."""
+        if self._listener is not None:
+            self._listener.close()
+        if self._http is not None:
+            await self._http.shutdown(grace_s)
+        if self._listener is not None:
+            await self._listener.wait_closed()
+
+    async def _handle(self, raw: web.BaseRequest) -> web.StreamResponse:
+        path, _, query = raw.raw_path.partition("?")
+        method = raw.method.encode()
+        try:
+            if len(self._http.connections) > self.max_connections:
+                raise _Refused(503, f"over {self.max_connections} connections")
+            if raw.content_length is not None and raw.content_length > self.max_body:
+                raise _Refused(413, f"body over {self.max_body} bytes")
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    body = await self._body(raw)
+            except TimeoutError:
+                raise _Refused(408, f"request not received within {self.read_timeout_s:g}s") from None
+        except _Refused as exc:
+            return _answer(self.error_response(exc.status, str(exc)), close=True)
+        handler = self.routes.get((method, path))
+        if self.auth is not None and path not in self.open_paths and not self.auth.allows(raw.headers.get("Authorization")):
+            return _answer(self.error_response(401, "missing or wrong internal token"))
+        if handler is None:
+            return _answer(self.error_response(405 if path in self.paths else 404, f"no route {raw.method} {path}"))
+        req = _Request(raw, method, path, query, body)
+        try:
+            resp = await handler(req)
+        except Exception:
+            log.exception("handler for %s %s failed", raw.method, path)
+            if req.writer is not None and req.writer.resp.prepared:  # the head went out: cut the answer
+                raise
+            return _answer(self.error_response(500, "internal error"))
+        if resp is not None:
+            return _answer(resp)
+        if req.writer is None:  # a handler must answer
+            return _answer(self.error_response(500, "no answer"))
+        return req.writer.resp
+
+    async def _body(self, raw: web.BaseRequest) -> bytes:
+        """The whole body (``_Refused`` 413 past ``max_body``), after a ``100 Continue`` if asked."""
+        if raw.headers.get("Expect", "").lower() == "100-continue":
+            await raw.writer.write(_CONTINUE)
+        parts, size = [], 0
+        while chunk := await raw.content.readany():
+            size += len(chunk)
+            if size > self.max_body:
+                raise _Refused(413, f"body over {self.max_body} bytes")
+            parts.append(chunk)
+        return b"".join(parts)

@@ -1,0 +1,112 @@
+"""The router service's HTTP server seam: what a handler sees, what a server must do.
+
+Two implementations, picked by name (``RouterConfig.server``, ``SERVERS``), pass the same
+contract tests (``tests/router/test_server_contract.py``):
+
+- ``http1`` (``router/http_server.py``, the default): ``asyncio.Protocol`` + ``httptools``, for
+  the router's CPU per request (docs/PERFORMANCE.md, "Router");
+- ``aiohttp`` (``router/aiohttp_server.py``): aiohttp's low-level server under the same handlers.
+
+A handler gets a ``ServerRequest`` and returns a ``Response`` (one body with ``Content-Length``),
+or calls ``request.stream(...)``, writes chunks to the ``StreamWriter`` and returns ``None``.
+Either server routes an exact ``(method, path)`` table (404 unknown path, 405 other method),
+answers a body over ``max_body`` 413, a request not in within ``read_timeout_s`` 408, beyond
+``max_connections`` open connections 503, a missing internal token 401 (every path but
+``open_paths``), a handler's exception 500 (or a cut connection once streaming), and cancels a
+handler whose client went away. Its own refusals' bodies come from ``error_response``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from deepserve.internal_auth import InternalAuth
+
+
+class Response:
+    """A complete answer: status, body, content type, extra headers."""
+
+    __slots__ = ("status", "body", "content_type", "headers")
+
+    def __init__(self, body: bytes = b"", status: int = 200, content_type: bytes = b"application/json", headers: dict[str, str] | None = None) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = headers
+
+
+class StreamWriter(Protocol):
+    """A chunked answer in progress."""
+
+    async def write(self, data: bytes) -> None:
+        """Send one chunk; waits while the client reads slower than we write; ``ConnectionResetError``
+        once the client went away."""
+
+    def end(self) -> None:
+        """The answer is complete."""
+
+
+class ServerRequest(Protocol):
+    """One request as a handler sees it (``headers``: lower-case names; ``body``: all of it)."""
+
+    method: bytes
+    path: str
+    query: str
+    body: bytes
+
+    @property
+    def peer(self) -> str:
+        """The client's IP address ("" if unknown)."""
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+    def stream(self, status: int = 200, content_type: bytes = b"application/x-ndjson", headers: dict[str, str] | None = None) -> StreamWriter:
+        """Start a chunked answer; the handler then returns ``None``."""
+
+    def query_param(self, name: str, default: str = "") -> str: ...
+
+
+Handler = Callable[[ServerRequest], Awaitable["Response | None"]]
+Routes = dict[tuple[bytes, str], Handler]
+
+
+class Server(Protocol):
+    """Serves ``Routes`` on one listening socket (module docstring)."""
+
+    async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> None: ...
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop listening, give running handlers ``grace_s``, then cancel them."""
+
+    @property
+    def port(self) -> int: ...
+
+
+SERVERS = ("http1", "aiohttp")
+
+
+def make_server(
+    kind: str,
+    routes: Routes,
+    *,
+    error_response: Callable[[int, str], Response],
+    max_body: int,
+    read_timeout_s: float,
+    max_connections: int,
+    auth: InternalAuth | None,
+    open_paths: frozenset[str],
+) -> Server:
+    """The server ``kind`` (``SERVERS``) for ``routes``."""
+    kw = dict(error_response=error_response, max_body=max_body, read_timeout_s=read_timeout_s,
+              max_connections=max_connections, auth=auth, open_paths=open_paths)
+    if kind == "http1":
+        from router.http_server import HttpServer
+
+        return HttpServer(routes, **kw)
+    if kind == "aiohttp":
+        from router.aiohttp_server import AiohttpServer
+
+        return AiohttpServer(routes, **kw)
+    raise ValueError(f"unknown server {kind!r}: one of {', '.join(SERVERS)}")

@@ -37,6 +37,7 @@ import gc
 import ipaddress
 import logging
 import signal
+import sys
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -338,13 +339,12 @@ async def _check_own_address(url: str, peer: str) -> None:
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop when installed (faster sockets and callbacks), else asyncio's."""
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:
+    """uvloop's loop (faster sockets and callbacks); uvloop is a dependency everywhere but Windows."""
+    if sys.platform == "win32":
         return asyncio.new_event_loop()
+    import uvloop
+
+    return uvloop.new_event_loop()
 
 
 async def _serve(config: RouterConfig, auth: InternalAuth) -> None:

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,12 +263,12 @@ def run_worker(config: WorkerConfig) -> None:
     if not Path(config.model_dir).is_dir():
         raise SystemExit(f"model directory {config.model_dir} does not exist")
     config.auth.check_bind(config.host, "deepserve engine")
-    try:  # uvloop's loop when installed: cheaper socket writes per streamed token
+    if sys.platform == "win32":  # uvloop (cheaper socket writes per streamed token) is a dependency elsewhere
+        run = asyncio.run
+    else:
         import uvloop
 
         run = uvloop.run
-    except ImportError:
-        run = asyncio.run
     try:
         worker = Worker(config)
     except EngineError as exc:  # a backend that cannot start here, a bad checkpoint: say so, no traceback

@@ -11,8 +11,9 @@ Module map (a request's path top to bottom):
 - ``worker_client.py``: the HTTP client of one worker; its generate call goes over a
   ``transport.py`` ``Transport`` (deadlines, errors): ``http1.py`` (ours, the default) or
   ``aiohttp_transport.py`` (the library's); ``admission.py``: the bounded queue.
-- ``service.py`` / ``cli.py``: ``deepserve router``, served by ``http_server.py`` (a small
-  httptools HTTP/1.1 server); ``config.py``; ``metrics.py``; ``errors.py``.
+- ``service.py`` / ``cli.py``: ``deepserve router``, served through ``serving.py``'s ``Server``:
+  ``http_server.py`` (a small httptools HTTP/1.1 server, the default) or ``aiohttp_server.py``
+  (the library's); ``config.py``; ``metrics.py``; ``errors.py``.
 
 Names are imported lazily so that ``router.policies`` (used by the simulator) pulls in no
 network stack.

@@ -29,7 +29,7 @@ import torch
 
 from kvstore.config import KVStoreConfig
 from kvstore.errors import CorruptRecord
-from kvstore.events import EventBatch, KVEventLog, Subscriber
+from kvstore.events import KVEventLog, Subscriber
 from kvstore.eviction import make_policy
 from kvstore.metrics import KVStoreMetrics
 from kvstore.record import Record, RecordHeader, decode_record, encode_record
@@ -198,14 +198,6 @@ class TieredStore:
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback(seq, KVEvent)`` on every stored/removed event; returns an unsubscriber."""
         return self.events.subscribe(callback)
-
-    def events_since(self, seq: int) -> EventBatch:
-        """Events after ``seq``, for ``GET /kv_events?since=seq``."""
-        return self.events.since(seq)
-
-    def events_snapshot(self) -> EventBatch:
-        """The units held now as ``stored`` events, for ``GET /kv_events?snapshot=1``."""
-        return self.events.snapshot()
 
     def used_bytes(self) -> dict[str, int]:
         return {t.name: t.used_bytes() for t in self.tiers}

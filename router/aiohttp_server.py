@@ -72,13 +72,6 @@ class _Request:
         self.writer = _Writer(self._raw, resp)
         return self.writer
 
-    def query_param(self, name: str, default: str = "") -> str:
-        for part in self.query.split("&"):
-            k, _, v = part.partition("=")
-            if k == name:
-                return v
-        return default
-
 
 def _answer(resp: Response, close: bool = False) -> web.Response:
     out = web.Response(body=resp.body, status=resp.status, headers={"Content-Type": resp.content_type.decode("latin-1"), **(resp.headers or {})})

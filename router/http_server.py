@@ -133,13 +133,6 @@ class Request:
             conn.transport.write(_head(status, content_type, headers, self.keep_alive) + b"Transfer-Encoding: chunked\r\n\r\n")
         return StreamWriter(conn)
 
-    def query_param(self, name: str, default: str = "") -> str:
-        for part in self.query.split("&"):
-            k, _, v = part.partition("=")
-            if k == name:
-                return v
-        return default
-
 
 class _Connection(asyncio.Protocol):
     """One client connection: parses requests, runs their handlers one at a time, in order."""

@@ -65,8 +65,6 @@ class ServerRequest(Protocol):
     def stream(self, status: int = 200, content_type: bytes = b"application/x-ndjson", headers: dict[str, str] | None = None) -> StreamWriter:
         """Start a chunked answer; the handler then returns ``None``."""
 
-    def query_param(self, name: str, default: str = "") -> str: ...
-
 
 Handler = Callable[[ServerRequest], Awaitable["Response | None"]]
 Routes = dict[tuple[bytes, str], Handler]

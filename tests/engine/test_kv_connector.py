@@ -247,5 +247,5 @@ def test_saved_units_are_announced_for_the_connectors_rank(tiny) -> None:
     store = _store()
     conn = KVConnector(store, tiny, dp_rank=3)
     _fill(conn, tiny, _tokens(300, 4), 256)
-    events = store.events_since(0).events
+    events = store.events.since(0).events
     assert events and {e.dp_rank for e in events} == {3}

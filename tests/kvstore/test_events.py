@@ -57,13 +57,13 @@ def test_store_tags_puts_and_promotions_with_the_callers_rank(tmp_path: Path) ->
     store.put_many([("a" * 32, _header(0), make_tensors())], dp_rank=2)
     store.tiers[0].remove("a" * 32)  # only the SSD copy is left
     assert store.get_many(["a" * 32], dp_rank=5)[0] is not None  # promoted into memory for rank 5
-    assert _rows(store.events_since(0).events) == [
+    assert _rows(store.events.since(0).events) == [
         ("stored", "memory", 2, ["a" * 32]),
         ("stored", "ssd", 2, ["a" * 32]),
         ("removed", "memory", 2, ["a" * 32]),
         ("stored", "memory", 5, ["a" * 32]),
     ]
-    assert _rows(store.events_snapshot().events) == [("stored", "memory", 5, ["a" * 32]), ("stored", "ssd", 2, ["a" * 32])]
+    assert _rows(store.events.snapshot().events) == [("stored", "memory", 5, ["a" * 32]), ("stored", "ssd", 2, ["a" * 32])]
 
 
 def test_write_back_keeps_the_rank(tmp_path: Path) -> None:
@@ -71,4 +71,4 @@ def test_write_back_keeps_the_rank(tmp_path: Path) -> None:
     with build_store(cfg, registry=CollectorRegistry()) as store:
         store.put_many([("b" * 32, _header(0), make_tensors())], dp_rank=1)
         store.flush()
-        assert _rows(store.events_since(0).events) == [("stored", "memory", 1, ["b" * 32]), ("stored", "ssd", 1, ["b" * 32])]
+        assert _rows(store.events.since(0).events) == [("stored", "memory", 1, ["b" * 32]), ("stored", "ssd", 1, ["b" * 32])]

@@ -156,11 +156,11 @@ def test_events_ring_and_subscribers(tmp_path: Path, registry: CollectorRegistry
     store.put("a" * 32, header(0), make_tensors())
     store.remove("a" * 32)
     assert heard == [(1, "stored", "memory"), (2, "stored", "ssd"), (3, "removed", "memory"), (4, "removed", "ssd")]
-    batch = store.events_since(2)
+    batch = store.events.since(2)
     assert batch.seq == 4 and batch.complete and [e.kind for e in batch.events] == ["removed", "removed"]
     assert batch.events[0].keys == ["a" * 32] and batch.events[0].dp_rank == 2
-    assert not store.events_since(0).complete  # event 1 fell out of the 3-slot ring
-    assert store.events_since(4).events == []
+    assert not store.events.since(0).complete  # event 1 fell out of the 3-slot ring
+    assert store.events.since(4).events == []
     unsubscribe()
     store.put("b" * 32, header(0), make_tensors())
     assert len(heard) == 4
@@ -180,7 +180,7 @@ def test_put_many_batches(tmp_path: Path, registry: CollectorRegistry) -> None:
     store = three_tiers(tmp_path, registry)
     keys = [f"{i:032x}" for i in range(5)]
     assert store.put_many([(key, header(i), make_tensors(seed=i)) for i, key in enumerate(keys)]) == [True] * 5
-    events = store.events_since(0).events
+    events = store.events.since(0).events
     assert [(e.tier, len(e.keys)) for e in events] == [("memory", 5), ("host", 5), ("ssd", 5)]
 
 

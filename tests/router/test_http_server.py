@@ -10,12 +10,17 @@ import pytest
 from router.http_server import HttpServer, Request, Response
 
 
+def _param(req, name: str, default: str) -> str:
+    """The query parameter ``name`` of ``req`` (``default`` when absent)."""
+    return dict(p.partition("=")[::2] for p in req.query.split("&") if p).get(name, default)
+
+
 async def _echo(req: Request) -> Response:
     return Response(b"%s %s %s %d" % (req.method, req.path.encode(), req.query.encode(), len(req.body)), content_type=b"text/plain")
 
 
 async def _slow(req: Request) -> Response:
-    await asyncio.sleep(float(req.query_param("s", "0.05")))
+    await asyncio.sleep(float(_param(req, "s", "0.05")))
     return Response(req.body)
 
 
@@ -30,7 +35,7 @@ def _server(extra: dict | None = None, **kw) -> tuple[HttpServer, dict]:
         out = req.stream(200, b"application/x-ndjson")
         state["started"].set()
         try:
-            for i in range(int(req.query_param("n", "1000"))):
+            for i in range(int(_param(req, "n", "1000"))):
                 await out.write(b'{"i":%d}\n' % i)
                 await asyncio.sleep(0.005)
             out.end()

@@ -28,7 +28,7 @@ def _server(kind: str, state: dict, *, max_body: int = 1 << 20, read_timeout_s: 
         out = req.stream(200, b"application/x-ndjson", {"X-Kind": "lines"})
         state["started"].set()
         try:
-            for i in range(int(req.query_param("n", "1000"))):
+            for i in range(int(_param(req, "n", "1000"))):
                 await out.write(b'{"i":%d}\n' % i)
                 await asyncio.sleep(0.005)
             out.end()
@@ -48,6 +48,11 @@ def _server(kind: str, state: dict, *, max_body: int = 1 << 20, read_timeout_s: 
               (b"GET", "/silent"): silent, (b"GET", "/health"): echo}
     return make_server(kind, routes, error_response=_error, max_body=max_body, read_timeout_s=read_timeout_s,
                        max_connections=max_connections, auth=auth, open_paths=frozenset({"/health"}))
+
+
+def _param(req, name: str, default: str) -> str:
+    """The query parameter ``name`` of ``req`` (``default`` when absent)."""
+    return dict(p.partition("=")[::2] for p in req.query.split("&") if p).get(name, default)
 
 
 async def _read(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:

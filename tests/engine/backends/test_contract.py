@@ -96,7 +96,7 @@ def test_a_prefill_stores_its_units_and_a_repeat_reports_them_cached(make) -> No
     b.add_request(GenerateRequest("one", PROMPT, greedy(4)))
     first = drive(b)["one"]
     keys = chain_keys(PROMPT, 128, made.fingerprint)[:2]
-    batch = made.store.events_since(0)
+    batch = made.store.events.since(0)
     stored = {k for ev in batch.events if ev.kind == "stored" and ev.dp_rank == 0 for k in ev.keys}
     assert set(keys) <= stored  # the KV events the router polls name the prompt's units
     b.add_request(GenerateRequest("two", PROMPT, greedy(4)))

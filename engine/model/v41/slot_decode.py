@@ -108,10 +108,11 @@ class V41SlotDecoder:
     def __init__(
         self, model: DeepseekV41ForCausalLM, max_slots: int, max_tokens: int,
         use_graphs: bool | None = None, buckets: Sequence[int] = BUCKETS,
-        experts: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        experts: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, kernels: bool | None = None,
     ) -> None:  # fmt: skip
         """``experts``: per layer the ``(gate_up, down)`` stacks the model's expert parameters
-        already are views of (a builder that made them so); None: stacked here."""
+        already are views of (a builder that made them so); None: stacked here. ``kernels``: the
+        attention and indexer scores through the Triton kernels (None: where Triton runs)."""
         self.model, self.cfg = model, model.config
         self.device, self.dtype = model.device, model.dtype
         self.max_slots, self.max_tokens, self.scratch = max_slots, max_tokens, max_slots
@@ -133,10 +134,12 @@ class V41SlotDecoder:
                 self.sources[i] = SourcePool(r, _u8((s1, tc + 1, d // 2), dev), _u8((s1, tc + 1, d // 16), dev), *keys, *bufs)
             keep = cfg.engram_max_ngram_size - 1 if model.hasher is not None else 0
             self.history = torch.zeros(s1, keep, dtype=torch.long, device=dev)
+            h = model.hasher  # its tables on the device once (a graph cannot copy them in)
+            self._hash = None if h is None else tuple(t.to(dev) for t in (h.token_map, h.multipliers, h.primes, h.offsets))
             self._inputs = torch.zeros(3, self.buckets[-1], dtype=torch.long, device=dev)  # ids, positions, slots
         self._experts = list(experts) if experts is not None else self._stack_experts()
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
-        self.kernels = use_triton(self._inputs)  # attention and indexer scores over the codes in Triton
+        self.kernels = use_triton(self._inputs) if kernels is None else kernels  # attention and indexer scores over the codes in Triton
         self.num_tokens = [0] * max_slots
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -317,15 +320,15 @@ class V41SlotDecoder:
     def _engram_hashes(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``NgramHasher.hash_ids`` of one new token per row → ``(b, L, cols)``; advances each
         slot's history."""
-        hasher = self.model.hasher
-        seq = torch.cat([self.history[slots], hasher.token_map.to(ids.device)[ids, None]], dim=1)  # (b, N)
+        token_map, multipliers, primes, offsets = self._hash
+        seq = torch.cat([self.history[slots], token_map[ids, None]], dim=1)  # (b, N)
         self.history.index_copy_(0, slots, seq[:, 1:])
-        products = seq.flip(-1)[:, None, :] * hasher.multipliers.to(ids.device)  # (b, L, N): [t, t-1, ...]
+        products = seq.flip(-1)[:, None, :] * multipliers  # (b, L, N): [t, t-1, ...]
         rolling, cols = products[..., 0], []
-        for k in range(1, hasher.max_ngram):
+        for k in range(1, seq.shape[1]):
             rolling = torch.bitwise_xor(rolling, products[..., k])  # the (k+1)-gram's hash, (b, L)
-            cols.append(rolling[..., None] % hasher.primes[:, k - 1].to(ids.device))  # (b, L, heads)
-        return torch.cat(cols, dim=-1) + hasher.offsets.to(ids.device)
+            cols.append(rolling[..., None] % primes[:, k - 1])  # (b, L, heads)
+        return torch.cat(cols, dim=-1) + offsets
 
     def _attention(
         self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,

@@ -37,13 +37,20 @@ def _prefilled(model, prompts):
     return states
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_graphs_match_the_general_path_fp32(case: str) -> None:
+def test_graphs_match_the_general_path_fp32(case: str, kernels: bool) -> None:
+    """Teacher-forced steps of every prompt, chosen-token logprobs against the general path on the
+    same GPU. PyTorch ops (``kernels=False``): within 1e-4 at every step. Through the Triton
+    kernels, whose fp32 sums run in another order: a value on an FP8/FP4 rounding midpoint can land
+    on the other side (``test_v41_knife_edge``) and move later logprobs of that prompt, so the same
+    greedy picks where the reference's margin exceeds that bound, every step within 1e-2, most
+    within 1e-4."""
     ckpt, ref = fixture_case(case)
     model = load_v41_model(ckpt, dtype="float32", device="cuda")
     prompts = ref["prompts"]
     general = _prefilled(model, prompts)
-    dec = V41SlotDecoder(model, max_slots=4, max_tokens=max(len(p["prompt_ids"]) for p in prompts) + STEPS + 1)
+    dec = V41SlotDecoder(model, max_slots=4, max_tokens=max(len(p["prompt_ids"]) for p in prompts) + STEPS + 1, kernels=kernels)
     assert dec.use_graphs
     slots = [3, 1, 2][: len(prompts)]
     for s, st in zip(slots, general):
@@ -53,9 +60,14 @@ def test_graphs_match_the_general_path_fp32(case: str) -> None:
         feed = [p["greedy_tokens"][k] for p in prompts]
         want = torch.log_softmax(model([(st, [t]) for st, t in zip(general, feed)]).float(), -1)
         got = torch.log_softmax(dec.step(slots, feed).float(), -1)
-        diffs.append(float((got - want).abs().max()))
+        nxt = [p["greedy_tokens"][k + 1] for p in prompts]
+        diffs += [abs(float(got[j, t] - want[j, t])) for j, t in enumerate(nxt)]
+        for j, p in enumerate(prompts):
+            assert int(got[j].argmax()) == int(want[j].argmax()) or p["top2_margin"][k + 1] <= 2e-2, (case, k, j)
     near = sum(d <= BAR for d in diffs) / len(diffs)
-    assert max(diffs) <= 1e-2 and near >= 0.9, (case, diffs)
+    if not kernels:
+        assert max(diffs) <= BAR, (case, max(diffs))
+    assert max(diffs) <= 1e-2 and near >= 0.5, (case, max(diffs), near)
 
 
 @pytest.mark.parametrize("case", CASES)

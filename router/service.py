@@ -39,11 +39,11 @@ import logging
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlsplit
 
 from deepserve.internal_auth import InternalAuth
-from deepserve.protocol import ErrorCode, GenerateRequest, OutputConstraint, SamplingParams, error_body
+from deepserve.protocol import ErrorCode, GenerateRequest, OutputConstraint, Role, SamplingParams, error_body
 from deepserve.protocol.validate import check_fields
 from router.config import RouterConfig
 from router.errors import RegistrationRefused, RouterError
@@ -272,7 +272,7 @@ class RouterService:
             return _error(ErrorCode.INVALID_REQUEST, str(exc))
         if "url" not in body:
             return _error(ErrorCode.INVALID_REQUEST, "missing 'url'")
-        if body.get("role") not in (None, "prefill", "decode", "mixed"):
+        if body.get("role") not in (None, *get_args(Role)):
             return _error(ErrorCode.INVALID_REQUEST, f"role must be prefill, decode or mixed, not {body['role']!r}")
         if not str(body["url"]).startswith(self.auth.tls.scheme + "://"):  # the plane's TLS decides the scheme
             return _error(ErrorCode.INVALID_REQUEST, f"a worker's url is {self.auth.tls.scheme}://host:port on this plane")

@@ -84,13 +84,19 @@ class Admitted:
         return Run(gw, self.route, self.key, greq, processor, started=self.started, skip_ids=skip_ids, keep_ids=keep_ids)
 
 
-async def admit(request: Request, route: str) -> Admitted:
-    """The validation steps every generating route shares (module docstring)."""
+async def read_object(request: Request) -> tuple[Gateway, str, bytes, dict[str, Any]]:
+    """(gateway, caller's key, raw body, body parsed once): authenticated, within the body's
+    size and time limits, a JSON object. The first steps of every route that takes a body."""
     gw: Gateway = request.app.state.gateway
-    started = time.perf_counter()
     key = gw.authenticate(request)
     raw = await gw.read_body(request)
-    body = parse_object(raw)
+    return gw, key, raw, parse_object(raw)
+
+
+async def admit(request: Request, route: str) -> Admitted:
+    """The validation steps every generating route shares (module docstring)."""
+    started = time.perf_counter()
+    gw, key, raw, body = await read_object(request)
     check_fields(body, route)
     model = check_model(gw, body)
     check_prompt_size(body, route, gw.catalog.context_len, gw.catalog.max_token_bytes)

@@ -19,7 +19,7 @@ from server.decode import decode_tokens
 from server.errors import InvalidRequest
 from server.fields import check_fields
 from server.handler import convert_and_encode
-from server.request_flow import check_model, parse_object
+from server.request_flow import check_model, read_object
 from server.inputs import prepare_messages
 from server.routes.chat import CHAT
 from server.routes.messages import MESSAGES_PROTOCOL
@@ -35,10 +35,7 @@ def _json(obj: Any) -> Response:
 
 async def _body(request: Request, route: str | None, *, model_optional: bool = False) -> tuple[Gateway, dict[str, Any], int]:
     """(gateway, checked body, its size in bytes); ``route`` None: ``/tokenize``'s, by the body."""
-    gw: Gateway = request.app.state.gateway
-    gw.authenticate(request)
-    raw = await gw.read_body(request)
-    body = parse_object(raw)
+    gw, _, raw, body = await read_object(request)
     check_fields(body, route or ("/tokenize (chat)" if "messages" in body else "/tokenize"))
     if model_optional and body.get("model") is None:
         body["model"] = next(iter(gw.catalog.served))

@@ -327,6 +327,8 @@ def test_registry_health_and_self_registration_via_the_service(spawn, server):
                 resp.close()
                 await until(lambda: router.num_in_flight == 0)
                 await until_async(lambda: stats(a.url), lambda st: st.get("abort_calls", 0) >= 1)
+                async with s.post(base + "/register", json={"url": b.url, "role": "oracle"}) as resp:
+                    assert resp.status == 400  # a role that is none of deepserve.protocol.Role
                 async with s.post(base + "/register", json={"url": b.url}) as resp:
                     assert (await resp.json())["worker_id"] == "b"
                 async with s.get(base + "/workers") as resp:

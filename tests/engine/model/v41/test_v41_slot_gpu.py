@@ -87,3 +87,23 @@ def test_bf16_graphs_replay_the_eager_step(case: str) -> None:
         a = graphs.step(list(range(len(prompts))), feed).clone()
         b = eager.step(list(range(len(prompts))), feed)
         assert torch.equal(a, b), (case, k)
+
+
+def test_engine_on_cuda_decodes_through_the_slots() -> None:
+    """``build_engine`` on CUDA decodes V4.1 in ``V41SlotDecoder`` (graphs captured at warm-up)
+    with the general engine's greedy tokens and logprobs (fp32)."""
+    from deepserve.protocol import GenerateRequest
+    from engine.runtime.builder import build_engine
+    from engine.runtime.config import EngineConfig
+    from tests.engine.runtime.helpers import greedy, run
+
+    ckpt, ref = fixture_case("flash_shape")
+    reqs = [GenerateRequest(f"r{i}", p["prompt_ids"], greedy(12)) for i, p in enumerate(ref["prompts"])]
+    general = run(build_engine(ckpt, EngineConfig(static_decode=False), dtype="float32", device="cuda"), reqs)
+    engine = build_engine(ckpt, EngineConfig(static_max_tokens=256), dtype="float32", device="cuda")
+    assert isinstance(engine.static.decoder, V41SlotDecoder) and engine.static.decoder._graphs
+    slotted = run(engine, reqs)
+    assert engine.static.steps > 0
+    for r in reqs:
+        assert slotted[r.request_id].tokens == general[r.request_id].tokens, r.request_id
+        assert max(abs(a - b) for a, b in zip(slotted[r.request_id].logprobs, general[r.request_id].logprobs)) < 1e-3

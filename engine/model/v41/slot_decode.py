@@ -96,7 +96,8 @@ def _u8(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 class V41SlotDecoder:
-    """Slot pool + fixed-shape decode step of a ``DeepseekV41ForCausalLM`` (module docstring).
+    """Slot pool + fixed-shape decode step of a ``DeepseekV41ForCausalLM`` (module docstring); a
+    ``engine.model.slots.SlotDecoder[V41SequenceState]`` (no verify steps).
 
     ``max_slots`` sequences of up to ``max_tokens`` tokens each. ``use_graphs`` (default: on
     CUDA) captures one CUDA graph per bucket on its first use. ``step`` returns float32 logits
@@ -246,8 +247,8 @@ class V41SlotDecoder:
         """One decode token per listed slot → float32 logits ``(n, V)``; ``bucket`` forces the
         padded batch size (one of ``self.buckets``, at least ``n``)."""
         n = len(slots)
-        if n != len(token_ids) or n == 0 or len(set(slots)) != n:
-            raise ValueError("one token per slot, each slot once, at least one slot")
+        if n != len(token_ids) or (n == 0 and bucket is None) or len(set(slots)) != n:
+            raise ValueError("one token per slot, each slot once, at least one slot (or a bucket)")
         if any(self.num_tokens[s] >= self.max_tokens for s in slots):
             raise ValueError(f"a slot is full ({self.max_tokens} tokens)")
         if bucket is not None and (bucket not in self.buckets or bucket < n):
@@ -273,7 +274,10 @@ class V41SlotDecoder:
 
     @torch.inference_mode()  # the slot buffers are inference tensors
     def capture_graphs(self) -> None:
-        """Capture every bucket's step graph now (else each on its first step)."""
+        """Capture every bucket's step graph now (else each on its first step); without graphs
+        a no-op."""
+        if not self.use_graphs:
+            return
         for b in self.buckets:
             if b not in self._graphs:
                 self._capture(b)

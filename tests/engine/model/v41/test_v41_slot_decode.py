@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepserve.protocol import GenerateRequest
+from engine.model.slots import SlotDecoder
 from engine.model.v41.loader import load_v41_model
 from engine.model.v41.slot_decode import V41SlotDecoder
 from engine.runtime.builder import build_engine, build_sampler, family_engine_config
@@ -89,6 +90,8 @@ def test_load_refuses_states_the_slots_cannot_hold() -> None:
     with pytest.raises(ValueError, match="each slot once"):
         dec.step([0, 0], [5, 6])
     assert dec.nbytes() > 0
+    assert isinstance(dec, SlotDecoder)  # the runtime's slot decode interface
+    dec.capture_graphs()  # no graphs on CPU: a no-op
 
 
 def test_engine_decodes_v41_through_the_slots() -> None:

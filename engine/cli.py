@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+LOAD_FORMAT_HELP = ("auto: read the checkpoint's weights; dummy (vLLM's spelling): random weights in the released V4-Flash "
+                    "layout drawn on --device from config.json alone (`deepserve make-random-checkpoint --config-only`), no files read")
+
 
 def _make_tiny(args: argparse.Namespace) -> int:
     from engine.model.tiny import make_tiny_model
@@ -38,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
             logprobs=args.top_logprobs is not None,
             top_logprobs=args.top_logprobs or 0,
         )
-        rows = generate(args.model, prompts, sampling, dtype=args.dtype, device=args.device)
+        rows = generate(args.model, prompts, sampling, dtype=args.dtype, device=args.device, load_format=args.load_format)
         if args.output:
             with open(args.output, "w") as f:
                 write_results(rows, f)
@@ -55,6 +58,9 @@ def _engine(args: argparse.Namespace) -> int:
     from engine.runtime.config import EngineConfig, SpeculativeConfig
     from engine.worker.server import WorkerConfig, run_worker
 
+    if args.load_format == "dummy" and args.ep > 1:
+        print("error: --load-format dummy is not supported with --ep (each rank would draw its own weights)", file=sys.stderr)
+        return 2
     if args.tensor_parallel_size != 1:
         print(f"error: --tensor-parallel-size {args.tensor_parallel_size} is not supported (tensor parallel size 1; "
               "GPUs are spanned by --dp and expert parallelism)", file=sys.stderr)
@@ -81,6 +87,7 @@ def _engine(args: argparse.Namespace) -> int:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         weights=args.weights,
         bounded_replay_tokens=args.bounded_replay_tokens,
+        load_format=args.load_format,
     )
     run_worker(
         WorkerConfig(
@@ -132,6 +139,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help=LOAD_FORMAT_HELP)
     g.add_argument("--output")
     g.set_defaults(func=_generate)
 
@@ -169,6 +177,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--static-decode", default="auto", choices=["auto", "on", "off"],
                    help="decode through slot pools: CUDA graphs on GPU, host slots on CPU (auto: on, general path if the pools cannot be built)")  # fmt: skip
     e.add_argument("--static-max-tokens", type=int, default=8192, help="tokens per static decode slot")
+    e.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help=LOAD_FORMAT_HELP)
     e.add_argument("--weights", default="auto", choices=["auto", "native", "dequantized"],
                    help="the checkpoint's FP8 linears / FP4 experts kept as stored (native: FP8/FP4 kernels) or dequantized "
                    "to --dtype (auto: native on CUDA when the checkpoint stores them)")  # fmt: skip

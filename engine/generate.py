@@ -57,9 +57,12 @@ def generate(
     sampling: SamplingParams,
     dtype: str = "auto",
     device: str = "cpu",
+    load_format: str = "auto",
 ) -> Iterator[dict[str, Any]]:
-    """Run all prompts through one engine (batched), yielding one result dict per prompt, in order."""
-    engine = build_engine(model_dir, EngineConfig(max_num_seqs=max(1, min(64, len(prompts))), max_num_batched_tokens=8192), dtype=dtype, device=device)
+    """Run all prompts through one engine (batched), yielding one result dict per prompt, in order
+    (``load_format`` as ``EngineConfig.load_format``)."""
+    cfg = EngineConfig(max_num_seqs=max(1, min(64, len(prompts))), max_num_batched_tokens=8192, load_format=load_format)  # type: ignore[arg-type]
+    engine = build_engine(model_dir, cfg, dtype=dtype, device=device)
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     for i, (_, ids) in enumerate(prompts):

@@ -4,8 +4,9 @@ Gateway flags with a vLLM spelling live in ``server.config.add_gateway_flags`` (
 ``--max-model-len``, ``--api-key``, ``--uvicorn-log-level``, ``--root-path``, ``--ssl-*``,
 ``--allowed-origins``). This module adds the rest:
 - engine flags ``deepserve up`` passes to every worker: ``--max-num-seqs``,
-  ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--speculative-config``, ``--enable-prefix-caching`` /
-  ``--no-enable-prefix-caching`` (the KV cache store on or off);
+  ``--max-num-batched-tokens``, ``--gpu-memory-utilization``, ``--speculative-config``, ``--load-format``,
+  ``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (the KV cache store on or off), and
+  deepserve's ``--bounded-replay-tokens``;
 - parser flags accepted with a note (tool-call and reasoning parsing are built in, from
   deepseek-recipe): ``--tool-call-parser``, ``--reasoning-parser``, ``--enable-auto-tool-choice``;
 - ``--tensor-parallel-size`` / ``-tp``: 1 only (a worker spans GPUs by expert parallelism,
@@ -19,7 +20,7 @@ import logging
 
 log = logging.getLogger(__name__)
 
-_ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "speculative_config")
+_ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "speculative_config", "load_format", "bounded_replay_tokens")
 
 
 def add_vllm_flags(p: argparse.ArgumentParser, *, engine: bool) -> None:
@@ -33,6 +34,8 @@ def add_vllm_flags(p: argparse.ArgumentParser, *, engine: bool) -> None:
         p.add_argument("--max-num-batched-tokens", type=int, help="passed to every engine worker")
         p.add_argument("--gpu-memory-utilization", type=float, help="passed to every engine worker")
         p.add_argument("--speculative-config", metavar="JSON", help='passed to every engine worker, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
+        p.add_argument("--load-format", choices=["auto", "dummy"], help="passed to every engine worker (dummy: random weights, no files read)")
+        p.add_argument("--bounded-replay-tokens", type=int, metavar="N", help="passed to every engine worker (DeepSeek-V4.1 bounded replay)")
         p.add_argument(
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
             help="the workers' KV cache store (--no-enable-prefix-caching: --kv-cache off)",

@@ -6,6 +6,11 @@ bf16 / fp16 as stored, FP8 e4m3 with block scales (``*.scale`` or ``*.weight_sca
 block size read off the scale grid, 128×128 in practice) and FP4 e2m1 experts (two values per
 int8 byte, low nibble first, one scale per 32 inputs) dequantized on load. Every problem raises
 one ``CheckpointError`` naming the file and the tensor.
+
+``load_format="dummy"`` (vLLM's spelling) reads no weight files: the tensors of the released
+V4-Flash layout for the directory's ``config.json`` are drawn on the target device by
+``engine.model.random_checkpoint.random_tensors`` (what ``make-random-checkpoint`` writes, value
+for value at the same seed and device) and loaded through the same path as a file's.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import json
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -99,7 +106,8 @@ def _scale_name(weight_name: str, keys: set[str]) -> str | None:
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     u8 = packed.contiguous().view(torch.uint8)
     low, high = (u8 & 0xF).long(), (u8 >> 4).long()
-    return torch.stack([_FP4_LUT[low], _FP4_LUT[high]], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    lut = _FP4_LUT.to(u8.device)
+    return torch.stack([lut[low], lut[high]], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -152,6 +160,57 @@ def shard_key_files(files: list[Path]) -> dict[str, Path]:
     return key_file
 
 
+Shard = tuple[Path, list[str], Callable[[str], torch.Tensor]]  # (where, its keys, key -> tensor)
+
+
+class FileTensors:
+    """A checkpoint's tensors read from its safetensors shards."""
+
+    def __init__(self, model_dir: Path, progress: bool) -> None:
+        self.files = _shard_files(model_dir)
+        self.key_file = shard_key_files(self.files)
+        self.keys = set(self.key_file)
+        self.progress = progress
+
+    def shards(self) -> Iterator[Shard]:
+        bar = tqdm(self.files, desc="loading shards", unit="shard", disable=not self.progress, file=sys.stderr)
+        for file in bar:
+            with safe_open(str(file), framework="pt") as f:
+                yield file, list(f.keys()), f.get_tensor
+
+    def get(self, key: str) -> torch.Tensor:
+        """Any shard's tensor (a weight's scale may sit in another shard)."""
+        with safe_open(str(self.key_file[key]), framework="pt") as g:
+            return g.get_tensor(key)
+
+
+class DummyTensors:
+    """The released layout's random tensors for ``model_dir``'s ``config.json``, drawn on
+    ``device`` one shard at a time (``load_format="dummy"``; no weight file is read)."""
+
+    def __init__(self, model_dir: Path, device: str | torch.device, seed: int = 0) -> None:
+        from engine.model.random_checkpoint import shard_specs
+
+        self.model_dir, self.device, self.seed = model_dir, device, seed
+        self.cfg = json.loads((model_dir / "config.json").read_text())
+        self.mtp = int(self.cfg.get("num_nextn_predict_layers", 0)) > 0
+        try:
+            self.keys = {s.name for shard in shard_specs(self.cfg, self.mtp) for s in shard}
+        except (KeyError, IndexError, TypeError) as exc:
+            raise CheckpointError(f"{model_dir}/config.json: not a DeepSeek-V4 release-layout config for --load-format dummy ({exc!r} missing)") from exc
+        self._shard: dict[str, torch.Tensor] = {}
+
+    def shards(self) -> Iterator[Shard]:
+        from engine.model.random_checkpoint import random_tensors
+
+        for i, self._shard in enumerate(random_tensors(self.cfg, self.mtp, self.seed, self.device)):
+            yield self.model_dir / f"<dummy shard {i}>", list(self._shard), self._shard.__getitem__
+        self._shard = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._shard[key]  # the random layout keeps each scale beside its weight
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -160,6 +219,7 @@ def load_model(
     fp8: Fp8GemmConfig | None = None,
     fp4_experts: bool = False,
     tuning: ModelTuning = TUNING,
+    load_format: Literal["auto", "dummy"] = "auto",
 ) -> DeepseekV4ForCausalLM:
     """Build the model from ``model_dir`` with weights loaded, on ``device`` in ``dtype``, its
     kernels set by ``tuning``.
@@ -167,7 +227,8 @@ def load_model(
     ``fp8``: keep every FP8 block-scaled linear weight as FP8 (``engine.model.fp8.Fp8Linear``, this
     GEMM tiling); None dequantises them to ``dtype`` (the parity path). ``fp4_experts``: keep FP4
     routed experts with e8m0 scales packed as stored (``Experts.fp4``, run by ``kernels.moe_fp4``;
-    the general forward only, not the slot decoders) instead of dequantising them."""
+    the general forward only, not the slot decoders) instead of dequantising them.
+    ``load_format``: ``auto`` reads the safetensors, ``dummy`` draws random weights (module docstring)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -175,7 +236,9 @@ def load_model(
     if dtype == "auto":
         dtype = cfg.torch_dtype if cfg.torch_dtype in DTYPES else "bfloat16"
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    files = _shard_files(model_dir)
+    if load_format not in ("auto", "dummy"):
+        raise CheckpointError(f"unknown load format {load_format!r} (auto or dummy)")
+    source = DummyTensors(model_dir, device) if load_format == "dummy" else FileTensors(model_dir, progress)
     with torch.device(device):
         model = DeepseekV4ForCausalLM(cfg, torch_dtype, tuning)
     params = dict(model.named_parameters())
@@ -190,13 +253,9 @@ def load_model(
         copy_checked(params[name], tensor, file, name)
         loaded.add(name)
 
-    key_file = shard_key_files(files)
-    all_keys = set(key_file)
+    all_keys = source.keys
     scale_keys = {k for k in all_keys if k.endswith(_SCALE_SUFFIXES) and _is_scale_of_some(k, all_keys)}
-
-    def scale_of(key: str) -> torch.Tensor:  # a weight's scale may sit in another shard
-        with safe_open(str(key_file[key]), framework="pt") as g:
-            return g.get_tensor(key)
+    scale_of = source.get
 
     def stack_experts(prefix: str, per_expert: dict[int, dict[str, torch.Tensor]], where: Path) -> None:
         n = cfg.n_routed_experts
@@ -205,38 +264,36 @@ def load_model(
         del gate_up
         assign(f"{prefix}.down_proj", torch.stack([per_expert[e]["w2"] for e in range(n)]), where)
 
-    bar = tqdm(files, desc="loading shards", unit="shard", disable=not progress, file=sys.stderr)
-    for file in bar:
-        with safe_open(str(file), framework="pt") as f:
-            for key in sorted(set(f.keys()) - scale_keys):
-                tensor = f.get_tensor(key)
-                scale_key = _scale_name(key, all_keys)
-                name = to_hf_name(key)
-                if fp8 is not None and scale_key is not None and tensor.dtype == torch.float8_e4m3fn:
-                    if replace_linear(model, name, tensor, scale_of(scale_key), fp8):
-                        loaded.add(name)
-                        continue
-                m = _EXPERT_RE.match(name)
-                if fp4_experts and m and scale_key is not None and tensor.dtype == torch.int8:
-                    scale = scale_of(scale_key)
-                    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):  # e8m0 exponents: the kernel's format
-                        packed[m.group(1)][int(m.group(2))][m.group(3)] = (tensor, scale.view(torch.float8_e8m0fnu))
-                        continue
-                if scale_key is not None and tensor.dtype.itemsize == 1:
-                    tensor = dequantize(tensor, scale_of(scale_key)).to(torch_dtype)  # held in the model's dtype, not fp32
-                if key.startswith(("mtp.", "model.mtp.")):
-                    model.mtp[key] = tensor
+    for file, keys, get in source.shards():
+        for key in sorted(set(keys) - scale_keys):
+            tensor = get(key)
+            scale_key = _scale_name(key, all_keys)
+            name = to_hf_name(key)
+            if fp8 is not None and scale_key is not None and tensor.dtype == torch.float8_e4m3fn:
+                if replace_linear(model, name, tensor, scale_of(scale_key), fp8):
+                    loaded.add(name)
                     continue
-                if m:
-                    per_expert = experts[m.group(1)]
-                    per_expert[int(m.group(2))][m.group(3)] = tensor
-                    if _experts_complete(per_expert, cfg.n_routed_experts):  # one layer's stack in memory at a time
-                        stack_experts(m.group(1), experts.pop(m.group(1)), model_dir)
+            m = _EXPERT_RE.match(name)
+            if fp4_experts and m and scale_key is not None and tensor.dtype == torch.int8:
+                scale = scale_of(scale_key)
+                if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):  # e8m0 exponents: the kernel's format
+                    packed[m.group(1)][int(m.group(2))][m.group(3)] = (tensor, scale.view(torch.float8_e8m0fnu))
                     continue
-                try:
-                    assign(name, tensor, file)
-                except RuntimeError as exc:
-                    raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
+            if scale_key is not None and tensor.dtype.itemsize == 1:
+                tensor = dequantize(tensor, scale_of(scale_key)).to(torch_dtype)  # held in the model's dtype, not fp32
+            if key.startswith(("mtp.", "model.mtp.")):
+                model.mtp[key] = tensor
+                continue
+            if m:
+                per_expert = experts[m.group(1)]
+                per_expert[int(m.group(2))][m.group(3)] = tensor
+                if _experts_complete(per_expert, cfg.n_routed_experts):  # one layer's stack in memory at a time
+                    stack_experts(m.group(1), experts.pop(m.group(1)), model_dir)
+                continue
+            try:
+                assign(name, tensor, file)
+            except RuntimeError as exc:
+                raise CheckpointError(f"{file}: tensor {name!r}: {exc}") from exc
     if experts:
         prefix = next(iter(experts))
         raise CheckpointError(f"{model_dir}: experts of {prefix!r} incomplete (need w1/w2/w3 for {cfg.n_routed_experts} experts)")

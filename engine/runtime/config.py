@@ -61,6 +61,8 @@ class EngineConfig:
     resumed from block records without a snapshot replays its decoder (ratio-1) layers over only
     its last this many tokens (at least the window; approximate, ``engine/kv_units_v41.py``);
     0 = the exact full replay.
+    ``load_format``: vLLM's: ``auto`` reads the checkpoint's weights, ``dummy`` draws random ones
+    in the released V4-Flash layout on the device, from ``config.json`` alone (``engine.model.loader``).
     """
 
     max_num_batched_tokens: int = 2048
@@ -79,6 +81,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     weights: Literal["auto", "native", "dequantized"] = "auto"
     bounded_replay_tokens: int = 0
+    load_format: Literal["auto", "dummy"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.bounded_replay_tokens < 0:
             raise ValueError("bounded_replay_tokens must be >= 0 (0 = exact replay)")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, not {self.load_format!r}")
         if self.weights not in ("auto", "native", "dequantized"):
             raise ValueError(f"weights must be auto, native or dequantized, not {self.weights!r}")
 

@@ -40,6 +40,17 @@ def test_up_passes_engine_flags_to_workers():
     assert engine_args(build_parser().parse_args(["up", "--speculative-config", spec])) == ["--speculative-config", spec]
 
 
+def test_up_worker_argv_carries_load_format_and_bounded_replay(tmp_path):
+    from server.up import UpOptions, WorkerSet
+
+    args = build_parser().parse_args(["up", "--load-format", "dummy", "--bounded-replay-tokens", "256"])
+    forwarded = engine_args(args)
+    assert forwarded == ["--load-format", "dummy", "--bounded-replay-tokens", "256"]
+    cmd = WorkerSet(UpOptions(tmp_path, model_dir=tmp_path, engine_args=tuple(forwarded)), tmp_path).command("mixed", 1234)
+    assert cmd[cmd.index("--load-format") + 1] == "dummy" and cmd[cmd.index("--bounded-replay-tokens") + 1] == "256"
+    assert engine_args(build_parser().parse_args(["up"])) == []
+
+
 def test_tensor_parallel_refused():
     with pytest.raises(SystemExit, match="tensor-parallel-size 2"):
         check_vllm_flags(build_parser().parse_args(["up", "-tp", "2"]))

@@ -34,7 +34,7 @@ def build_reference(ctx: BackendContext, registry: CollectorRegistry | None) -> 
     if ctx.device == "cpu":
         configure_cpu_threads()
         configure_cpu_allocator()
-    model = load_any_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, weights=ctx.engine.weights)
+    model = load_any_model(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, weights=ctx.engine.weights, load_format=ctx.engine.load_format)
     families = EngineMetricFamilies(registry)
     engine_cfg = replace(family_engine_config(model, ctx.engine), role=ctx.role)
     store = None

@@ -26,6 +26,7 @@ from deepserve.internal_tls import InternalTLS
 from router.config import RouterConfig
 from router.router import Router
 from router.service import RouterService
+from router.serving import SERVERS
 from router.worker_client import WorkerClient
 from server.app import create_app
 from server.config import GatewayConfig
@@ -138,6 +139,35 @@ def test_gateway_router_worker_over_mtls(pki: dict[str, InternalTLS], spawn: Any
             oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
             out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
             assert 1 <= out.usage.completion_tokens <= 4
+    finally:
+        asyncio.run_coroutine_threadsafe(service.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_router_service_requires_client_certificates_on_each_server(pki: dict[str, InternalTLS], spawn: Any, server: str) -> None:
+    """Both HTTP servers of ``router.serving`` serve the plane's mTLS: a caller without the
+    plane's certificate gets no HTTP answer, and a generate call goes through with one."""
+    tls = pki["plane"]
+    auth = InternalAuth(TOKEN, tls)
+    worker = spawn("--worker-id", "w", "--require-token", TOKEN, "--tls", tls.ca, tls.cert, tls.key)
+    cfg = RouterConfig(worker=(worker.url,), load_interval_s=0.1, health_interval_s=0.2, server=server)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    service = RouterService(cfg, router=Router(cfg, auth=auth), auth=auth)
+    asyncio.run_coroutine_threadsafe(service.start("127.0.0.1", 0), loop).result(30)
+    try:
+        _check_mtls(service.port, pki)
+
+        async def generate() -> None:
+            client = WorkerClient(f"https://127.0.0.1:{service.port}", auth=auth)
+            q = request(2, max_tokens=5)
+            assert [t async for ev in client.generate(q) for t in ev.token_ids] == expected(q)
+            await client.close()
+
+        asyncio.run(generate())
     finally:
         asyncio.run_coroutine_threadsafe(service.stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)

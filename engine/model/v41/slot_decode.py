@@ -31,7 +31,7 @@ fixed ``k``; attention is one masked softmax with the sinks over [the window, th
 What the general path's ``Shared`` hands from layer to layer (the group's picks and candidate
 blocks) is reset at every KV source, as there. Where Triton runs (CUDA) the indexer scores and
 the attention are ``kernels.v41_indexer`` / ``kernels.v41_attention`` over the codes, dequantised
-in registers (fp32 accumulation); elsewhere the codes are unpacked and the step runs the general
+in registers (fp32 accumulation), and each mHC site's gates ``kernels.mhc.hc_mix``; elsewhere the codes are unpacked and the step runs the general
 path's PyTorch ops on the same values.
 
 Routed experts: on CUDA in bf16 ``kernels.moe.moe_experts`` (grouped, no host sync; the routing
@@ -61,6 +61,7 @@ from engine.model.v41.quant import fp4_indexer
 from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, encode_rows
 from engine.model.v41.state import SourceState, V41SequenceState
 from kernels._common import use_triton
+from kernels.mhc import hc_mix
 from kernels.moe import has_grouped_mm, moe_experts
 from kernels.reference import apply_rope_eager as apply_rope
 from kernels.v41_attention import v41_decode_attention
@@ -313,13 +314,22 @@ class V41SlotDecoder:
         for i, layer in enumerate(model.model.layers):
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, layer.engram.slot])
-            attn_pre, post, comb = layer.hc_attn.gates(streams)
+            attn_pre, post, comb = self._gates(layer.hc_attn, streams)
             x = layer.attn_norm(collapse(pre, streams))  # (b, H)
             streams = expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb)
-            ffn_pre, post, comb = layer.hc_ffn.gates(streams)
+            ffn_pre, post, comb = self._gates(layer.hc_ffn, streams)
             x = layer.ffn_norm(collapse(attn_pre, streams))
             streams, pre = expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
         return model.head.logits(model.model.norm(collapse(pre, streams)))  # (b, V)
+
+    def _gates(self, site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``HyperSite.gates``; with the kernels, the gates and Sinkhorn in one Triton kernel
+        (``kernels.mhc.hc_mix``, the same math as ``mix_gates``) instead of ~100 small ops."""
+        if not self.kernels:
+            return site.gates(streams)
+        flat = streams.flatten(1).float()  # (b, hc·H), normalised as one vector per token
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + site.norm_eps)
+        return hc_mix(F.linear(flat, site.fn), site.scale, site.base, site.hc, site.iters, site.hc_eps)
 
     def _engram_hashes(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``NgramHasher.hash_ids`` of one new token per row → ``(b, L, cols)``; advances each

@@ -4,7 +4,7 @@ The general decode path (``decode.py``) keeps each sequence's state in its own t
 layer of every step stacks B windows, B buffers and B row lists and splits them again — per-sequence
 work that grows with the batch (engine throughput with the slots: 1.18x at 32 sequences of 256
 tokens, 1.1x at 1K, none at 8 or fewer; ``bench.engine_bench --general-path``). Here the state lives
-in ``StaticDecoder``'s pools (same layout, ``load``/``export``/``free`` inherited), and a step is
+in a ``slots.SlotPool`` (the layout ``StaticDecoder`` steps too; ``load``/``export``/``free``), and a step is
 batched tensor ops with no per-sequence loop:
 
 - the new key goes into the window ring at ``p % W``; the window is one gather of ring entries
@@ -41,7 +41,8 @@ from engine.model.attention import Attention, Compressor, Indexer, Projected
 from engine.model.decode import pad_bias, pick_rows, pool_windows
 from engine.model.fp8 import keeps_native_weights
 from engine.model.rope import Rotary
-from engine.model.static_decode import CompPool, LayerPool, StaticDecoder
+from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
+from engine.model.state import SequenceState
 
 
 @dataclass
@@ -71,47 +72,73 @@ class _Step:
     window_bias: torch.Tensor | None = None  # (n, W) -inf before position 0, None when nothing is hidden
 
 
-class HostDecoder(StaticDecoder):
-    """``StaticDecoder`` pools stepped on the CPU; ``step`` returns final hidden states ``(n, H)``
-    for ``model.head`` (its exact int8-screened greedy argmax, or logits)."""
+class HostDecoder:
+    """A ``SlotPool`` stepped on the CPU (module docstring; ``slots.SlotDecoder``): ``step``
+    returns final hidden states ``(n, H)`` for ``model.head`` (its exact int8-screened greedy
+    argmax, or logits)."""
 
     output = "hidden"
 
     def __init__(self, model, max_slots: int, max_tokens: int, compiled: bool = True, verify_width: int = 1) -> None:
         if keeps_native_weights(model):  # its compiled loops read the weights as dense numpy views
             raise ValueError("the host slot decoder needs dequantised weights: load with load_model(fp8=None, fp4_experts=False)")
-        super().__init__(model, max_slots, max_tokens, use_graphs=False, fused=False, merge_proj=False, verify_width=verify_width)
+        self.model, self.cfg, self.dtype = model, model.config, model.dtype
+        self.max_slots, self.max_tokens, self.verify_width = max_slots, max_tokens, verify_width
+        self.buckets = (max_slots,)  # nothing is padded: any batch runs as it is
+        self.slots = SlotPool(model, max_slots, max_tokens, verify_width)
+        self.pools, self.num_tokens, self.token_ids = self.slots.layers, self.slots.num_tokens, self.slots.token_ids
         self.compiled = compiled  # layers (cpu_layer), attention and compressors (cpu_slots) compiled where they run
         self._packed: list[cpu_layer.LayerWeights | None] | None = None
         self._comp_arrays: dict[int, cpu_slots.CompressArrays] = {}  # by id of the CompPool
+
+    def nbytes(self) -> int:
+        """Bytes of the slot state (``SlotPool.nbytes``)."""
+        return self.slots.nbytes()
+
+    def load(self, slot: int, state: SequenceState) -> None:
+        """Copy a general-path state (after prefill) into ``slot`` (``SlotPool.load``)."""
+        self.slots.load(slot, state)
+
+    def export(self, slot: int) -> SequenceState:
+        """``slot``'s state as a general-path ``SequenceState`` (copies; ``SlotPool.export``)."""
+        return self.slots.export(slot)
+
+    def free(self, slot: int) -> None:
+        """Forget ``slot``'s sequence (``SlotPool.free``)."""
+        self.slots.free(slot)
+
+    def accept(self, kept: Sequence[int]) -> None:
+        """End the pending ``verify``: slot ``i`` keeps its first ``kept[i]`` tokens (``SlotPool.accept``)."""
+        self.slots.accept(kept, self.verify_width)
+
+    def capture_graphs(self) -> None:
+        """No graphs on the host: compile the step's kernels now (``warm_up``)."""
+        self.warm_up()
 
     @torch.inference_mode()
     def step(self, slots: Sequence[int], token_ids: Sequence[int], bucket: int | None = None) -> torch.Tensor:
         """One decode token per listed slot → the last hidden states ``(n, H)`` (``bucket`` is
         accepted for the runner's interface and ignored: nothing is padded here)."""
-        assert self._pending is None, "accept the pending verify first"
-        self._check(slots, token_ids)
+        self.slots.check(slots, token_ids)
         if any(not 0 <= t < self.cfg.vocab_size for t in token_ids):
             raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
         streams, compiled = self._layers(slots, list(token_ids), [self.num_tokens[s] for s in slots], 1)
-        for s, t in zip(slots, token_ids):
-            self.num_tokens[s] += 1
-            self.token_ids[s].append(int(t))
+        self.slots.advance(slots, token_ids)
         return self._final(streams, compiled)
 
     @torch.inference_mode()
     def verify(self, slots: Sequence[int], token_rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``StaticDecoder.verify`` on the host: ``verify_width`` tokens per slot in one pass of
+        """``StaticDecoder.verify``'s contract on the host: ``verify_width`` tokens per slot in one pass of
         the layers (projections and experts over every column, each offset's attention after the
         one before) → hidden ``(n, width, H)`` and streams ``(n, width, hc, H)``; ``accept`` next."""
         width, n = self.verify_width, len(slots)
-        positions = self._check_verify(slots, token_rows)
+        positions = self.slots.check_verify(slots, token_rows, width, self.cfg.vocab_size)
         ids = [int(r[j]) for j in range(width) for r in token_rows]  # offset-major columns
         pos = [p + j for j in range(width) for p in positions]
-        snap = slot_rewind.snapshot(self.pools, self._windows, torch.tensor(pos), torch.tensor(list(slots) * width), n)
+        snap = slot_rewind.snapshot(self.pools, self.slots.windows, torch.tensor(pos), torch.tensor(list(slots) * width), n)
         streams, compiled = self._layers(slots, ids, pos, width)
         hidden = self._final(streams, compiled)
-        self._pending = (list(slots), positions, [list(r) for r in token_rows], n, snap)
+        self.slots.pending = PendingVerify(list(slots), positions, [list(r) for r in token_rows], n, snap)
         return hidden.view(width, n, -1).transpose(0, 1), streams.view(width, n, *streams.shape[1:]).transpose(0, 1)
 
     def _layers(self, slots: Sequence[int], token_ids: list[int], positions: list[int], width: int) -> tuple[torch.Tensor, bool]:

@@ -3,15 +3,9 @@ captured as one CUDA graph per batch-size bucket and replayed.
 
 The general path (``model.py`` + ``decode.py``) keeps per-sequence state tensors that grow each
 step and walks Python lists, so a decode step is hundreds of host-side decisions and launches.
-Here every sequence lives in a *slot* of per-layer pools whose shapes never change:
-
-- window ring ``swa (S+1, W, D)``: token ``p`` at ``p % W``; the step attends the first
-  ``min(p+1, W)`` entries (its own key and the last ``W-1``, the general path's window);
-- per compressor (CSA/HCA main branch, CSA indexer), rate ``r``, width ``d``, projection ``P``:
-  ``buf_kv/buf_gate (S+1, r, P)`` the raw projections of the open window (token ``p`` at
-  ``p % r``); CSA: ``overlap_kv (S+1, r, d)`` and ``overlap_gate`` (fp32, position bias included)
-  — the previous closed window's Ca series; ``rows (S+1, Tc+1, d)`` the compressed rows,
-  ``Tc = max_tokens // r``, row ``Tc`` a scratch row.
+Here every sequence lives in a *slot* of per-layer pools whose shapes never change
+(``slots.pool.SlotPool``, composed: the window ring ``swa``, each compressor's open-window
+buffers, CSA overlap and compressed ``rows`` with a scratch row ``Tc``).
 
 Slot ``S`` is scratch: padded batch rows of a bucket point there. The window closing at token
 ``p`` (``p % r == r-1``) is pooled for every row of the batch with the ops of
@@ -71,7 +65,8 @@ from engine.model.layers import (
 )
 from engine.model.moe import MoE
 from engine.model.rope import Rotary, apply_rope
-from engine.model.state import CompressorState, LayerState, SequenceState
+from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
+from engine.model.state import SequenceState
 from kernels import fused as fk
 from kernels._common import use_triton
 from kernels.compressor import gated_pool
@@ -124,30 +119,6 @@ class DecodeTuning:
 DECODE = DecodeTuning()  # the default
 
 
-@dataclass
-class CompPool:
-    """Fixed-capacity state of one compressor for all slots (see the module docstring)."""
-
-    rows: torch.Tensor  # (S+1, Tc+1, d)
-    buf_kv: torch.Tensor  # (S+1, r, P)
-    buf_gate: torch.Tensor  # (S+1, r, P)
-    overlap_kv: torch.Tensor | None  # (S+1, r, d) CSA
-    overlap_gate: (
-        torch.Tensor | None
-    )  # (S+1, r, d) CSA, fp32 (the position bias's dtype)
-
-
-@dataclass
-class LayerPool:
-    swa: torch.Tensor  # (S+1, W, D)
-    comp: CompPool | None
-    index: CompPool | None
-    # the fused step's projections of the attention input x (``merge_proj``), rows
-    # [q_a | kv | comp kv | comp gate | indexer kv | indexer gate | indexer weights] in one GEMM
-    # per run of same-kind weights (``fp8.merge_weights``), each with its parts' widths
-    xproj: list[tuple[Weight, tuple[int, ...]]] = field(default_factory=list)
-
-
 def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
     for b in buckets:
         if b >= n:
@@ -191,28 +162,16 @@ class StaticDecoder:
         self.max_slots, self.max_tokens = max_slots, max_tokens
         self.scratch = max_slots
         self.verify_width = verify_width  # tokens per slot a ``verify`` step may feed (1: none)
-        self._pending: tuple[list[int], list[int], list[list[int]], int, list[torch.Tensor]] | None = None  # a verify awaiting ``accept``
-        rates = [c.rate for layer in model.model.layers for c in (layer.self_attn.compressor,) if c is not None]
-        if verify_width > 1 and (verify_width > min(rates, default=verify_width) or verify_width >= self.cfg.sliding_window):
-            raise ValueError(f"a verify of {verify_width} tokens per slot needs at most the smallest compression rate and fewer than the window")
         self.use_graphs = (
             self.device.type == "cuda" if use_graphs is None else use_graphs
         )
         self.buckets = tuple(
             sorted({b for b in buckets if b < max_slots} | {max_slots})
         )
-        s1, dev, dt = max_slots + 1, self.device, self.dtype
-        self.pools: list[LayerPool] = []
+        dev = self.device
+        self.slots = SlotPool(model, max_slots, max_tokens, verify_width)  # the state (mechanism); the step is below
+        self.pools = self.slots.layers
         with torch.inference_mode():
-            for layer in model.model.layers:
-                attn: Attention = layer.self_attn
-                swa = torch.zeros(s1, attn.window, attn.head_dim, dtype=dt, device=dev)
-                comp = index = None
-                if attn.compressor is not None:
-                    comp = self._comp_pool(attn.compressor, s1)
-                    if attn.indexer is not None:
-                        index = self._comp_pool(attn.indexer, s1)
-                self.pools.append(LayerPool(swa, comp, index))
             bmax = self.buckets[-1]
             # index rows the layers share, computed on the host with the inputs (no launches):
             # ("ring", W): slot · W + pos % W, min(pos + 1, W); ("rows", r, Tc): (pos + 1) // r, slot · (Tc + 1)
@@ -237,15 +196,14 @@ class StaticDecoder:
             ]
             self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
             self._turn = 0
-        self.num_tokens = [0] * max_slots
-        self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
+        self.num_tokens, self.token_ids = self.slots.num_tokens, self.slots.token_ids
         self.fused = fused and use_triton(self._inputs)
         self._rope_tab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.fused:  # cos/sin of every position, as Rotary.cos_sin gives them per step
             with torch.inference_mode():
                 every = torch.arange(max_tokens + 1, device=dev)
                 for kind, rot in model.rotary.items():
-                    cos, sin = rot.cos_sin(every, dt)
+                    cos, sin = rot.cos_sin(every, self.dtype)
                     self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
         self.merge_proj = merge_proj and self.fused
         self.dense_gemv = tuning.dense_gemv and self.fused
@@ -273,124 +231,21 @@ class StaticDecoder:
                 head = model.model.hc_head
                 self._hc32[id(head)] = tuple(t.float().contiguous() for t in (head.hc_fn, head.hc_scale, head.hc_base))
 
-    def _comp_pool(self, comp: Compressor, s1: int) -> CompPool:
-        r, d, p = comp.rate, comp.width, comp.kv_proj.out_features
-        tc = self.max_tokens // r
-        dev, dt = self.device, self.dtype
-        ov_kv = torch.zeros(s1, r, d, dtype=dt, device=dev) if comp.overlap else None
-        gate_dtype = torch.promote_types(
-            dt, comp.position_bias.dtype
-        )  # gates + bias, as Compressor.update
-        ov_gate = (
-            torch.zeros(s1, r, d, dtype=gate_dtype, device=dev)
-            if comp.overlap
-            else None
-        )
-        return CompPool(
-            rows=torch.zeros(s1, tc + 1, d, dtype=dt, device=dev),
-            buf_kv=torch.zeros(s1, r, p, dtype=dt, device=dev),
-            buf_gate=torch.zeros(s1, r, p, dtype=dt, device=dev),
-            overlap_kv=ov_kv,
-            overlap_gate=ov_gate,
-        )
-
     def nbytes(self) -> int:
-        total = 0
-        for lp in self.pools:
-            ts = [lp.swa]
-            for c in (lp.comp, lp.index):
-                if c is not None:
-                    ts += [
-                        t
-                        for t in (
-                            c.rows,
-                            c.buf_kv,
-                            c.buf_gate,
-                            c.overlap_kv,
-                            c.overlap_gate,
-                        )
-                        if t is not None
-                    ]
-            total += sum(t.numel() * t.element_size() for t in ts)
-        return total
+        """Bytes of the slot state (``SlotPool.nbytes``)."""
+        return self.slots.nbytes()
 
-    # ---- state import / export -------------------------------------------------------------
-    @torch.inference_mode()
     def load(self, slot: int, state: SequenceState) -> None:
-        """Copy a general-path state (after prefill) into ``slot``."""
-        n = state.num_tokens
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot {slot} outside [0, {self.max_slots})")
-        if n >= self.max_tokens:
-            raise ValueError(
-                f"state of {n} tokens leaves no room in a {self.max_tokens}-token slot"
-            )
-        for layer, ls, lp in zip(self.model.model.layers, state.layers, self.pools):
-            attn = layer.self_attn
-            w = attn.window
-            m = min(ls.swa.shape[0], w - 1, n)
-            if m:
-                at = torch.arange(n - m, n, device=self.device) % w
-                lp.swa[slot, at] = ls.swa[ls.swa.shape[0] - m :].to(self.dtype)
-            for comp, cs, cp in (
-                (attn.compressor, ls.comp, lp.comp),
-                (attn.indexer, ls.index, lp.index),
-            ):
-                if comp is None:
-                    continue
-                t = cs.rows.shape[0]
-                if cs.windows is not None or t * comp.rate + cs.buf_kv.shape[0] != n:
-                    raise ValueError(
-                        "only states in the normal (non-replay) compressor mode can be loaded"
-                    )
-                cp.rows[slot, :t] = cs.rows
-                nb = cs.buf_kv.shape[0]
-                cp.buf_kv[slot, :nb] = cs.buf_kv
-                cp.buf_gate[slot, :nb] = cs.buf_gate
-                if comp.overlap and cs.overlap_kv is not None:
-                    cp.overlap_kv[slot] = cs.overlap_kv
-                    cp.overlap_gate[slot] = cs.overlap_gate
-        self.num_tokens[slot] = n
-        self.token_ids[slot] = list(state.token_ids)
+        """Copy a general-path state (after prefill) into ``slot`` (``SlotPool.load``)."""
+        self.slots.load(slot, state)
 
-    @torch.inference_mode()
     def export(self, slot: int) -> SequenceState:
-        """``slot``'s state as a general-path ``SequenceState`` (copies)."""
-        assert self._pending is None, "accept the pending verify first"
-        n = self.num_tokens[slot]
-        layers = []
-        for layer, lp in zip(self.model.model.layers, self.pools):
-            attn = layer.self_attn
-            w = attn.window
-            m = min(n, w - 1)
-            ls = LayerState(
-                swa=lp.swa[slot, torch.arange(n - m, n, device=self.device) % w].clone()
-            )
-            for name, comp, cp in (
-                ("comp", attn.compressor, lp.comp),
-                ("index", attn.indexer, lp.index),
-            ):
-                if comp is None:
-                    continue
-                t = n // comp.rate
-                nb = n - t * comp.rate
-                cs = CompressorState(
-                    cp.rows[slot, :t].clone(),
-                    cp.buf_kv[slot, :nb].clone(),
-                    cp.buf_gate[slot, :nb].clone(),
-                )
-                if comp.overlap and t:
-                    cs.overlap_kv, cs.overlap_gate = (
-                        cp.overlap_kv[slot].clone(),
-                        cp.overlap_gate[slot].clone(),
-                    )
-                setattr(ls, name, cs)
-            layers.append(ls)
-        return SequenceState(layers, n, list(self.token_ids[slot]))
+        """``slot``'s state as a general-path ``SequenceState`` (copies; ``SlotPool.export``)."""
+        return self.slots.export(slot)
 
     def free(self, slot: int) -> None:
-        self.num_tokens[slot] = 0
-        self.token_ids[slot] = []
+        """Forget ``slot``'s sequence (``SlotPool.free``)."""
+        self.slots.free(slot)
 
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -400,8 +255,7 @@ class StaticDecoder:
         ``bucket`` (one of ``self.buckets``, at least ``n``) forces the padded batch size; with it
         ``n`` may be 0 (every row scratch: expert-parallel ranks must all run each step)."""
         n = len(slots)
-        assert self._pending is None, "accept the pending verify first"
-        self._check(slots, token_ids, empty_ok=bucket is not None)
+        self.slots.check(slots, token_ids, empty_ok=bucket is not None)
         if bucket is not None and (bucket not in self.buckets or bucket < n):
             raise ValueError(f"bucket {bucket} is not a bucket of at least {n} rows")
         b = bucket_for(n, self.buckets) if bucket is None else bucket
@@ -414,9 +268,7 @@ class StaticDecoder:
             graph.replay()
         else:
             out = self._forward(b)
-        for s, t in zip(slots, token_ids):
-            self.num_tokens[s] += 1
-            self.token_ids[s].append(int(t))
+        self.slots.advance(slots, token_ids)
         return out[:n]
 
     @torch.inference_mode()
@@ -428,7 +280,7 @@ class StaticDecoder:
         and compressed rows of the offsets before it, exactly as ``width`` plain steps would.
         ``accept`` must follow before the slots are stepped, verified or exported again."""
         width, n = self.verify_width, len(slots)
-        positions = self._check_verify(slots, token_rows)
+        positions = self.slots.check_verify(slots, token_rows, width, self.cfg.vocab_size)
         b = bucket_for(n, self.buckets)
         if self.use_graphs and (b, width) not in self._graphs:
             self._capture(b, width)
@@ -445,41 +297,13 @@ class StaticDecoder:
         else:
             out = self._forward(b, width)
         hidden, streams, snap = out
-        self._pending = (list(slots), positions, [list(r) for r in token_rows], b, snap)
+        self.slots.pending = PendingVerify(list(slots), positions, [list(r) for r in token_rows], b, snap)
         return hidden.view(width, b, -1)[:, :n].transpose(0, 1), streams.view(width, b, *streams.shape[1:])[:, :n].transpose(0, 1)
 
-    def _check_verify(self, slots: Sequence[int], token_rows: Sequence[Sequence[int]]) -> list[int]:
-        """``ValueError`` unless each slot gets ``verify_width`` tokens in range and has room for
-        them; the slots' positions."""
-        width = self.verify_width
-        if width < 2 or len(token_rows) != len(slots) or any(len(r) != width for r in token_rows):
-            raise ValueError(f"a verify feeds {width} tokens per slot (verify_width)")
-        assert self._pending is None, "accept the pending verify first"
-        self._check(slots, [r[0] for r in token_rows])
-        if any(not 0 <= t < self.cfg.vocab_size for r in token_rows for t in r):
-            raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
-        for s in slots:
-            if self.num_tokens[s] + width > self.max_tokens:
-                raise ValueError(f"slot {s} has no room for {width} more tokens ({self.max_tokens})")
-        return [self.num_tokens[s] for s in slots]
-
-    @torch.inference_mode()
     def accept(self, kept: Sequence[int]) -> None:
         """End the pending ``verify``: slot ``i`` keeps its first ``kept[i]`` tokens (``1 ..
-        width``); what the others wrote is undone (``engine/model/slot_rewind.py``)."""
-        assert self._pending is not None, "no verify to accept"
-        slots, positions, rows, b, snap = self._pending
-        if len(kept) != len(slots) or any(not 1 <= k <= self.verify_width for k in kept):
-            raise ValueError(f"kept counts {list(kept)} for {len(slots)} slots of {self.verify_width} tokens")
-        self._pending = None
-        slot_rewind.restore(self.pools, self._windows, snap, slots, positions, kept, b, self.verify_width)
-        for s, p, r, k in zip(slots, positions, rows, kept):
-            self.num_tokens[s] = p + k
-            self.token_ids[s].extend(r[:k])
-
-    @property
-    def _windows(self) -> list[int]:
-        return [layer.self_attn.window for layer in self.model.model.layers]
+        width``); what the others wrote is undone (``SlotPool.accept``)."""
+        self.slots.accept(kept, self.verify_width)
 
     def _stage(self, ids: list[int], pos: list[int], slots: list[int]) -> None:
         """Write a step's columns (padding included) and their derived rows to the device inputs."""
@@ -507,17 +331,6 @@ class StaticDecoder:
             else:
                 torch.div(pos + 1, a, rounding_mode="floor", out=host[r, :b])
                 torch.mul(slots, rest[0] + 1, out=host[r + 1, :b])
-
-    def _check(self, slots: Sequence[int], token_ids: Sequence[int], empty_ok: bool = False) -> None:
-        """``ValueError`` unless there is one token per slot, each slot once and not full."""
-        n = len(slots)
-        if n != len(token_ids) or (n == 0 and not empty_ok):
-            raise ValueError("one token per slot, at least one slot")
-        for s in slots:
-            if self.num_tokens[s] >= self.max_tokens:
-                raise ValueError(f"slot {s} is full ({self.max_tokens} tokens)")
-        if len(set(slots)) != n:
-            raise ValueError("a slot appears twice in one step")
 
     @torch.inference_mode()  # the slot buffers are inference tensors (made under inference_mode)
     def capture_graphs(self) -> None:
@@ -560,7 +373,7 @@ class StaticDecoder:
         model, cfg = self.model, self.cfg
         n = b * width
         ids, pos, slots = self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n]
-        snap = slot_rewind.snapshot(self.pools, self._windows, pos, slots, b) if width > 1 else None
+        snap = slot_rewind.snapshot(self.pools, self.slots.windows, pos, slots, b) if width > 1 else None
         embeds = model.model.embed_tokens(ids)  # (n, H)
         streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (n, hc, H)
         derived = {key: (self._inputs[3 + 2 * i, :n], self._inputs[4 + 2 * i, :n]) for i, key in enumerate(self._derived)}
@@ -799,7 +612,7 @@ class StaticDecoder:
         model, cfg = self.model, self.cfg
         n = b * width
         ids, pos, slots = self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n]
-        snap = slot_rewind.snapshot(self.pools, self._windows, pos, slots, b) if width > 1 else None
+        snap = slot_rewind.snapshot(self.pools, self.slots.windows, pos, slots, b) if width > 1 else None
         embeds = model.model.embed_tokens(ids)  # (b, H)
         streams = (
             embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()

@@ -15,10 +15,13 @@ windows); a replay state raises ``ValueError``, as does one with no room left.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from engine.model import slot_rewind
 from engine.model.attention import Attention, Compressor
 from engine.model.fp8 import Weight
 from engine.model.state import CompressorState, LayerState, SequenceState
@@ -48,11 +51,26 @@ class LayerPool:
     xproj: list[tuple[Weight, tuple[int, ...]]] = field(default_factory=list)
 
 
+class PendingVerify(NamedTuple):
+    """A verify step awaiting ``SlotPool.accept``: its slots, their positions before it, the tokens
+    fed, the padded batch and the entries it may have overwritten (``slot_rewind.snapshot``)."""
+
+    slots: list[int]
+    positions: list[int]
+    rows: list[list[int]]
+    batch: int
+    snap: list[torch.Tensor]
+
+
 class SlotPool:
     """The slot state of a ``DeepseekV4ForCausalLM``: ``max_slots`` sequences of up to
-    ``max_tokens`` tokens, in the model's device and dtype (module docstring)."""
+    ``max_tokens`` tokens, in the model's device and dtype (module docstring); ``verify_width``:
+    the tokens per slot a verify step may feed (``slot_rewind`` undoes at most one window close)."""
 
-    def __init__(self, model, max_slots: int, max_tokens: int) -> None:
+    def __init__(self, model, max_slots: int, max_tokens: int, verify_width: int = 1) -> None:
+        rates = [layer.self_attn.compressor.rate for layer in model.model.layers if layer.self_attn.compressor is not None]
+        if verify_width > 1 and (verify_width > min(rates, default=verify_width) or verify_width >= model.config.sliding_window):
+            raise ValueError(f"a verify of {verify_width} tokens per slot needs at most the smallest compression rate and fewer than the window")
         self.model = model
         self.device, self.dtype = model.device, model.dtype
         self.max_slots, self.max_tokens = max_slots, max_tokens
@@ -71,6 +89,8 @@ class SlotPool:
                 self.layers.append(LayerPool(swa, comp, index))
         self.num_tokens = [0] * max_slots
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
+        self.windows = [layer.self_attn.window for layer in model.model.layers]
+        self.pending: PendingVerify | None = None  # a verify awaiting ``accept``
 
     def _comp_pool(self, comp: Compressor, s1: int) -> CompPool:
         r, d, p = comp.rate, comp.width, comp.kv_proj.out_features
@@ -130,6 +150,7 @@ class SlotPool:
     @torch.inference_mode()
     def export(self, slot: int) -> SequenceState:
         """``slot``'s state as a general-path ``SequenceState`` (copies)."""
+        assert self.pending is None, "accept the pending verify first"
         n = self.num_tokens[slot]
         layers = []
         for layer, lp in zip(self.model.model.layers, self.layers):
@@ -153,3 +174,49 @@ class SlotPool:
         """Forget ``slot``'s sequence (its tensors are overwritten by the next ``load``)."""
         self.num_tokens[slot] = 0
         self.token_ids[slot] = []
+
+    # ---- a step's bookkeeping (every backend's step calls these) ----------------------------
+    def check(self, slots: Sequence[int], token_ids: Sequence[int], empty_ok: bool = False) -> None:
+        """``ValueError`` unless there is one token per slot, each slot once and not full."""
+        assert self.pending is None, "accept the pending verify first"
+        n = len(slots)
+        if n != len(token_ids) or (n == 0 and not empty_ok):
+            raise ValueError("one token per slot, at least one slot")
+        for s in slots:
+            if self.num_tokens[s] >= self.max_tokens:
+                raise ValueError(f"slot {s} is full ({self.max_tokens} tokens)")
+        if len(set(slots)) != n:
+            raise ValueError("a slot appears twice in one step")
+
+    def check_verify(self, slots: Sequence[int], token_rows: Sequence[Sequence[int]], width: int, vocab_size: int) -> list[int]:
+        """``ValueError`` unless each slot gets ``width`` tokens in range and has room for them;
+        the slots' positions."""
+        if width < 2 or len(token_rows) != len(slots) or any(len(r) != width for r in token_rows):
+            raise ValueError(f"a verify feeds {width} tokens per slot (verify_width)")
+        self.check(slots, [r[0] for r in token_rows])
+        if any(not 0 <= t < vocab_size for r in token_rows for t in r):
+            raise ValueError(f"token id out of range [0, {vocab_size})")
+        for s in slots:
+            if self.num_tokens[s] + width > self.max_tokens:
+                raise ValueError(f"slot {s} has no room for {width} more tokens ({self.max_tokens})")
+        return [self.num_tokens[s] for s in slots]
+
+    def advance(self, slots: Sequence[int], token_ids: Sequence[int]) -> None:
+        """After a step: each slot holds one more token."""
+        for s, t in zip(slots, token_ids):
+            self.num_tokens[s] += 1
+            self.token_ids[s].append(int(t))
+
+    @torch.inference_mode()
+    def accept(self, kept: Sequence[int], width: int) -> None:
+        """End the pending verify of ``width`` tokens per slot: slot ``i`` keeps its first
+        ``kept[i]`` tokens (``1 .. width``); what the others wrote is undone (``slot_rewind``)."""
+        assert self.pending is not None, "no verify to accept"
+        slots, positions, rows, b, snap = self.pending
+        if len(kept) != len(slots) or any(not 1 <= k <= width for k in kept):
+            raise ValueError(f"kept counts {list(kept)} for {len(slots)} slots of {width} tokens")
+        self.pending = None
+        slot_rewind.restore(self.layers, self.windows, snap, slots, positions, kept, b, width)
+        for s, p, r, k in zip(slots, positions, rows, kept):
+            self.num_tokens[s] = p + k
+            self.token_ids[s].extend(r[:k])

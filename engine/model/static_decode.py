@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,14 @@ from kernels.moe_fp8 import moe_experts_fp8
 from kernels.moe_gemv import MoEGemvTuning, moe_gemv, shared_act, use_gemv
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class RoutedExperts(Protocol):
+    """Routed experts run elsewhere than on this device's full set (``engine.parallel.ep``'s
+    sharded experts): ``(experts, x (N, H), weights (N, k), indices (N, k), valid (N,)) → (N, H)``,
+    ``valid`` false on the bucket's padding rows."""
+
+    def __call__(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -138,9 +147,6 @@ class StaticDecoder:
     """
 
     output = "logits"
-    # routed + shared experts of a few slots as two GEMV kernels (``kernels.moe_gemv``);
-    # ``engine.parallel.ep.EPDecoder`` shards the routed experts and turns this off
-    gemv_experts = True
 
     def __init__(
         self,
@@ -153,8 +159,13 @@ class StaticDecoder:
         merge_proj: bool = True,
         tuning: DecodeTuning = DECODE,
         verify_width: int = 1,
+        experts: RoutedExperts | None = None,
     ) -> None:
         self.model = model
+        # ``experts``: the routed experts elsewhere (expert parallelism), else this device's own;
+        # with its own, a few slots' routed + shared experts run as two GEMV kernels (``kernels.moe_gemv``)
+        self.experts = experts
+        self.gemv_experts = experts is None
         self.tuning = tuning
         self.cfg = model.config
         self.device = model.device
@@ -596,7 +607,9 @@ class StaticDecoder:
         return routed + shared
 
     def _routed(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The routed experts on CUDA bf16/fp16 (``engine.parallel.ep.EPDecoder`` overrides this)."""
+        """The routed experts on CUDA bf16/fp16 (or ``self.experts``: expert parallelism)."""
+        if self.experts is not None:
+            return self.experts(ex, x, weights, indices, self._inputs[2, : x.shape[0]] != self.scratch)
         if ex.fp4 is not None:  # the checkpoint's FP4 experts (load_model(fp4_experts=True)): GEMVs for a few slots
             if self.gemv_experts and use_gemv(x, indices.numel(), self.tuning.moe_gemv):
                 return moe_fp4_gemv(x, weights, indices, *ex.fp4, ex.limit, tuning=self.tuning.moe_gemv)
@@ -734,6 +747,9 @@ class StaticDecoder:
         cp.rows.view(-1, d).index_copy_(0, dst, rows)
 
     def _moe(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.experts is not None:
+            weights, indices = moe.gate(x, ids)
+            return self._routed(moe.experts, x, weights, indices) + moe.shared_experts(x)
         if not (x.is_cuda and x.dtype == torch.float32) or moe.experts.fp4 is not None:
             return moe(
                 x, ids

@@ -203,16 +203,26 @@ def cpu_group_for(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
     return dist.new_group(ranks=ranks, backend="gloo")
 
 
+class ShardedExperts:
+    """This rank's share of the routed experts for a slot step (``StaticDecoder(experts=...)``):
+    every token's rows through ``ep_routed`` over ``group``."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    def __call__(self, ex, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return ep_routed(x, weights, indices, valid, ex, self.group)
+
+
 class EPDecoder(StaticDecoder):
     """``StaticDecoder`` of one expert-parallel rank (module docstring): its own slots, attention
-    and shared expert; routed experts through ``ep_routed``. Each rank builds one with the same
-    ``max_slots``/``buckets`` and calls ``step`` the same number of times (possibly with no slots).
+    and shared expert; routed experts through ``ep_routed`` (``ShardedExperts``, composed). Each
+    rank builds one with the same ``max_slots``/``buckets`` and calls ``step`` the same number of
+    times (possibly with no slots).
     """
 
-    gemv_experts = False  # the routed experts are sharded: they go through ep_routed
-
     def __init__(self, model, max_slots: int, max_tokens: int, group=None, cpu_group=None, **kw) -> None:
-        super().__init__(model, max_slots, max_tokens, **kw)
+        super().__init__(model, max_slots, max_tokens, experts=ShardedExperts(group), **kw)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -226,13 +236,3 @@ class EPDecoder(StaticDecoder):
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.cpu_group)
             bucket = bucket_for(max(int(n.item()), 1), self.buckets)
         return super().step(slots, token_ids, bucket=bucket)
-
-    def _valid(self, n: int) -> torch.Tensor:
-        return self._inputs[2, :n] != self.scratch
-
-    def _routed(self, ex, x, weights, indices):
-        return ep_routed(x, weights, indices, self._valid(x.shape[0]), ex, self.group)
-
-    def _moe(self, moe, x, ids):
-        weights, indices = moe.gate(x, ids)
-        return self._routed(moe.experts, x, weights, indices) + moe.shared_experts(x)

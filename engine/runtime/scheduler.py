@@ -9,8 +9,11 @@ sequence limit (``max_num_seqs``):
    verify), a chunk when its prefill is unfinished (chunked prefill, mixed in the same batch as
    decodes).
 2. If state memory cannot grow for a running sequence, the lowest-ranked running sequence not yet
-   scheduled this step is preempted (state dropped, back to the waiting queue front, to be
-   recomputed from its tokens later); if there is none, the sequence itself waits this step.
+   scheduled this step is preempted (state dropped, back to the waiting queue front); if there is
+   none, the sequence itself waits this step. A preempted sequence is not admitted again in the
+   step that preempted it: with a KV store its lookup runs first, so it resumes from the last unit
+   it stored (the prompt's last unit, a decode boundary) and recomputes only the tokens after it;
+   without one it is recomputed from its tokens.
 3. Waiting sequences are admitted in (priority, arrival) order while budget, the sequence limit
    and state memory allow, skipping those whose KV-store load is still running (loads overlap
    the steps) or whose grammar is still compiling (on the grammar pool). Admission never preempts.
@@ -95,11 +98,12 @@ class Scheduler:
                 scheduled.add(id(seq))
                 budget -= n
         self.waiting.sort(key=lambda s: s.sort_key)
+        preempted = {id(s) for s in out.preempted}
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if seq.kv_load is not None or seq.grammar is not None:
-                continue  # its prefix is still loading from the KV store, or its grammar compiling
+            if seq.kv_load is not None or seq.grammar is not None or id(seq) in preempted:
+                continue  # its prefix is still loading from the KV store (or, just preempted, not looked up yet), or its grammar compiling
             n = self._chunk(seq, budget, cap)
             if not self._grow(seq, n):
                 break
@@ -132,7 +136,7 @@ class Scheduler:
         return max(candidates, key=lambda s: s.sort_key) if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the state, keep the tokens, wait at the front."""
+        """Drop the state, keep the tokens, wait at the front (and look the prefix up again)."""
         self.running.remove(seq)
         self.pool.free(seq.block_ids, seq.has_boundary)
         seq.has_boundary = False

@@ -139,6 +139,22 @@ def test_preemption_when_the_pool_runs_out(model_config) -> None:
     assert b.status is Status.RUNNING and len(b.block_ids) == 3
 
 
+def test_a_victim_is_not_admitted_again_in_the_step_that_preempted_it(model_config) -> None:
+    """Its freed block would take a 128-token chunk of it at once, from token 0; it waits a step
+    instead, so the engine can look its prefix up in the KV store first."""
+    s = scheduler(model_config, blocks=4, prefill_cap=128)
+    a, b = seq("a", 250, arrival=0), seq("b", 200, arrival=1)
+    s.add(a)
+    s.add(b)
+    assert fed(step(s)) == {"a": 128, "b": 128}
+    assert fed(step(s)) == {"a": 122, "b": 72} and s.pool.free_blocks == 0
+    for _ in range(6):
+        assert fed(step(s)) == {"a": 1, "b": 1}
+    out = step(s)  # a's 257th token takes one of b's two blocks
+    assert out.preempted == [b] and fed(out) == {"a": 1} and s.pool.free_blocks == 1
+    assert fed(step(s)) == {"a": 1, "b": 128}
+
+
 def test_the_victim_is_the_lowest_ranked_and_admission_never_preempts(model_config) -> None:
     s = scheduler(model_config, blocks=3)
     low, high = seq("low", 128, arrival=0, priority=5), seq("high", 200, arrival=1)

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from engine.model.fp8 import Fp8Linear, Fp8Weight, Weight, merge_weights, weight_of
 from engine.model import slot_rewind
 from engine.model.attention import Attention, Compressor, Projected
+from engine.model.decode import pool_windows
 from engine.model.layers import (
     HyperConnection,
     collapse,
@@ -70,7 +71,6 @@ from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
 from engine.model.state import SequenceState
 from kernels import fused as fk
 from kernels._common import use_triton
-from kernels.compressor import gated_pool
 from kernels.decode_attention import decode_attention
 from kernels.fp8_gemm import DEFAULT as FP8_GEMM
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_linear
@@ -704,7 +704,8 @@ class StaticDecoder:
         slots: torch.Tensor,
         rotary: Rotary,
     ) -> None:
-        """Buffer this token's projections; pool the window it closes (masked by ``close``)."""
+        """Buffer this token's projections; pool the window it closes (masked by ``close``) with
+        the general path's ``decode.pool_windows`` (the other rows' pools go to the scratch row)."""
         r, d = comp.rate, comp.width
         j = pos % r
         cp.buf_kv.index_put_((slots, j), kv)
@@ -712,36 +713,18 @@ class StaticDecoder:
         close = j == r - 1  # (b,)
         window = torch.div(pos, r, rounding_mode="floor")  # (b,) this token's window
         ckv = cp.buf_kv.index_select(0, slots)  # (b, r, P)
-        cgate = (
-            cp.buf_gate.index_select(0, slots) + comp.position_bias
-        )  # (b, r, P) fp32
+        graw = cp.buf_gate.index_select(0, slots)  # (b, r, P)
         scratch = torch.full_like(slots, self.scratch)
-        if comp.overlap:
+        prev_kv = prev_gate = None
+        if comp.overlap:  # the previous window's Ca, none before the first window
             has_prev = (window >= 1)[:, None, None]
-            prev_kv = torch.where(has_prev, cp.overlap_kv.index_select(0, slots), 0).to(
-                ckv.dtype
-            )
-            prev_gate = torch.where(
-                has_prev, cp.overlap_gate.index_select(0, slots), float("-inf")
-            )
-            pool_kv = torch.cat([prev_kv, ckv[..., d:]], dim=1)  # (b, 2r, d)
-            pool_gate = torch.cat([prev_gate, cgate[..., d:]], dim=1).float()
+            prev_kv = torch.where(has_prev, cp.overlap_kv.index_select(0, slots), 0).to(ckv.dtype)  # (b, r, d)
+            prev_gate = torch.where(has_prev, cp.overlap_gate.index_select(0, slots), float("-inf"))
+        rows, cgate = pool_windows(comp, ckv, graw, prev_kv, prev_gate, window * r, rotary)  # (b, d), (b, r, P)
+        if comp.overlap:
             dst = torch.where(close, slots, scratch)
             cp.overlap_kv.index_copy_(0, dst, ckv[..., :d].contiguous())
             cp.overlap_gate.index_copy_(0, dst, cgate[..., :d].contiguous())
-        else:
-            pool_kv, pool_gate = ckv, cgate.float()
-        # softmax over the slots and weighted sum in one kernel (the slots are consecutive rows of
-        # the flattened pool; bias already added, so a zero bias; -inf slots drop out)
-        n_slots = pool_kv.shape[1]
-        zero_bias = torch.zeros(n_slots, d, dtype=torch.float32, device=kv.device)
-        starts = torch.arange(0, pool_kv.shape[0] * n_slots, n_slots, device=kv.device)
-        pooled = gated_pool(
-            pool_kv.reshape(-1, d), pool_gate.reshape(-1, d), zero_bias, starts
-        )  # (b, d)
-        rows = comp.kv_norm(pooled)
-        cos, sin = rotary.cos_sin(window * r, rows.dtype)
-        rows = apply_rope(rows, cos, sin)
         tc = cp.rows.shape[1] - 1
         dst = torch.where(close, slots * (tc + 1) + window, scratch * (tc + 1) + tc)
         cp.rows.view(-1, d).index_copy_(0, dst, rows)

@@ -240,16 +240,26 @@ def load_model(
         raise CheckpointError(f"unknown load format {load_format!r} (auto or dummy)")
     source = DummyTensors(model_dir, device) if load_format == "dummy" else FileTensors(model_dir, progress)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(cfg, torch_dtype, tuning)
+        model = DeepseekV4ForCausalLM(cfg, torch_dtype, tuning, fp4_experts)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     loaded: set[str] = set()
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     packed: dict[str, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(lambda: defaultdict(dict))
 
+    def dense_experts(prefix: str) -> None:
+        """Allocate the dense parameters of experts built for FP4 whose checkpoint tensors are dense."""
+        experts = model.get_submodule(prefix)
+        e, two_i, h = experts.shape
+        experts.gate_up_proj = torch.nn.Parameter(torch.empty(e, two_i, h, dtype=torch_dtype, device=device))
+        experts.down_proj = torch.nn.Parameter(torch.empty(e, h, two_i // 2, dtype=torch_dtype, device=device))
+        params.update({f"{prefix}.gate_up_proj": experts.gate_up_proj, f"{prefix}.down_proj": experts.down_proj})
+
     def assign(name: str, tensor: torch.Tensor, file: Path) -> None:
         if name not in params:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}")
+        if fp4_experts and params[name].numel() == 0 and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            dense_experts(name.rsplit(".", 1)[0])
         copy_checked(params[name], tensor, file, name)
         loaded.add(name)
 
@@ -325,7 +335,7 @@ def _keep_fp4_experts(experts: torch.nn.Module, per_expert: dict[int, dict[str, 
     gate_up_s = torch.stack([torch.cat([byte(w["w1"][1]), byte(w["w3"][1])]) for w in rows]).view(torch.float8_e8m0fnu)  # (E, 2I, H/32)
     down_q = torch.stack([w["w2"][0] for w in rows])  # (E, H, I/2)
     down_s = torch.stack([byte(w["w2"][1]) for w in rows]).view(torch.float8_e8m0fnu)  # (E, H, I/32)
-    e, two_i, h = experts.gate_up_proj.shape
+    e, two_i, h = experts.shape
     if gate_up_q.shape != (e, two_i, h // 2) or down_q.shape != (e, h, two_i // 4):
         raise CheckpointError(f"{what}: FP4 shapes {tuple(gate_up_q.shape)} / {tuple(down_q.shape)} do not fit ({e}, {two_i}, {h})")
     experts.fp4 = tuple(t.to(device).contiguous() for t in (gate_up_q, gate_up_s, down_q, down_s))

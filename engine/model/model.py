@@ -74,11 +74,11 @@ def _rows(tab: tuple[torch.Tensor, torch.Tensor], first: int, n: int) -> tuple[t
 class DecoderLayer(nn.Module):
     """Attention and MoE blocks, each wrapped in a hyper-connection over ``hc`` streams."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tuning: ModelTuning = TUNING) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tuning: ModelTuning = TUNING, fp4_experts: bool = False) -> None:
         super().__init__()
         self.hc_pre = tuning.prefill.hc_pre  # the Triton mHC input's launch
         self.self_attn = Attention(cfg, layer_idx, dtype, tuning.prefill)
-        self.mlp = MoE(cfg, layer_idx, dtype, tuning.moe)
+        self.mlp = MoE(cfg, layer_idx, dtype, tuning.moe, fp4_experts)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg)
@@ -114,10 +114,10 @@ class DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     """Embedding, decoder layers, final hyper-head and norm (transformers' ``model.*`` names)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tuning: ModelTuning = TUNING) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tuning: ModelTuning = TUNING, fp4_experts: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, tuning) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype, tuning, fp4_experts) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
@@ -125,12 +125,14 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """The whole model. ``mtp`` holds the multi-token-prediction weights (kept, not yet used)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, tuning: ModelTuning = TUNING) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, tuning: ModelTuning = TUNING, fp4_experts: bool = False) -> None:
+        """``fp4_experts``: the routed experts will hold the checkpoint's FP4 tensors (``Experts.fp4``,
+        set by the loader), so their dense parameters are never allocated."""
         super().__init__()
         self.config = cfg
         self.dtype = dtype
         self.tuning = tuning
-        self.model = DeepseekV4Model(cfg, dtype, tuning)
+        self.model = DeepseekV4Model(cfg, dtype, tuning, fp4_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if self.lm_head.weight.device.type == "cpu":
             # Store lm_head as a transposed view of a contiguous (H, V) tensor: CPU BLAS then runs

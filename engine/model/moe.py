@@ -87,12 +87,15 @@ class Experts(nn.Module):
     ``gate_up_proj (E, 2I, H)``: rows ``[:I]`` gate, ``[I:]`` up. ``down_proj (E, H, I)``.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tuning: MoETuning = MOE) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tuning: MoETuning = MOE, fp4: bool = False) -> None:
         super().__init__()
         self.tuning = tuning
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
+        self.shape = (e, 2 * i, h)  # gate_up's (E, 2I, H), whatever the storage
+        # ``fp4``: the loader will keep the checkpoint's FP4 experts (``self.fp4``), so the dense
+        # parameters stay empty from the start (at V4-Flash width they would be 12.9 GB a layer)
+        self.gate_up_proj = nn.Parameter(torch.empty(0 if fp4 else (e, 2 * i, h), dtype=dtype), requires_grad=not fp4)
+        self.down_proj = nn.Parameter(torch.empty(0 if fp4 else (e, h, i), dtype=dtype), requires_grad=not fp4)
         self.limit = cfg.swiglu_limit
         # the checkpoint's FP4 experts kept as stored (load_model(fp4_experts=True)): packed
         # gate_up (E, 2I, H/2), its e8m0 scales (E, 2I, H/32), down (E, H, I/2), scales (E, H, I/64);
@@ -159,10 +162,10 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """One MoE block: routed experts + the shared expert on the same input."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tuning: MoETuning = MOE) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tuning: MoETuning = MOE, fp4_experts: bool = False) -> None:
         super().__init__()
         self.gate = Router(cfg, cfg.mlp_layer_types[layer_idx] == "hash_moe", dtype)
-        self.experts = Experts(cfg, dtype, tuning)
+        self.experts = Experts(cfg, dtype, tuning, fp4_experts)
         self.shared_experts = SharedMLP(cfg, dtype)
         self.fused = True  # CPU decode: routed + shared experts in one compiled loop (cpu_fused)
         # expert parallelism: ``(moe, x, token_ids) -> out`` running the routed experts over the

@@ -126,6 +126,22 @@ def test_fp4_experts_kept_packed(narrow_dir: Path) -> None:
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 
 
+def test_fp4_experts_never_allocate_dense_weights(narrow_dir: Path, tiny_model_dir: Path) -> None:
+    """A model built for FP4 experts has empty dense expert parameters from the start (at
+    V4-Flash width they would be 12.9 GB a layer before the FP4 copies replace them); a checkpoint
+    whose experts are dense still loads into it, to the same logits as without the flag."""
+    from engine.model.config import ModelConfig
+    from engine.model.model import DeepseekV4ForCausalLM
+
+    built = DeepseekV4ForCausalLM(ModelConfig.from_dir(narrow_dir), torch.bfloat16, fp4_experts=True)
+    assert all(layer.mlp.experts.gate_up_proj.numel() == 0 == layer.mlp.experts.down_proj.numel() for layer in built.model.layers)
+    ids = [3, 9, 27, 81]
+    dense = load_model(tiny_model_dir, dtype="float32", progress=False)
+    flagged = load_model(tiny_model_dir, dtype="float32", progress=False, fp4_experts=True)
+    assert flagged.model.layers[0].mlp.experts.fp4 is None
+    assert torch.equal(flagged([(flagged.new_state(), ids)], logits="all"), dense([(dense.new_state(), ids)], logits="all"))
+
+
 def test_host_slot_decoder_refuses_native_weights(narrow_dir: Path) -> None:
     """The CPU slot decoder's compiled loops read dense weights: a native model is refused (the
     engine then decodes it on the general path); ``StaticDecoder`` takes it (test_static_decode_native)."""

@@ -42,6 +42,17 @@ if HAS_TRITON:
         return tl.where((nib & 8) != 0, -mag, mag)
 
     @triton.jit
+    def _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
+        """One online-softmax block: scores of ``q (BH, D)`` against the dequantised keys
+        ``k (BN, D)`` (rows where ``ok``), folded into the running max, sum and output."""
+        s = mma(q, tl.trans(k), PRECISION) * scale  # (BH, BN)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + mma(p, k, PRECISION)
+
+    @triton.jit
     def _v41_decode_kernel(
         q_ptr, wq_ptr, we_ptr, rq_ptr, rs_ptr, slot_ptr, wlen_ptr, pick_ptr, sink_ptr, out_ptr,
         H, W, T, K, scale,
@@ -65,14 +76,7 @@ if HAS_TRITON:
             codes = tl.load(wq_ptr + slot * s_wqs + rows[:, None] * s_wqn + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + dims[None, :] // 32, mask=ok[:, None], other=127).to(tl.int32)
             k = codes * (ex << 23).to(tl.float32, bitcast=True)  # (BN, D): 2^(e-127) from its bits
-            s = mma(q, tl.trans(k), PRECISION) * scale  # (BH, BN)
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + mma(p, k, PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION)
         if HAS_ROWS:
             for n0 in range(0, K, BN):  # the indexer's picks
                 j = n0 + tl.arange(0, BN)
@@ -83,14 +87,7 @@ if HAS_TRITON:
                 nib = (byte >> ((dims[None, :] % 2) * 4)) & 15
                 sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + dims[None, :] // 16, mask=ok[:, None], other=0.0).to(tl.float32)
                 k = _e2m1(nib) * sc  # (BN, D)
-                s = mma(q, tl.trans(k), PRECISION) * scale
-                s = tl.where(ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + mma(p, k, PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION)
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
         m_fin = tl.maximum(m_i, sink)
         denom = l_i * tl.exp(m_i - m_fin) + tl.exp(sink - m_fin)  # the sink only in the denominator

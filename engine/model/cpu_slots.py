@@ -322,8 +322,7 @@ _NONE_I = np.zeros(0, np.int64)
 _NONE_B = np.zeros(0, np.bool_)
 
 
-if cpu_fused.numba is not None:
-    _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_gather_attend)
-    _compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)
-    _index_scores = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_index_scores)
-    _top_rows = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_top_rows)
+_gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_gather_attend)
+_compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)
+_index_scores = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_index_scores)
+_top_rows = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_top_rows)

@@ -68,6 +68,10 @@ class StaticRunner:
     def holds(self, seq: Sequence) -> bool:
         return id(seq) in self._slot
 
+    def slot(self, seq: Sequence) -> int:
+        """The slot a held ``seq`` is in (the speculative step keeps its MTP window in the same slot)."""
+        return self._slot[id(seq)]
+
     def takes(self, seq: Sequence, n: int) -> bool:
         """Whether this step's ``n`` tokens of ``seq`` run here; moves ``seq`` into a slot (or out
         of one that is full) as needed."""

@@ -28,7 +28,9 @@ from torch import nn
 from engine.model.layers import GroupedLinear
 from engine.model.rope import Rotary
 from engine.model.v41.config import V41Config
+from engine.model.v41 import prefill as fast_path
 from engine.model.v41.layers import RMSNorm
+from engine.model.v41.prefill import use_fast
 from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
 from kernels.reference import apply_rope_eager as apply_rope
@@ -37,10 +39,14 @@ from kernels.reference import apply_rope_eager as apply_rope
 @dataclass(frozen=True)
 class V41Tuning:
     """The V4.1 model's settings, given where it is built (``load_v41_model``) and passed down to
-    each layer. ``query_tile``: queries per attention / indexer tile, bounds the ``(nh, tile, L)``
-    logits of long prefills."""
+    each layer. ``query_tile``: queries per attention / indexer tile of the general path, bounds
+    the ``(nh, tile, L)`` logits of long prefills. ``fast``: take ``engine.model.v41.prefill``'s
+    kernels (True), the general path (False), or the kernels on CUDA only (None).
+    ``fast_index_tile``: queries per indexer tile of the fast path (``(tile, T)`` fp32 scores)."""
 
     query_tile: int = 256
+    fast: bool | None = None
+    fast_index_tile: int = 4096
 
 
 V41_TUNING = V41Tuning()  # the default
@@ -110,6 +116,7 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING) -> None:
         super().__init__()
+        self.tuning = tuning
         self.query_tile = tuning.query_tile
         self.ratio = cfg.compress_ratios[layer_idx]
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
@@ -138,11 +145,16 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.heads_scaling  # (S, Hi)
         complete = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # (S,) rows < this are complete
         picks, valid, cands = [], [], []
-        for t0 in range(0, s, self.query_tile):
-            r = slice(t0, t0 + self.query_tile)
-            scores = torch.einsum("bshd,btd->bsht", q[r].float()[None], keys.float()[None])[0].relu_() * self.softmax_scale  # (s, Hi, T)
-            scores = (scores * weights[r].unsqueeze(-1)).sum(dim=1)  # (s, T)
-            scores = scores.masked_fill(torch.arange(t, device=keys.device)[None, :] >= complete[r, None], float("-inf"))
+        fast = use_fast(self.tuning.fast, x)
+        tile = self.tuning.fast_index_tile if fast else self.query_tile
+        for t0 in range(0, s, tile):
+            r = slice(t0, t0 + tile)
+            if fast:
+                scores = fast_path.indexer_scores(q[r], weights[r], keys, complete[r], self.softmax_scale)  # (s, T)
+            else:
+                scores = torch.einsum("bshd,btd->bsht", q[r].float()[None], keys.float()[None])[0].relu_() * self.softmax_scale  # (s, Hi, T)
+                scores = (scores * weights[r].unsqueeze(-1)).sum(dim=1)  # (s, T)
+                scores = scores.masked_fill(torch.arange(t, device=keys.device)[None, :] >= complete[r, None], float("-inf"))
             if self.is_candidate_source:
                 cands.append(candidate_blocks(scores, complete[r], self.block_topk, self.block_size))
             elif self.uses_candidates and shared.candidates is not None:
@@ -170,11 +182,23 @@ def candidate_blocks(scores: torch.Tensor, complete: torch.Tensor, topk_blocks: 
     return keep[:, :, None].expand(-1, -1, block_size).flatten(1)[:, :t]  # (no host sync: a CUDA graph runs it)
 
 
+def bias(extra: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None], s: int) -> torch.Tensor:
+    """The general path's additive bias ``(S, T)`` over the rows of ``_compressed``'s answer:
+    0 where chosen, -inf elsewhere."""
+    rows, top = extra
+    out = torch.full((s, rows.shape[0] + 1), float("-inf"), dtype=torch.float32, device=rows.device)  # (S, T+1)
+    if top is not None:  # a pick that is not a complete row goes to the dropped last column
+        idx, valid = top
+        out.scatter_(-1, torch.where(valid, idx, rows.shape[0]), 0.0)
+    return out[:, :-1]
+
+
 class Attention(nn.Module):
     """One V4.1 layer's attention (native parameter names)."""
 
     def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING) -> None:
         super().__init__()
+        self.tuning = tuning
         self.query_tile = tuning.query_tile
         self.layer_idx = layer_idx
         self.ratio = cfg.compress_ratios[layer_idx]
@@ -216,23 +240,27 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(q_res).view(n, self.n_heads, self.head_dim), cos, sin)  # (N, nh, D)
         kv = fp8_window(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # (N, D)
         out = torch.empty_like(q)
+        fast = use_fast(self.tuning.fast, x)
         for c in chunks:
             rows = slice(c.start, c.end)
             extra = None
             if self.ratio:
                 comp_rope = (ropes["compress"][0][rows], ropes["compress"][1][rows])
                 extra = self._compressed(c, x[rows], q_res[rows], positions[rows], comp_rope, compress_rotary)
-            out[rows] = self._attend(c, q[rows], kv[rows], positions[rows], extra)
+            if fast:
+                out[rows] = self._attend_fast(c, q[rows], kv[rows], extra)
+            else:
+                out[rows] = self._attend(c, q[rows], kv[rows], positions[rows], None if extra is None else (extra[0], bias(extra, c.end - c.start)))
         out = apply_rope(out, cos, -sin)  # undo the rotation the values picked up as keys
         return self.wo_b(self.wo_a(out.view(n, self.o_groups, -1)).flatten(1))
 
     def _compressed(
         self, c: Chunk, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
         comp_rope: tuple[torch.Tensor, torch.Tensor], rotary: Rotary,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """The group's compressed rows ``(T, D)`` and each query's bias over them ``(S, T)``
-        (0 = chosen, -inf = not; None: no rows). A KV source first extends and publishes its
-        group's rows and keys."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:  # fmt: skip
+        """The group's compressed rows ``(T, D)`` and each query's picks among them (indices
+        ``(S, k)``, True where valid; None: no row visible), None without rows. A KV source first
+        extends and publishes its group's rows and keys."""
         sh = c.shared
         if self.compressor is not None:
             src = c.state.sources[self.layer_idx]
@@ -252,11 +280,17 @@ class Attention(nn.Module):
                 sh.top = self.indexer.select(x, q_res, sh.keys, positions, comp_rope, sh)
         if sh.rows is None or not sh.rows.shape[0]:
             return None
-        bias = torch.full((x.shape[0], sh.rows.shape[0] + 1), float("-inf"), dtype=torch.float32, device=x.device)  # (S, T+1)
-        if sh.top is not None:  # a pick that is not a complete row goes to the dropped last column
-            top, valid = sh.top
-            bias.scatter_(-1, torch.where(valid, top, sh.rows.shape[0]), 0.0)
-        return sh.rows, bias[:, :-1]
+        return sh.rows, sh.top
+
+    def _attend_fast(
+        self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, extra: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``_attend`` through ``engine.model.v41.prefill.window_attention`` (no mask tensor)."""
+        ring = c.state.windows[self.layer_idx]
+        out = fast_path.window_attention(q, ring, kv, self.window, self.attn_sink, self.scaling, *(extra or (None, None)))
+        keys = torch.cat([ring, kv])  # (R+S, D)
+        c.state.windows[self.layer_idx] = keys[max(0, keys.shape[0] - (self.window - 1)) :].clone()
+        return out
 
     def _attend(
         self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor] | None,

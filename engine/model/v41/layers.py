@@ -110,6 +110,25 @@ class MoE(nn.Module):
         self.gate = Router(cfg, dtype)
         self.experts = nn.ModuleList([Expert(cfg, dtype) for _ in range(cfg.n_routed_experts)])
         self.shared_experts = Expert(cfg, dtype)
+        self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None  # see stack()
+
+    @torch.no_grad()
+    def stack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts as stacks, gate|up ``(E, 2I, H)`` and down ``(E, H, I)``, the
+        experts' parameters made views of them (the weights held once). Built on the first call;
+        kept while the parameters still are those views (a builder may set ``stacks`` itself)."""
+        first, last = self.experts[0], self.experts[-1]
+        if self.stacks is not None:
+            gate_up, down = self.stacks
+            if first.w1.weight.data_ptr() == gate_up.data_ptr() and last.w2.weight.data_ptr() == down[-1].data_ptr():
+                return self.stacks
+        gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts])  # (E, 2I, H)
+        down = torch.stack([e.w2.weight for e in self.experts])  # (E, H, I)
+        inter = gate_up.shape[1] // 2
+        for j, e in enumerate(self.experts):
+            e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = gate_up[j, :inter], gate_up[j, inter:], down[j]
+        self.stacks = (gate_up, down)
+        return self.stacks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x)  # (N, k) each

@@ -31,7 +31,9 @@ from engine.model.rope import Rotary
 from engine.model.v41.attention import V41_TUNING, Attention, Chunk, Shared, V41Tuning
 from engine.model.v41.config import V41Config
 from engine.model.v41.engram import Engram, NgramHasher
+from engine.model.v41 import prefill as fast_path
 from engine.model.v41.layers import MoE, HyperSite, RMSNorm, collapse, expand
+from engine.model.v41.prefill import use_fast
 from engine.model.v41.state import V41SequenceState
 
 
@@ -40,6 +42,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: V41Config, layer_idx: int, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING) -> None:
         super().__init__()
+        self.tuning = tuning
         self.attn = Attention(cfg, layer_idx, dtype, tuning)
         self.ffn = MoE(cfg, dtype)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -57,12 +60,13 @@ class DecoderLayer(nn.Module):
         if self.engram is not None:
             assert hash_ids is not None, "engram layers need the hash ids"
             streams = self.engram(streams, hash_ids[:, self.engram.slot])
-        attn_pre, post, comb = self.hc_attn.gates(streams)
+        fast = use_fast(self.tuning.fast, streams)
+        attn_pre, post, comb = fast_path.gates(self.hc_attn, streams) if fast else self.hc_attn.gates(streams)
         x = self.attn_norm(collapse(pre, streams))  # (N, H)
         streams = expand(self.attn(x, positions, ropes, rotary, chunks), streams, post, comb)
-        ffn_pre, post, comb = self.hc_ffn.gates(streams)
+        ffn_pre, post, comb = fast_path.gates(self.hc_ffn, streams) if fast else self.hc_ffn.gates(streams)
         x = self.ffn_norm(collapse(attn_pre, streams))
-        return expand(self.ffn(x), streams, post, comb), ffn_pre
+        return expand(fast_path.moe(self.ffn, x) if fast else self.ffn(x), streams, post, comb), ffn_pre
 
 
 class DeepseekV41Model(nn.Module):

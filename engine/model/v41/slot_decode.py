@@ -146,20 +146,9 @@ class V41SlotDecoder:
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    @torch.no_grad()
     def _stack_experts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Stack each layer's routed experts (gate|up ``(E, 2I, H)``, down ``(E, H, I)``) and make
-        the experts' parameters views of the stacks (the weights are held once)."""
-        stacks = []
-        for layer in self.model.model.layers:
-            ex = layer.ffn.experts
-            gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in ex])  # (E, 2I, H)
-            down = torch.stack([e.w2.weight for e in ex])  # (E, H, I)
-            inter = gate_up.shape[1] // 2
-            for j, e in enumerate(ex):
-                e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = gate_up[j, :inter], gate_up[j, inter:], down[j]
-            stacks.append((gate_up, down))
-        return stacks
+        """Each layer's routed-expert stacks (``MoE.stack``: the parameters become views of them)."""
+        return [layer.ffn.stack() for layer in self.model.model.layers]
 
     def nbytes(self) -> int:
         """Bytes of the slot pools."""

@@ -1,0 +1,87 @@
+"""DeepSeek-V4.1's fast path: the general path's math without its (T × T) tensors and Python loops.
+
+The general path (``attention.py``, ``layers.py``) is the reference: a dense masked softmax over
+[window ring, every new key, every compressed row] per tile of queries, the indexer's
+``(s, Hi, T)`` fp32 logits, one Python iteration (and host sync) per routed expert, ~100 small ops
+per mHC site for the Sinkhorn. Where ``V41Tuning.fast`` says so (default: on CUDA) the model
+takes these instead, on the same values:
+
+- attention: ``kernels.prefill.prefill_attention`` (V4's flash kernel over a per-query virtual key
+  list, the same softmax with the sink only in the denominator): each query's ``W`` window keys as
+  a strided view of the left-padded ``[ring, new keys]``, and only its chosen compressed rows
+  (``row_idx``, ``-1`` = none), never a score matrix;
+- indexer scores: ``kernels.indexer.indexer_scores_prefill`` (relu, weighted head sum and the
+  causal ``-inf`` in one kernel; the ``(s, Hi, T)`` logits never reach memory), level one and two
+  of the top-k as the general path;
+- mHC gates: ``kernels.mhc.hc_mix`` (the gates and the Sinkhorn in one kernel, as the slot step);
+- routed experts: ``kernels.moe.moe_experts`` over the layer's stacked weights (``MoE.stack``):
+  tokens sorted by expert, one grouped GEMM per projection (``torch._grouped_mm`` / the Triton
+  ``kernels.moe_grouped`` at prefill sizes in bf16, SwiGLU fused), one fp32 combine with the
+  shared expert's output; the routing weight is applied after the down projection (the slot
+  step's choice: same math, other last bits).
+
+Off CUDA without the Triton interpreter every kernel above runs its PyTorch reference, so the
+fast path's torch parts are testable on the CPU. Sums run in another order than the general
+path's, so fp32 results agree to the last bits, not bitwise (tests: the fixtures' greedy tokens
+and logprobs within 1e-4, as the general path).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.v41.layers import HyperSite, MoE
+from kernels.indexer import indexer_scores_prefill
+from kernels.mhc import hc_mix
+from kernels.moe import moe_experts
+from kernels.prefill import prefill_attention
+
+
+def use_fast(flag: bool | None, t: torch.Tensor) -> bool:
+    """``V41Tuning.fast`` for a tensor: the flag, or (None) whether ``t`` is on CUDA."""
+    return t.is_cuda if flag is None else flag
+
+
+def window_attention(
+    q: torch.Tensor, ring: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,
+    rows: torch.Tensor | None, picks: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:  # fmt: skip
+    """``Attention._attend`` of one chunk without a mask tensor: ``q (S, nh, D)`` over its window
+    of ``[ring (R, D), kv (S, D)]`` and the chosen ``rows (T, D)`` (``picks``: indices ``(S, k)``
+    and True where valid; None: no row visible) → ``(S, nh, D)`` in q's dtype."""
+    s, r = q.shape[0], ring.shape[0]
+    pad = window - 1 - r
+    assert pad >= 0, f"ring of {r} rows, window {window}"
+    keys = torch.cat([kv.new_zeros(pad, kv.shape[1]), ring, kv])  # (W-1+S, D): pad rows never read
+    if rows is None or picks is None or not rows.shape[0]:
+        out = prefill_attention(q, keys, pad, sinks, window, scale=scale)
+    else:
+        idx, valid = picks
+        row_idx = torch.where(valid, idx, -1).to(torch.int32)  # (S, k)
+        row_len = torch.full((s,), rows.shape[0], dtype=torch.int32, device=q.device)
+        out = prefill_attention(q, keys, pad, sinks, window, rows, row_len, row_idx, scale=scale)
+    return out.to(q.dtype)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, complete: torch.Tensor, scale: float) -> torch.Tensor:
+    """``Indexer.select``'s scores of one tile: ``Σ_h weights[:, h] · relu(q_h · k) · scale`` of ``q (s, Hi,
+    Di)`` against ``keys (T, Di)``, ``-inf`` from ``complete (s,)`` on → ``(s, T)`` fp32."""
+    t = keys.shape[0]
+    return indexer_scores_prefill(q.contiguous(), weights.contiguous(), keys.contiguous(), complete.clamp(max=t).to(torch.int32), scale, t)
+
+
+def gates(site: HyperSite, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``HyperSite.gates`` with the gates and Sinkhorn in ``kernels.mhc.hc_mix``."""
+    flat = streams.flatten(1).float()  # (N, hc·H), normalised as one vector per token
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + site.norm_eps)
+    return hc_mix(F.linear(flat, site.fn.float()), site.scale, site.base, site.hc, site.iters, site.hc_eps)
+
+
+def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """``MoE.forward`` of ``x (N, H)`` with grouped expert GEMMs (module docstring) → ``(N, H)``."""
+    weights, indices = layer.gate(x)  # (N, k) each
+    gate_up, down = layer.stack()
+    shared = layer.shared_experts(x)  # (N, H)
+    limit = layer.shared_experts.limit
+    return moe_experts(x, weights, indices, gate_up, down, limit if limit > 0 else float("inf"), add=shared)

@@ -3,8 +3,14 @@
 The library does the HTTP/1.1 (parsing, keep-alive, chunked bodies and answers, backpressure,
 cancelling a handler whose client went away: ``handler_cancellation``); this module adds what
 ``router.serving`` asks of every server: the exact route table, the internal token, the body
-limit, the read deadline (measured from the head's arrival: aiohttp has no head deadline, its
-keep-alive timeout closes idle connections), the connection limit, and the service's error bodies.
+limit, the read deadline, the connection limit, and the service's error bodies.
+
+The read deadline (as ``http1``'s): a request's head and body must be in within
+``read_timeout_s`` of its first byte. aiohttp has no head deadline (its keep-alive timeout closes
+idle connections, silently), so each connection is aiohttp's own protocol with a clock
+(``_Connection``): its first byte starts it, ``_handle`` stops it, and a periodic sweep answers a
+head that is late 408 and closes the connection. A request that arrives while a handler runs is
+timed from that handler's end: it waited on us, not on its client.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any, Literal
 
-from aiohttp import web, web_server
+from aiohttp import web, web_protocol, web_server
 
 from deepserve.internal_auth import InternalAuth
 from router.serving import Response, Routes
@@ -21,6 +29,30 @@ from router.serving import Response, Routes
 log = logging.getLogger(__name__)
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class _Connection(web_protocol.RequestHandler):
+    """aiohttp's protocol for one connection, with the clock of the request being received."""
+
+    __slots__ = ("_now", "head_since", "phase")
+
+    def __init__(self, manager: web_server.Server, *, loop: asyncio.AbstractEventLoop, **kw: Any) -> None:
+        super().__init__(manager, loop=loop, **kw)
+        self._now = loop.time
+        self.head_since = 0.0  # loop time of the first byte of a request not yet in ``_handle``; 0 = none
+        # "body": ``_handle`` reads a body (the bytes are its own); "handler": its route runs
+        self.phase: Literal["idle", "body", "handler"] = "idle"
+
+    def data_received(self, data: bytes) -> None:
+        if data and not self.head_since and self.phase != "body":
+            self.head_since = self._now()
+        super().data_received(data)
+
+    def late(self, cutoff: float) -> bool:
+        """A request's first byte came before ``cutoff`` and its head is still not in. Only while
+        no handler runs and every answer is out, so that the 408 is the connection's next bytes."""
+        return self.phase == "idle" and 0.0 < self.head_since < cutoff and self.transport is not None \
+            and self.transport.get_write_buffer_size() == 0
 
 
 class _Refused(Exception):
@@ -80,6 +112,15 @@ def _answer(resp: Response, close: bool = False) -> web.Response:
     return out
 
 
+def _raw_answer(resp: Response) -> bytes:
+    """``resp`` as the bytes of an answer that closes its connection (for the sweep, which has no
+    aiohttp request to answer)."""
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (resp.headers or {}).items())
+    head = (f"HTTP/1.1 {resp.status} {HTTPStatus(resp.status).phrase}\r\nContent-Type: {resp.content_type.decode('latin-1')}\r\n"
+            f"{extra}Content-Length: {len(resp.body)}\r\nConnection: close\r\n\r\n")
+    return head.encode("latin-1") + resp.body
+
+
 class AiohttpServer:
     """Serves ``routes`` on one listening socket through aiohttp (``router.serving`` has the contract)."""
 
@@ -107,15 +148,33 @@ class AiohttpServer:
         self.open_paths = open_paths
         self._http: web_server.Server | None = None
         self._listener: asyncio.AbstractServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> None:
-        self._http = web_server.Server(
-            self._handle, handler_cancellation=True, keepalive_timeout=self.keepalive_s, access_log=None,
-            lingering_time=0,  # a refused body is not read on: the connection closes after the answer
+        loop = self._loop = asyncio.get_running_loop()
+        http = self._http = web_server.Server(self._handle, handler_cancellation=True)
+
+        def connection() -> _Connection:
+            return _Connection(
+                http, loop=loop, keepalive_timeout=self.keepalive_s, access_log=None,
+                lingering_time=0,  # a refused body is not read on: the connection closes after the answer
+            )
+
+        self._listener = await loop.create_server(
+            connection, host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.ssl,
         )
-        self._listener = await asyncio.get_running_loop().create_server(
-            self._http, host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.ssl,
-        )
+        self._sweeper = loop.call_later(self.read_timeout_s / 2, self._sweep)
+
+    def _sweep(self) -> None:
+        """Answer 408 and close each connection whose request head is late (``_Connection.late``)."""
+        cutoff = self._loop.time() - self.read_timeout_s
+        for conn in self._http.connections:
+            if isinstance(conn, _Connection) and conn.late(cutoff):
+                resp = self.error_response(408, f"request not received within {self.read_timeout_s:g}s")
+                conn.transport.write(_raw_answer(resp))
+                conn.force_close()  # the transport sends what it holds, then closes
+        self._sweeper = self._loop.call_later(self.read_timeout_s / 2, self._sweep)
 
     @property
     def port(self) -> int:
@@ -124,6 +183,8 @@ class AiohttpServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop listening, let running handlers finish within ``grace_s``, then cancel them."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._listener is not None:
             self._listener.close()
         if self._http is not None:
@@ -132,6 +193,18 @@ class AiohttpServer:
             await self._listener.wait_closed()
 
     async def _handle(self, raw: web.BaseRequest) -> web.StreamResponse:
+        conn: _Connection = raw.protocol  # type: ignore[assignment]
+        started = conn.head_since or self._loop.time()
+        conn.head_since, conn.phase = 0.0, "body"
+        try:
+            return await self._serve(raw, conn, started)
+        finally:
+            conn.phase = "idle"
+            if conn.head_since:  # the next request came while this one was served
+                conn.head_since = self._loop.time()
+
+    async def _serve(self, raw: web.BaseRequest, conn: _Connection, started: float) -> web.StreamResponse:
+        """``raw``'s answer; its first byte came at loop time ``started``."""
         path, _, query = raw.raw_path.partition("?")
         method = raw.method.encode()
         try:
@@ -140,12 +213,13 @@ class AiohttpServer:
             if raw.content_length is not None and raw.content_length > self.max_body:
                 raise _Refused(413, f"body over {self.max_body} bytes")
             try:
-                async with asyncio.timeout(self.read_timeout_s):
+                async with asyncio.timeout_at(started + self.read_timeout_s):
                     body = await self._body(raw)
             except TimeoutError:
                 raise _Refused(408, f"request not received within {self.read_timeout_s:g}s") from None
         except _Refused as exc:
             return _answer(self.error_response(exc.status, str(exc)), close=True)
+        conn.phase = "handler"
         handler = self.routes.get((method, path))
         if self.auth is not None and path not in self.open_paths and not self.auth.allows(raw.headers.get("Authorization")):
             return _answer(self.error_response(401, "missing or wrong internal token"))

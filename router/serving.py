@@ -10,7 +10,8 @@ contract tests (``tests/router/test_server_contract.py``):
 A handler gets a ``ServerRequest`` and returns a ``Response`` (one body with ``Content-Length``),
 or calls ``request.stream(...)``, writes chunks to the ``StreamWriter`` and returns ``None``.
 Either server routes an exact ``(method, path)`` table (404 unknown path, 405 other method),
-answers a body over ``max_body`` 413, a request not in within ``read_timeout_s`` 408, beyond
+answers a body over ``max_body`` 413, a request (head and body) not in within ``read_timeout_s``
+of its first byte 408 (an idle keep-alive connection is not a request), beyond
 ``max_connections`` open connections 503, a missing internal token 401 (every path but
 ``open_paths``), a handler's exception 500 (or a cut connection once streaming), and cancels a
 handler whose client went away. Its own refusals' bodies come from ``error_response``.

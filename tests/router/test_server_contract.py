@@ -152,10 +152,44 @@ def test_slow_body_is_408(kind):
     _run(kind, body, read_timeout_s=0.3)
 
 
+def test_slow_head_is_408_and_closes(kind):
+    async def body(server, reader, writer, state):
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        status, headers, data = await _read(reader)
+        assert status == 408 and headers.get("connection") == "close" and data.startswith(b'{"error"')
+        assert await reader.read() == b""
+
+    _run(kind, body, read_timeout_s=0.3)
+
+
+def test_deadline_counts_from_the_first_byte(kind):
+    async def body(server, reader, writer, state):
+        # each piece comes within the deadline of the one before, the whole request does not
+        for piece in (b"POST /echo HTTP/1.1\r\n", b"Host: x\r\n", b"Content-Length: 1\r\n\r\n"):
+            writer.write(piece)
+            await asyncio.sleep(0.2)
+        writer.write(b"a")
+        assert (await _read(reader))[0] == 408
+
+    _run(kind, body, read_timeout_s=0.3)
+
+
+def test_idle_keep_alive_connection_is_not_a_slow_request(kind):
+    async def body(server, reader, writer, state):
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _read(reader))[0] == 200
+        await asyncio.sleep(0.8)  # idle for over two deadlines, under keep-alive
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _read(reader))[0] == 200
+
+    _run(kind, body, read_timeout_s=0.3)
+
+
 def test_malformed_request_is_400(kind):
     async def body(server, reader, writer, state):
         writer.write(b"GET /echo HTTP/1.1\r\nHost x\r\n\r\n")
         assert (await _read(reader))[0] == 400
+        assert await reader.read() == b""  # and closed
 
     _run(kind, body)
 

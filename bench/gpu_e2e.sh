@@ -10,6 +10,7 @@
 # DUMMY=1 writes no weights (a ~20-layer V4-Flash checkpoint is ~70 GB, past the 64 GiB disk): only config.json and
 # the tokenizer, and the workers run --load-format dummy (the same random tensors, drawn in GPU memory).
 # HEALTH_WAIT=S: seconds to wait for the stack (default 110; a 20-layer load takes longer).
+# ONE_WAVE=1 sends one wave of requests per concurrency (c requests, at least 2) instead of 1.5 waves.
 # GPUTESTS=1 also runs the whole `gpu`-marked suite afterwards.
 # Results: kernels/NOTES.md (runs 19-21) and docs/PERFORMANCE.md.
 set -u
@@ -35,7 +36,7 @@ for _ in range(20): a @ b
 torch.cuda.synchronize(); mm = 20 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
 print(json.dumps({"copy_TBps": round(copy, 3), "bf16_matmul_TFLOPs": round(mm, 1)}))
 PY
-cat /tmp/floors.json
+cat /tmp/floors.json; cp /tmp/floors.json $OUT/
 if [ -n "${DUMMY:-}" ]; then  # config + tokenizer only; the workers draw the weights on the GPU (--load-format dummy)
   python -m deepserve.cli make-random-checkpoint --preset v4-flash --layers ${LAYERS:-4} --out /tmp/ck --config-only
 else
@@ -45,12 +46,14 @@ fi
 UP=$!
 for i in $(seq 1 ${HEALTH_WAIT:-110}); do curl -sf localhost:8000/health >/dev/null && { echo "healthy after $i s"; break; }; kill -0 $UP 2>/dev/null || { echo "up died"; tail -20 $OUT/up.log; break; }; sleep 1; done
 for c in ${CONC:-1 8 32}; do
+  n=$((c < 4 ? 3 : c + c / 2)); [ -n "${ONE_WAVE:-}" ] && n=$((c < 2 ? 2 : c))
   timeout ${CONC_TIMEOUT:-150} python -m deepserve.cli bench serve --url http://127.0.0.1:8000 --workload fixed:input_length=8192,output_length=${OUT_LEN:-256} \
-    --concurrency $c --num-requests $((c < 4 ? 3 : c + c / 2)) --warmup 1 --no-progress --output /tmp/e2e_c$c.json 2>&1 | grep -E "concurrency|completed|tokens/s|TTFT p50|ITL mean|ITL p50|ITL p90|TPOT mean|errors"
+    --concurrency $c --num-requests $n --warmup 1 --no-progress --output $OUT/e2e_c$c.json 2>&1 | grep -E "concurrency|completed|tokens/s|TTFT p50|ITL mean|ITL p50|ITL p90|TPOT mean|errors"
 done
-python -c "import json,glob; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/e2e_c*.json'))}, open('$OUT/e2e.json', 'w'))"
+python -c "import json,glob; json.dump({f: json.load(open(f)) for f in sorted(glob.glob('$OUT/e2e_c*.json'))}, open('$OUT/e2e.json', 'w'))"
 curl -s localhost:8000/metrics > $OUT/gateway_metrics.txt
 W=$(grep -o "http://127.0.0.1:[0-9]*" $OUT/up.log | grep -v ":8000" | head -1); echo worker $W
+[ -n "$W" ] && curl -s $W/metrics > $OUT/worker_metrics.txt
 kill $UP; wait $UP 2>/dev/null
 tail -5 $OUT/up.log
 [ -n "${PYTESTS:-}" ] && cd $R && timeout 200 python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/engine/model/v41/test_v41_gpu.py 2>&1 | grep -E "^E |Error|passed|failed" | tail -12

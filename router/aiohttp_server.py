@@ -97,7 +97,8 @@ class _Request:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {k.lower(): v for k, v in self._raw.headers.items()}
+        # from the raw bytes, as latin-1 (http1's decoding: aiohttp's own is UTF-8 with surrogates)
+        return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self._raw.raw_headers}
 
     def stream(self, status: int = 200, content_type: bytes = b"application/x-ndjson", headers: dict[str, str] | None = None) -> _Writer:
         resp = web.StreamResponse(status=status, headers={"Content-Type": content_type.decode("latin-1"), **(headers or {})})

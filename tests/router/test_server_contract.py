@@ -14,6 +14,8 @@ from router.serving import SERVERS, Response, ServerRequest, make_server
 
 pytestmark = pytest.mark.parametrize("kind", SERVERS)
 
+_MIB = b"z" * (1 << 20)
+
 
 def _error(status: int, message: str) -> Response:
     return Response(b'{"error":"%s"}' % message.encode(), status)
@@ -44,8 +46,23 @@ def _server(kind: str, state: dict, *, max_body: int = 1 << 20, read_timeout_s: 
     async def silent(req: ServerRequest) -> None:
         return None
 
+    async def slow(req: ServerRequest) -> Response:
+        await asyncio.sleep(float(_param(req, "s", "0.05")))
+        return Response(req.body)
+
+    async def headers(req: ServerRequest) -> Response:
+        return Response(b"%s|%s" % (req.headers["x-trace"].encode(), req.headers.get("content-type", "-").encode()))
+
+    async def flood(req: ServerRequest) -> None:
+        out = req.stream()
+        for _ in range(64):  # 64 MiB: far beyond any socket buffer
+            await out.write(_MIB)
+            state["written"] = state.get("written", 0) + 1
+        out.end()
+
     routes = {(b"POST", "/echo"): echo, (b"GET", "/echo"): echo, (b"GET", "/stream"): stream, (b"GET", "/boom"): boom,
-              (b"GET", "/silent"): silent, (b"GET", "/health"): echo}
+              (b"GET", "/silent"): silent, (b"GET", "/health"): echo, (b"POST", "/slow"): slow, (b"POST", "/headers"): headers,
+              (b"GET", "/flood"): flood}
     return make_server(kind, routes, error_response=_error, max_body=max_body, read_timeout_s=read_timeout_s,
                        max_connections=max_connections, auth=auth, open_paths=frozenset({"/health"}))
 
@@ -102,6 +119,7 @@ def test_routes_keep_alive_and_headers(kind):
             status, headers, data = await _read(reader)
             assert (status, data) == (200, b"POST /echo a=%d %d" % (i, i))
             assert headers["content-type"] == "text/plain" and headers["x-seen"] == "seen" and headers["x-peer"] == "127.0.0.1"
+            assert headers.get("connection", "keep-alive").lower() == "keep-alive"
         writer.write(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
         status, _, data = await _read(reader)
         assert status == 404 and b"no route" in data
@@ -110,6 +128,41 @@ def test_routes_keep_alive_and_headers(kind):
         assert status == 405 and data.startswith(b'{"error"')
 
     _run(kind, body)
+
+
+def test_pipelined_requests_answered_in_order(kind):
+    async def body(server, reader, writer, state):
+        # the first handler is the slowest: answers must still come back in request order
+        reqs = b"".join(b"POST /slow?s=%s HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n%d" % (s, i) for i, s in enumerate([b"0.05", b"0.01", b"0"]))
+        writer.write(reqs + b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert [(await _read(reader))[2] for _ in range(4)] == [b"0", b"1", b"2", b"GET /echo  0"]
+
+    _run(kind, body)
+
+
+def test_handler_reads_headers_lower_cased(kind):
+    async def body(server, reader, writer, state):
+        writer.write(b"POST /headers HTTP/1.1\r\nHost: x\r\nX-Trace: Ab\xe9\r\nCONTENT-TYPE: text/plain\r\nContent-Length: 0\r\n\r\n")
+        assert (await _read(reader))[2] == "Ab\xe9|text/plain".encode()
+
+    _run(kind, body)
+
+
+def test_connection_close_and_http10(kind):
+    async def body(server, reader, writer, state):
+        writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status, headers, _ = await _read(reader)
+        assert status == 200 and headers.get("connection") == "close"
+        assert await reader.read() == b""
+
+    _run(kind, body)
+
+    async def body10(server, reader, writer, state):
+        writer.write(b"GET /echo HTTP/1.0\r\n\r\n")
+        assert (await _read(reader))[0] == 200
+        assert await reader.read() == b""
+
+    _run(kind, body10)
 
 
 def test_chunked_request_body_and_expect_continue(kind):
@@ -185,9 +238,11 @@ def test_idle_keep_alive_connection_is_not_a_slow_request(kind):
     _run(kind, body, read_timeout_s=0.3)
 
 
-def test_malformed_request_is_400(kind):
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET /echo HTTP/1.1\r\nHost x\r\n\r\n", b"POST /echo HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+                                 b"GET / HTTP/9.9 extra\r\n\r\n"])
+def test_malformed_request_is_400_and_closes(kind, raw):
     async def body(server, reader, writer, state):
-        writer.write(b"GET /echo HTTP/1.1\r\nHost x\r\n\r\n")
+        writer.write(raw)
         assert (await _read(reader))[0] == 400
         assert await reader.read() == b""  # and closed
 
@@ -221,6 +276,17 @@ def test_connections_over_the_limit_are_503(kind):
             assert await r2.read() == b""
         finally:
             w2.close()
+        writer.close()  # a closed connection frees its place
+        for _ in range(100):
+            r3, w3 = await asyncio.open_connection("127.0.0.1", server.port)
+            try:
+                w3.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+                if (await _read(r3))[0] == 200:
+                    return
+            finally:
+                w3.close()
+            await asyncio.sleep(0.01)
+        raise AssertionError("the closed connection's place was never freed")
 
     _run(kind, body, max_connections=1)
 
@@ -263,3 +329,14 @@ def test_client_going_away_cancels_the_stream(kind):
 
     state = _run(kind, body)
     assert state["cancelled"] and state["finally"]
+
+
+def test_slow_reader_backpressure_pauses_the_writer(kind):
+    async def body(server, reader, writer, state):
+        writer.write(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.3)  # read nothing: the handler must be waiting, not buffering 64 MiB
+        assert state.get("written", 0) < 16
+        status, _, data = await _read(reader)
+        assert status == 200 and len(data) == 64 * len(_MIB)
+
+    _run(kind, body)

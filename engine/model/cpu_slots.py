@@ -2,13 +2,16 @@
 layer's attention step that read and write its slot pools.
 
 - ``gather_attend``: ``attend.attend_with_sinks`` for a batch of decode tokens whose keys are
-  rows of the window ring (found from slot and position) and of the compressed-row pool, read in
-  place (no gathered copies, no index tensors for the window); each key row read once for all
-  heads. ``index_scores``: the CSA indexer's scores over a slot's rows, read in place.
-- ``compress_step``: one token per slot into a compressor (``Compressor.update`` at decode):
-  the token's projections into the slot's buffer and, for the slots whose window closes, the
-  gated pooling, the kv norm and RoPE of ``decode.pool_windows``, the row written in place and
-  (CSA) the window's first half kept as the next window's overlap.
+  rows of the window ring (found from slot and position), the step's own new keys (a verify's
+  ``1 + k`` offsets of a slot in one pass, each seeing the offsets before it) and rows of the
+  compressed-row pool, read in place (no gathered copies, no index tensors for the window); each
+  key row read once for all heads. ``index_scores``: the CSA indexer's scores over a slot's rows,
+  read in place.
+- ``compress_step``: the step's tokens into a compressor (``Compressor.update`` at decode), in
+  column order (a verify's offsets one after another): each token's projections into its slot's
+  buffer and, right after a token whose window closes, the gated pooling, the kv norm and RoPE of
+  ``decode.pool_windows``, the row written in place and (CSA) the window's first half kept as the
+  next window's overlap.
 
 Per token the arithmetic is the eager path's, in fp32 (``cpu_fused._exp``, ``cpu_fused._dot``:
 rounding differs by an ulp or so); nothing depends on the other tokens of the batch.
@@ -25,38 +28,58 @@ from engine.model import cpu_fused
 from engine.model.cpu_fused import _dot, _exp, _max, _sum
 
 
+def _key_row(ring: np.ndarray, fresh: np.ndarray, rows: np.ndarray, key: np.ndarray, j: int, w: int, f: int) -> np.ndarray:
+    """Key ``j`` of a query's list: ring entry ``key[j]`` (``j < w``), fresh key (``j < w + f``), else pool row."""
+    if j < w:
+        return ring[key[j]]
+    if j < w + f:
+        return fresh[key[j]]
+    return rows[key[j]]
+
+
 def _gather_attend(
-    q: np.ndarray, ring: np.ndarray, slots: np.ndarray, positions: np.ndarray, window: int, rows: np.ndarray,
-    row_at: np.ndarray, row_bias: np.ndarray, sinks: np.ndarray, scaling: float,
+    q: np.ndarray, ring: np.ndarray, fresh: np.ndarray, cols: int, slots: np.ndarray, positions: np.ndarray, window: int,
+    rows: np.ndarray, row_at: np.ndarray, row_bias: np.ndarray, sinks: np.ndarray, scaling: float,
 ) -> np.ndarray:  # fmt: skip
     """``attend.attend_with_sinks`` with the keys read in place: query ``t`` (slot ``slots[t]`` at
-    position ``p = positions[t]``) attends to its window, the ring entries of positions
-    ``max(0, p-W+1) .. p`` in that order (``ring (S·W, D)``, entry ``slot·W + position % W``),
-    then to ``rows[row_at[t, j]]`` (bias ``row_bias[t, j]``; 0 columns: no bias; ``row_at`` with 0
-    columns: no rows); softmax with the per-head sink logit; ``q (n, nh, D)`` → ``(n, nh, D)``. A
-    row whose logit is -inf gets exactly 0. Each key row is read once for all heads."""
+    position ``p = positions[t]``) attends to its window, positions ``max(0, p-W+1) .. p`` in that
+    order, then to ``rows[row_at[t, j]]`` (bias ``row_bias[t, j]``; 0 columns: no bias; ``row_at``
+    with 0 columns: no rows); softmax with the per-head sink logit; ``q (n, nh, D)`` → ``(n, nh, D)``.
+
+    Window keys come from the ring (``ring (S·W, D)``, entry ``slot·W + position % W``), except, with
+    ``fresh (n, D)`` (0 rows: none), the keys not written there yet: the step's own columns are
+    offset-major (``cols`` per offset), so query ``t`` at offset ``j = t // cols`` (position ``p``)
+    reads ring positions up to ``p-j-1`` and the fresh keys of columns ``t - j·cols, .., t`` (its
+    slot's offsets ``0 .. j``): a verify's offsets all in one pass, none overwriting a key another
+    reads. A row whose logit is -inf gets exactly 0. Each key row is read once for all heads."""
     n, nh, d = q.shape
     e = row_at.shape[1]
     sc = np.float32(scaling)
     neg = np.float32(-np.inf)
     zero = np.float32(0.0)
     out = np.zeros((n, nh, d), np.float32)
-    logit = np.empty((nh, window + e), np.float32)
-    key = np.empty(window + e, np.int64)  # ring entry (window keys) or pool row (-1 - row) of key j
+    has_fresh = fresh.shape[0] > 0
+    depth = n // cols + 1 if has_fresh else 0
+    logit = np.empty((nh, window + depth + e), np.float32)
+    key = np.empty(window + depth + e, np.int64)  # ring entry, fresh row or pool row of key j
     for t in range(n):
         base, p = slots[t] * window, positions[t]
         first = max(0, p - window + 1)
-        w = p - first + 1  # visible window keys
+        f = t // cols + 1 if has_fresh else 0  # fresh keys: positions p-f+1 .. p
+        w = p - first + 1 - f  # window keys read from the ring
         at = base + first % window
         for j in range(w):  # the ring's entries in chronological order: at most one wrap
             key[j] = at
             at = at + 1 if at + 1 < base + window else base
+        for j in range(f):
+            key[w + j] = t - (f - 1 - j) * cols
         for j in range(e):
-            key[w + j] = -1 - row_at[t, j]
-        m_all = w + e
+            key[w + f + j] = row_at[t, j]
+        wf = w + f
+        m_all = wf + e
         for j in range(m_all):
-            row = ring[key[j]] if j < w else rows[-1 - key[j]]
-            b = row_bias[t, j - w] if j >= w and row_bias.shape[1] else zero
+            row = _key_row(ring, fresh, rows, key, j, w, f)
+            b = row_bias[t, j - wf] if j >= wf and row_bias.shape[1] else zero
             for h in range(nh):
                 logit[h, j] = _dot(q[t, h], row) * sc + b
         for h in range(nh):
@@ -72,17 +95,17 @@ def _gather_attend(
         o = out[t]
         j = 0
         while j + 4 <= m_all:  # four keys per pass over the output: a quarter of its loads and stores
-            r0 = ring[key[j]] if j < w else rows[-1 - key[j]]
-            r1 = ring[key[j + 1]] if j + 1 < w else rows[-1 - key[j + 1]]
-            r2 = ring[key[j + 2]] if j + 2 < w else rows[-1 - key[j + 2]]
-            r3 = ring[key[j + 3]] if j + 3 < w else rows[-1 - key[j + 3]]
+            r0 = _key_row(ring, fresh, rows, key, j, w, f)
+            r1 = _key_row(ring, fresh, rows, key, j + 1, w, f)
+            r2 = _key_row(ring, fresh, rows, key, j + 2, w, f)
+            r3 = _key_row(ring, fresh, rows, key, j + 3, w, f)
             for h in range(nh):
                 p0, p1, p2, p3 = logit[h, j], logit[h, j + 1], logit[h, j + 2], logit[h, j + 3]
                 for c in range(d):
                     o[h, c] += (p0 * r0[c] + p1 * r1[c]) + (p2 * r2[c] + p3 * r3[c])
             j += 4
         while j < m_all:
-            r0 = ring[key[j]] if j < w else rows[-1 - key[j]]
+            r0 = _key_row(ring, fresh, rows, key, j, w, f)
             for h in range(nh):
                 p0 = logit[h, j]
                 for c in range(d):
@@ -94,17 +117,20 @@ def _gather_attend(
 def gather_attend(
     q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int,
     rows: torch.Tensor | None, row_at: torch.Tensor | None, row_bias: torch.Tensor | None, sinks: torch.Tensor, scaling: float,
+    fresh: torch.Tensor | None = None, cols: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     """``_gather_attend`` on fp32 CPU tensors: ``ring (S·W, D)``, ``slots/positions (n,)`` int64,
     compressed ``rows (R, D)`` at ``row_at (n, E)`` with ``row_bias (n, E)`` (None: no rows / no
-    bias)."""
+    bias); ``fresh (n, D)`` the columns' own keys, not in the ring yet (None: the ring holds them),
+    ``cols`` columns per offset."""
     if row_at is None:
         rows_np, at_np = np.zeros((1, ring.shape[-1]), np.float32), np.zeros((q.shape[0], 0), np.int64)
     else:
         rows_np, at_np = rows.detach().numpy(), row_at.contiguous().numpy()
+    fresh_np = np.zeros((0, ring.shape[-1]), np.float32) if fresh is None else fresh.detach().contiguous().numpy()
     out = _gather_attend(
-        q.detach().contiguous().numpy(), ring.detach().numpy(), slots.numpy(), positions.numpy(), window, rows_np, at_np,
-        _NO_BIAS if row_bias is None else row_bias.detach().contiguous().numpy(), sinks.detach().numpy(), scaling,
+        q.detach().contiguous().numpy(), ring.detach().numpy(), fresh_np, cols, slots.numpy(), positions.numpy(), window,
+        rows_np, at_np, _NO_BIAS if row_bias is None else row_bias.detach().contiguous().numpy(), sinks.detach().numpy(), scaling,
     )  # fmt: skip
     return torch.from_numpy(out)
 
@@ -191,29 +217,33 @@ def top_rows(scores: torch.Tensor, counts: list[int], topk: int) -> tuple[torch.
 
 
 def _compress_step(
-    buf_kv: np.ndarray, buf_gate: np.ndarray, buf_at: np.ndarray, kv: np.ndarray, gate: np.ndarray,
+    buf_kv: np.ndarray, buf_gate: np.ndarray, buf_at: np.ndarray, kv: np.ndarray, gate: np.ndarray, closes: np.ndarray,
     close_slots: np.ndarray, close_rows: np.ndarray, has_prev: np.ndarray, cos: np.ndarray,
     sin: np.ndarray, overlap_kv: np.ndarray, overlap_gate: np.ndarray, position_bias: np.ndarray,
     norm_w: np.ndarray, norm_eps: float, rows: np.ndarray,
 ) -> None:  # fmt: skip
-    """``buf_kv/buf_gate (S+1, r, P)`` take ``kv/gate (n, P)`` at flat rows ``buf_at (n,)``; then
-    each closing window ``i`` (slot ``close_slots[i]``) pools its ``r``
+    """``buf_kv/buf_gate (S+1, r, P)`` take ``kv/gate (n, P)`` at flat rows ``buf_at (n,)``, token by
+    token; right after a token that closes its window (``closes[t]``, the ``i``-th to close: slot
+    ``close_slots[i]``) the window pools its ``r``
     buffered tokens (CSA, ``overlap_kv`` with ``r`` rows: after the previous window's Ca, or
     nothing when ``has_prev[i]`` is 0) with a softmax over the gates + position bias per
     channel, then RMSNorm (``norm_w``) and RoPE (``cos/sin[i]``) into ``rows[close_rows[i]]``."""
     r, p = buf_kv.shape[1], buf_kv.shape[2]
     flat_kv = buf_kv.reshape(-1, p)
     flat_gate = buf_gate.reshape(-1, p)
-    for t in range(kv.shape[0]):
-        flat_kv[buf_at[t]] = kv[t]
-        flat_gate[buf_at[t]] = gate[t]
     d = rows.shape[1]
     overlap = overlap_kv.shape[0] > 0
     first = r if overlap else 0  # slots before the window's own r (the previous window's Ca)
     neg = np.float32(-np.inf)
     pooled = np.empty(d, np.float32)
     g = np.empty(first + r, np.float32)
-    for i in range(close_slots.shape[0]):
+    i = -1  # the closing window last pooled
+    for t in range(kv.shape[0]):  # in column order: a verify's offsets one after another
+        flat_kv[buf_at[t]] = kv[t]
+        flat_gate[buf_at[t]] = gate[t]
+        if not closes[t]:
+            continue
+        i += 1
         s = close_slots[i]
         for c in range(d):
             k0 = d + c if overlap else c  # the window's own series: Cb (CSA) or the only one
@@ -288,7 +318,8 @@ class ClosingWindows:
     shared by every compressor of that rate."""
 
     buf_at: np.ndarray  # (n,) flat buffer row of each token
-    slots: np.ndarray  # (m,) slot of each closing window
+    closes: np.ndarray  # (n,) bool: the token closes its window
+    slots: np.ndarray  # (m,) slot of each closing window, in column order
     rows: np.ndarray  # (m,) flat destination row
     has_prev: np.ndarray  # (m,) bool: a previous window exists
     cos: np.ndarray  # (m, rope/2) at each window's position
@@ -296,22 +327,25 @@ class ClosingWindows:
 
 
 def closing_windows(
-    buf_at: torch.Tensor, slots: torch.Tensor | None, rows: torch.Tensor | None, has_prev: torch.Tensor | None,
+    buf_at: torch.Tensor, closes: list[int], slots: torch.Tensor | None, rows: torch.Tensor | None, has_prev: torch.Tensor | None,
     cos: torch.Tensor | None, sin: torch.Tensor | None,
 ) -> ClosingWindows:  # fmt: skip
-    """``ClosingWindows`` from int64 / fp32 tensors; ``slots`` None when no window closes,
-    ``has_prev`` None when every closing window has a previous one."""
+    """``ClosingWindows`` from int64 / fp32 tensors; ``closes``: the columns whose window closes
+    (ascending), ``slots`` None when there is none, ``has_prev`` None when every closing window
+    has a previous one."""
+    flags = np.zeros(buf_at.shape[0], np.bool_)
+    flags[closes] = True
     if slots is None:
-        return ClosingWindows(buf_at.numpy(), _NONE_I, _NONE_I, _NONE_B, _EMPTY2, _EMPTY2)
+        return ClosingWindows(buf_at.numpy(), flags, _NONE_I, _NONE_I, _NONE_B, _EMPTY2, _EMPTY2)
     prev = np.ones(slots.shape[0], np.bool_) if has_prev is None else has_prev.view(-1).numpy()
-    return ClosingWindows(buf_at.numpy(), slots.numpy(), rows.numpy(), prev, cos.contiguous().numpy(), sin.contiguous().numpy())
+    return ClosingWindows(buf_at.numpy(), flags, slots.numpy(), rows.numpy(), prev, cos.contiguous().numpy(), sin.contiguous().numpy())
 
 
 def compress_step(a: CompressArrays, w: ClosingWindows, kv: torch.Tensor, gate: torch.Tensor) -> None:
     """``_compress_step``: the tokens' projections ``kv, gate (n, P)`` into compressor ``a``'s
     buffers, the windows ``w`` closes pooled into its rows (all in place)."""
     _compress_step(
-        a.buf_kv, a.buf_gate, w.buf_at, kv.contiguous().numpy(), gate.contiguous().numpy(), w.slots, w.rows,
+        a.buf_kv, a.buf_gate, w.buf_at, kv.contiguous().numpy(), gate.contiguous().numpy(), w.closes, w.slots, w.rows,
         w.has_prev, w.cos, w.sin, a.overlap_kv, a.overlap_gate, a.position_bias, a.norm_w, a.norm_eps, a.rows,
     )  # fmt: skip
 
@@ -322,6 +356,7 @@ _NONE_I = np.zeros(0, np.int64)
 _NONE_B = np.zeros(0, np.bool_)
 
 
+_key_row = cpu_fused.numba.njit(cache=True, nogil=True, inline="always")(_key_row)
 _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_gather_attend)
 _compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)
 _index_scores = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_index_scores)

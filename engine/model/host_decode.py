@@ -7,24 +7,26 @@ tokens, 1.1x at 1K, none at 8 or fewer; ``bench.engine_bench --general-path``). 
 in a ``slots.SlotPool`` (the layout ``StaticDecoder`` steps too; ``load``/``export``/``free``), and a step is
 batched tensor ops with no per-sequence loop:
 
-- the new key goes into the window ring at ``p % W``; the window is one gather of ring entries
-  ``p-W+1 .. p`` in that (chronological) order, left entries hidden when ``p < W-1`` — the very
-  keys and bias of ``decode._window_keys``;
 - each compressor buffers the token at ``p % r``; only the rows whose window closes this step
-  (known on the host) pool it, with ``decode.pool_windows``, and write row ``p // r``;
+  (known on the host) pool it and write row ``p // r`` (``cpu_slots.compress_step``, the tokens in
+  column order);
 - HCA reads rows ``[0, max count)`` of each slot (bias on the shorter ones), CSA scores as many
-  indexer rows and picks with ``decode.pick_rows`` (compiled: ``cpu_slots.top_rows``); one
-  ``attend_with_sinks`` for the batch.
+  indexer rows and picks with ``decode.pick_rows`` (compiled: ``cpu_slots.top_rows``);
+- one ``cpu_slots.gather_attend`` for the batch reads the window from the ring (positions
+  ``p-W+1 .. p-1``) and the step's own new keys, then the new keys go into the ring at ``p % W``.
+
+A verify step (``1 + k`` tokens per slot, offset-major columns) is the same pass over all its
+columns: the compressors take the offsets in order, and offset ``j`` of a slot attends to the
+ring up to position ``p-1`` and the new keys of offsets ``0 .. j`` (``gather_attend``'s fresh
+keys), so no offset's ring write replaces a key an earlier offset reads.
 
 Unlike the CUDA-graph path, nothing is padded to a bucket and no shape is fixed: the host knows
-every position, so a step reads only the rows that exist. With ``compiled`` (the default where
-numba runs) each layer is a handful of compiled loops instead of ~200 PyTorch calls: the mHC,
-projections, output projection and MoE through ``cpu_layer.decode_layer``, the attention over
-the ring and rows read in place and the compressors' token step through ``cpu_slots``
-(``bench.engine_bench --eager-slots``: 1.48x the eager path's throughput at 8 sequences of
-256 tokens, 1.25x at 32). Without it, the general path's own modules (``DecoderLayer.blocks``,
-``Attention.project_attend``) run the step. Either way the tokens and logprobs equal the general path's within fp32 rounding (the
-tests compare both).
+every position, so a step reads only the rows that exist. The attention and the compressors are
+always these compiled loops (fp32 only); with ``compiled`` (the default) the rest of each layer is
+too (the mHC, projections, output projection and MoE through ``cpu_layer.decode_layer``), else the
+general path's own modules (``DecoderLayer.blocks``, ``Attention.project_attend``) run it
+(``bench.engine_bench --eager-slots``). Either way the tokens and logprobs equal the general
+path's within fp32 rounding (the tests compare both).
 """
 
 from __future__ import annotations
@@ -35,10 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.model import cpu_fused, cpu_layer, cpu_slots, slot_rewind
-from kernels.reference import attend_with_sinks, hide
+from engine.model import cpu_layer, cpu_slots, slot_rewind
 from engine.model.attention import Attention, Compressor, Indexer, Projected
-from engine.model.decode import pad_bias, pick_rows, pool_windows
+from engine.model.decode import pad_bias, pick_rows
 from engine.model.fp8 import keeps_native_weights
 from engine.model.rope import Rotary
 from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
@@ -52,24 +53,23 @@ class _RateStep:
     buf_at: torch.Tensor  # (n,) flat buffer row of each token: slot * r + p % r
     row_base: torch.Tensor  # (n,) flat row 0 of each slot: slot * (Tc + 1)
     counts: list[int]  # complete rows of each sequence after this step
-    close: list[int]  # batch rows whose window closes this step
+    close: list[int]  # columns whose window closes this step (ascending)
     close_slots: torch.Tensor | None  # (m,)
     close_rows: torch.Tensor | None  # (m,) flat destination row of each closing window
     close_pos: torch.Tensor | None  # (m,) position of each closing window's row (window * r)
     has_prev: torch.Tensor | None  # (m, 1, 1) window > 0, None when all are
-    host: cpu_slots.ClosingWindows | None = None  # the above as numpy arrays, made once per step (compiled path)
+    host: cpu_slots.ClosingWindows | None = None  # the above as numpy arrays, made once per step
 
 
 @dataclass
 class _Step:
-    """One step's indices shared by every layer."""
+    """One step's indices shared by every layer (``cols`` columns per offset, offset-major)."""
 
     slots: torch.Tensor  # (n,) int64
     positions: torch.Tensor  # (n,) position of each new token
     ring_at: torch.Tensor  # (n,) flat ring entry of the new key: slot * W + p % W
     rates: dict[int, _RateStep]
-    window_at: torch.Tensor | None = None  # (n, W) flat ring entries of keys p-W+1 .. p (eager path)
-    window_bias: torch.Tensor | None = None  # (n, W) -inf before position 0, None when nothing is hidden
+    cols: int
 
 
 class HostDecoder:
@@ -82,12 +82,14 @@ class HostDecoder:
     def __init__(self, model, max_slots: int, max_tokens: int, compiled: bool = True, verify_width: int = 1) -> None:
         if keeps_native_weights(model):  # its compiled loops read the weights as dense numpy views
             raise ValueError("the host slot decoder needs dequantised weights: load with load_model(fp8=None, fp4_experts=False)")
+        if model.dtype != torch.float32 or model.device.type != "cpu":
+            raise ValueError("the host slot decoder runs fp32 CPU models (its compiled loops are fp32)")
         self.model, self.cfg, self.dtype = model, model.config, model.dtype
         self.max_slots, self.max_tokens, self.verify_width = max_slots, max_tokens, verify_width
         self.buckets = (max_slots,)  # nothing is padded: any batch runs as it is
         self.slots = SlotPool(model, max_slots, max_tokens, verify_width)
         self.pools, self.num_tokens, self.token_ids = self.slots.layers, self.slots.num_tokens, self.slots.token_ids
-        self.compiled = compiled  # layers (cpu_layer), attention and compressors (cpu_slots) compiled where they run
+        self.compiled = compiled  # the layers through cpu_layer (attention and compressors are always cpu_slots)
         self._packed: list[cpu_layer.LayerWeights | None] | None = None
         self._comp_arrays: dict[int, cpu_slots.CompressArrays] = {}  # by id of the CompPool
 
@@ -129,8 +131,8 @@ class HostDecoder:
     @torch.inference_mode()
     def verify(self, slots: Sequence[int], token_rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``StaticDecoder.verify``'s contract on the host: ``verify_width`` tokens per slot in one pass of
-        the layers (projections and experts over every column, each offset's attention after the
-        one before) → hidden ``(n, width, H)`` and streams ``(n, width, hc, H)``; ``accept`` next."""
+        the layers over every column (module docstring) → hidden ``(n, width, H)`` and streams
+        ``(n, width, hc, H)``; ``accept`` next."""
         width, n = self.verify_width, len(slots)
         positions = self.slots.check_verify(slots, token_rows, width, self.cfg.vocab_size)
         ids = [int(r[j]) for j in range(width) for r in token_rows]  # offset-major columns
@@ -145,8 +147,7 @@ class HostDecoder:
         """Every layer over offset-major columns (``width`` offsets of the slots) → the final
         streams ``(N, hc, H)`` and whether the compiled layers ran; writes the slots' state."""
         model, cfg = self.model, self.cfg
-        n = len(slots)
-        steps = [self._indices(slots, positions[j * n : (j + 1) * n]) for j in range(width)]
+        step = self._indices(list(slots) * width, positions, len(slots))
         ids = torch.tensor(token_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         embeds = model.model.embed_tokens(ids)  # (N, H)
@@ -162,7 +163,7 @@ class HostDecoder:
         host = {kind: (c.numpy(), s.numpy()) for kind, (c, s) in ropes.items()} if compiled else {}
         for layer, lp, w in zip(model.model.layers, self.pools, packed):
             attn: Attention = layer.self_attn
-            attend = lambda p, attn=attn, lp=lp: self._attend_offsets(attn, lp, p, steps, rotary)
+            attend = lambda p, attn=attn, lp=lp: self._attend(attn, lp, p, step, rotary)
             if w is not None:
                 streams = torch.from_numpy(cpu_layer.decode_layer(w, np.ascontiguousarray(streams.numpy()), ids.numpy(), *host[attn.rope_kind], attend))
             else:
@@ -176,28 +177,12 @@ class HostDecoder:
             return cpu_layer.final_hidden(self.model, np.ascontiguousarray(streams.numpy()))
         return self.model.model.norm(self.model.model.hc_head(streams))
 
-    def _attend_offsets(self, attn: Attention, lp: LayerPool, p: Projected, steps: list[_Step], rotary: Rotary) -> torch.Tensor:
-        """``_attend`` of each offset's columns in order (a verify), or of the one step."""
-        if len(steps) == 1:
-            return self._attend(attn, lp, p, steps[0], rotary)
-        n = p.q.shape[0] // len(steps)
-        return torch.cat([
-            self._attend(attn, lp, Projected(*(None if t is None else t[j * n : (j + 1) * n] for t in p)), st, rotary)
-            for j, st in enumerate(steps)
-        ])  # fmt: skip
-
-    @property
-    def _compiled_here(self) -> bool:
-        """``compiled`` and the compiled loops can run: numba works and the pools are fp32 (the
-        layers check their own weights in ``cpu_layer.pack``)."""
-        return self.compiled and self.dtype == torch.float32 and cpu_fused.available()
-
     def warm_up(self) -> None:
         """Compile the step's numba kernels now instead of on the first request (~15 s on a cold
         numba cache, well under a second from its on-disk cache): two 8-token sequences prefilled
         on the general path, two decode steps in the last two slots (CSA rows exist by then, so
         every kernel runs), the head's greedy pass on two rows and on one; the slots are freed."""
-        if not self._compiled_here or self.max_tokens < 16:
+        if self.max_tokens < 16:
             return
         model = self.model
         slots = list(range(max(0, self.max_slots - 2), self.max_slots))
@@ -220,7 +205,7 @@ class HostDecoder:
             self._packed = [cpu_layer.pack(layer) for layer in self.model.model.layers]
         return self._packed
 
-    def _indices(self, slots: Sequence[int], positions: list[int]) -> _Step:
+    def _indices(self, slots: Sequence[int], positions: list[int], cols: int) -> _Step:
         w = self.cfg.sliding_window
         slot_t = torch.tensor(slots, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
@@ -229,13 +214,7 @@ class HostDecoder:
             comp = layer.self_attn.compressor
             if comp is not None and comp.rate not in rates:
                 rates[comp.rate] = self._rate_step(comp.rate, slots, positions, slot_t, pos_t)
-        st = _Step(slot_t, pos_t, slot_t * w + pos_t % w, rates)
-        if not self._compiled_here:  # the eager attention gathers the window
-            back = torch.arange(w - 1, -1, -1)  # key j of the window is position p - (W-1) + j
-            st.window_at = slot_t[:, None] * w + torch.remainder(pos_t[:, None] - back[None, :], w)
-            if min(positions) < w - 1:
-                st.window_bias = hide(back[None, :] > pos_t[:, None], self.dtype)
-        return st
+        return _Step(slot_t, pos_t, slot_t * w + pos_t % w, rates, cols)
 
     def _rate_step(self, r: int, slots: Sequence[int], positions: list[int], slot_t: torch.Tensor, pos_t: torch.Tensor) -> _RateStep:
         tc1 = self.max_tokens // r + 1
@@ -252,9 +231,9 @@ class HostDecoder:
         return rs
 
     def _attend(self, attn: Attention, lp: LayerPool, p: Projected, st: _Step, rotary: Rotary) -> torch.Tensor:
-        """Attention of the batch over its slots → ``(n, nh, D)``; writes this token's state."""
+        """Attention of the step's columns over their slots → ``(n, nh, D)``; writes their state
+        (the new keys into the ring after the attention has read the old ones)."""
         ring = lp.swa.view(-1, lp.swa.shape[-1])
-        ring.index_copy_(0, st.ring_at, p.kv)
         rows = row_at = row_bias = None  # compressed rows: flat pool, (n, E) row numbers, bias
         comp = attn.compressor
         if comp is not None:
@@ -266,26 +245,23 @@ class HostDecoder:
             if idx is not None:
                 self._compress(idx, lp.index, p.idx_kv, p.idx_gate, rs, rotary)
                 if t:
-                    scores = self._index_scores(idx, p, lp, rs, t)  # (n, T)
+                    flat = lp.index.rows.view(-1, lp.index.rows.shape[-1])
+                    scores = cpu_slots.index_scores(p.idx_q, p.idx_w, flat, rs.row_base, t, idx.softmax_scale, idx.weights_scaling)  # (n, T)
                     chosen, row_bias = self._pick_rows(idx, scores, rs.counts, p.q.dtype)  # (n, k)
                     row_at = rs.row_base[:, None] + chosen
             elif t:
                 row_at = rs.row_base[:, None] + torch.arange(t)  # (n, T)
                 if min(rs.counts) < t:
                     row_bias = pad_bias(rs.counts, t, p.q.dtype, ring.device)
-        if self._compiled_here:  # one compiled loop reading the ring and the rows in place
-            w = self.cfg.sliding_window
-            return cpu_slots.gather_attend(p.q, ring, st.slots, st.positions, w, rows, row_at, row_bias, attn.sinks, attn.scaling)
-        win = ring.index_select(0, st.window_at.view(-1)).view(*st.window_at.shape, -1)  # (n, W, D)
-        extra = None if row_at is None else _gather_rows(rows, row_at)
-        return attend_with_sinks(p.q, win, st.window_bias, extra, row_bias, attn.sinks, attn.scaling)
+        w = self.cfg.sliding_window
+        out = cpu_slots.gather_attend(p.q, ring, st.slots, st.positions, w, rows, row_at, row_bias, attn.sinks, attn.scaling, fresh=p.kv, cols=st.cols)
+        ring.index_copy_(0, st.ring_at, p.kv)
+        return out
 
     def _pick_rows(self, idx: Indexer, scores: torch.Tensor, counts: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``decode.pick_rows``: compiled (``cpu_slots.top_rows``: the same rows, tied ones lowest
         column first) except for the rows where a tie across the cut leaves the set to
         ``torch.topk``'s order (each row's pick depends on that row alone)."""
-        if not self._compiled_here:
-            return pick_rows(idx, scores, counts, dtype)
         chosen, taken, left = cpu_slots.top_rows(scores, counts, idx.topk)
         if left:
             rest, _ = pick_rows(idx, scores[left], [counts[i] for i in left], dtype)
@@ -293,56 +269,18 @@ class HostDecoder:
         k_max = chosen.shape[1]
         return chosen, None if min(taken) == k_max else pad_bias(taken, k_max, dtype, scores.device)
 
-    def _index_scores(self, idx: Indexer, p: Projected, lp: LayerPool, rs: _RateStep, t: int) -> torch.Tensor:
-        """The indexer's scores of each token over rows ``0 .. t-1`` of its slot ``(n, t)``."""
-        if self._compiled_here:  # rows read in place
-            flat = lp.index.rows.view(-1, lp.index.rows.shape[-1])
-            return cpu_slots.index_scores(p.idx_q, p.idx_w, flat, rs.row_base, t, idx.softmax_scale, idx.weights_scaling)
-        return idx.scores(p.idx_q, p.idx_w, _slot_rows(lp.index.rows, rs, t))
-
     def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, rs: _RateStep, rotary: Rotary) -> None:
-        """Buffer the token's projections; pool the windows that close and store their rows."""
-        if self._compiled_here:  # one compiled loop over numpy views made once (pools) or once per step (indices)
-            if rs.host is None:  # the compressors of a rate share it
-                cos = sin = None
-                if rs.close:
-                    cos, sin = rotary.cos_sin(rs.close_pos, torch.float32)
-                rs.host = cpu_slots.closing_windows(rs.buf_at, rs.close_slots, rs.close_rows, rs.has_prev, cos, sin)
-            arrays = self._comp_arrays.get(id(cp))
-            if arrays is None:
-                arrays = self._comp_arrays[id(cp)] = cpu_slots.compress_arrays(
-                    cp.rows, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate, comp.position_bias,
-                    comp.kv_norm.weight, comp.kv_norm.eps,
-                )  # fmt: skip
-            cpu_slots.compress_step(arrays, rs.host, kv, gate)
-            return
-        cp.buf_kv.view(-1, cp.buf_kv.shape[-1]).index_copy_(0, rs.buf_at, kv)
-        cp.buf_gate.view(-1, cp.buf_gate.shape[-1]).index_copy_(0, rs.buf_at, gate)
-        if not rs.close:
-            return
-        ckv = cp.buf_kv.index_select(0, rs.close_slots)  # (m, r, proj)
-        graw = cp.buf_gate.index_select(0, rs.close_slots)
-        prev_kv = prev_gate = None
-        if comp.overlap:
-            prev_kv = cp.overlap_kv.index_select(0, rs.close_slots)
-            prev_gate = cp.overlap_gate.index_select(0, rs.close_slots)
-            if rs.has_prev is not None:  # a first window: no previous Ca (the slot may hold stale data)
-                prev_kv = torch.where(rs.has_prev, prev_kv, 0.0)
-                prev_gate = torch.where(rs.has_prev, prev_gate, float("-inf"))
-        rows, cgate = pool_windows(comp, ckv, graw, prev_kv, prev_gate, rs.close_pos, rotary)
-        if comp.overlap:
-            d = comp.width
-            cp.overlap_kv.index_copy_(0, rs.close_slots, ckv[..., :d].contiguous())
-            cp.overlap_gate.index_copy_(0, rs.close_slots, cgate[..., :d].contiguous())
-        cp.rows.view(-1, comp.width).index_copy_(0, rs.close_rows, rows)
-
-
-def _gather_rows(pool: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """Rows ``at (n, k)`` (flat row numbers) of a ``(S+1, Tc+1, d)`` pool (or its ``(R, d)``
-    flat view) → ``(n, k, d)``."""
-    return pool.view(-1, pool.shape[-1]).index_select(0, at.view(-1)).view(*at.shape, -1)
-
-
-def _slot_rows(pool: torch.Tensor, rs: _RateStep, t: int) -> torch.Tensor:
-    """Rows ``0 .. t-1`` of each stepping slot of a ``(S+1, Tc+1, d)`` pool → ``(n, t, d)``."""
-    return _gather_rows(pool, rs.row_base[:, None] + torch.arange(t))
+        """Buffer the tokens' projections; pool the windows that close and store their rows
+        (``cpu_slots.compress_step`` over numpy views made once (pools) or once per step (indices))."""
+        if rs.host is None:  # the compressors of a rate share it
+            cos = sin = None
+            if rs.close:
+                cos, sin = rotary.cos_sin(rs.close_pos, torch.float32)
+            rs.host = cpu_slots.closing_windows(rs.buf_at, rs.close, rs.close_slots, rs.close_rows, rs.has_prev, cos, sin)
+        arrays = self._comp_arrays.get(id(cp))
+        if arrays is None:
+            arrays = self._comp_arrays[id(cp)] = cpu_slots.compress_arrays(
+                cp.rows, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate, comp.position_bias,
+                comp.kv_norm.weight, comp.kv_norm.eps,
+            )  # fmt: skip
+        cpu_slots.compress_step(arrays, rs.host, kv, gate)

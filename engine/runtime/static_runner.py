@@ -48,7 +48,7 @@ class StaticRunner:
             self.decoder = decoder
         elif isinstance(model, DeepseekV41ForCausalLM):  # V4.1: its own slot decoder (no verify steps)
             self.decoder = V41SlotDecoder(model, max_slots, max_tokens, use_graphs=use_graphs)  # type: ignore[assignment]
-        elif model.device.type == "cpu" and not use_graphs:
+        elif model.device.type == "cpu" and not use_graphs and model.dtype == torch.float32:  # the host step is fp32
             self.decoder: StaticDecoder = HostDecoder(model, max_slots, max_tokens, verify_width=verify_width)
         else:
             self.decoder = StaticDecoder(model, max_slots, max_tokens, use_graphs=use_graphs, tuning=tuning, verify_width=verify_width)

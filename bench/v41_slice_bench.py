@@ -9,13 +9,19 @@ two-level indexer) and index sources 1 and 3; the lm_head over the full vocabula
 drawn as per-layer stacks that the model's expert parameters are views of (the weights held once).
 
 Rows: ``decode`` = ``V41SlotDecoder.step`` (CUDA graph, inputs copied, synced) at each batch, the
-context's state prefilled once by the general path and loaded into every slot; beside it the floor
+context's state prefilled once by the model and loaded into every slot; beside it the floor
 = the bytes the step must read (every dense weight, the expected distinct routed experts of the
 batch, the lm_head, each slot's FP8 window, chosen FP4 rows and FP4 indexer keys as the pools hold them)
 at the copy bandwidth measured in the same run. ``parity`` = the slot step's logits against the
-general path's on the same states and tokens. ``prefill`` = one chunk of ``--prefill`` tokens on
-the general path, its FLOPs (projections, experts, attention, indexer) against the bf16 matmul
-rate measured in the run. ``kv_bytes_per_token`` = the 40-layer released config's block bytes per
+model's forward on the same states and tokens. ``prefill`` = one chunk of ``--prefill`` tokens on
+the model's default path on the device (the fast path, ``engine.model.v41.prefill``, on CUDA), its
+FLOPs (projections, experts, attention, indexer) against the bf16 matmul rate measured in the run;
+``breakdown``: one more prefill with a device sync around each layer's attention (projections,
+compressor, indexer, attention, output projections; the indexer's ``select`` also on its own) and
+FFN (router, routed and shared experts), "rest" = the total less those (mHC, norms, engram,
+embedding, lm_head), each with its FLOPs and % of the matmul rate; ``general`` (``--general``): the
+general path's time and the largest logit difference of the two paths, relative to the largest
+logit. ``kv_bytes_per_token`` = the 40-layer released config's block bytes per
 token (FP4 main rows 288 B + FP4 indexer rows 68 B per source row, over each source's ratio).
 """
 
@@ -24,14 +30,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from bench.gpu_slice_bench import _sync_time, copy_bandwidth, matmul_rate, touched_experts
+from bench.gpu_slice_bench import _sync
 from engine.model.rope import Rotary
+from engine.model.v41.attention import V41_TUNING, V41Tuning
 from engine.model.v41.config import V41Config
-from engine.model.v41.model import DeepseekV41ForCausalLM
+from engine.model.v41.model import DecoderLayer, DeepseekV41ForCausalLM
 from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, MXFP8_MAIN
 from engine.model.v41.slot_decode import V41SlotDecoder
 
@@ -48,10 +59,12 @@ def kv_bytes_per_token(cfg: V41Config) -> float:
     return total
 
 
-def random_slice(cfg: V41Config, device: str, dtype: torch.dtype) -> tuple[DeepseekV41ForCausalLM, list[tuple[torch.Tensor, torch.Tensor]]]:
+def random_slice(
+    cfg: V41Config, device: str, dtype: torch.dtype, tuning: V41Tuning = V41_TUNING
+) -> tuple[DeepseekV41ForCausalLM, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The model of ``cfg`` with N(0, 1/fan_in) matrices, norms and mHC scales 1, sinks and biases 0."""
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg, dtype).eval()
+        model = DeepseekV41ForCausalLM(cfg, dtype, tuning=tuning).eval()
     experts = [layer.ffn.experts for layer in model.model.layers]
     for layer in model.model.layers:
         layer.ffn.experts = nn.ModuleList()  # drawn below as stacks, not by to_empty
@@ -77,6 +90,7 @@ def random_slice(cfg: V41Config, device: str, dtype: torch.dtype) -> tuple[Deeps
                 e.w3.weight = nn.Parameter(gate_up[j, inter:], requires_grad=False)
                 e.w2.weight = nn.Parameter(down[j], requires_grad=False)
             layer.ffn.experts = ex
+            layer.ffn.stacks = (gate_up, down)  # MoE.stack: already stacked
             stacks.append((gate_up, down))
     return model, stacks
 
@@ -104,18 +118,109 @@ def state_bytes(cfg: V41Config, context: int) -> float:
     return total
 
 
-def prefill_flops(cfg: V41Config, dense_params: float, n: int) -> float:
-    """Multiply-adds × 2 of an ``n``-token prefill: dense projections and the 6 + 1 experts per
-    token, attention over the window and the top-k rows, the indexer over the complete rows."""
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    per_token = dense_params - cfg.vocab_size * cfg.hidden_size + (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert * cfg.num_hidden_layers
-    flops = 2 * per_token * n + 2 * cfg.vocab_size * cfg.hidden_size  # lm_head on the last token
+def prefill_flops(cfg: V41Config, dense_params: float, n: int) -> dict[str, float]:
+    """Multiply-adds × 2 of an ``n``-token prefill by component: ``experts`` (the router, the top-k
+    routed and the shared experts), ``attention`` (its projections, the compressor, the attention
+    over the window and the top-k rows, the indexer over the complete rows), ``rest`` (mHC
+    projections, the lm_head on the last token) and ``total``. ``dense_params``: every weight a
+    token meets once (the shared experts included, the routed ones not)."""
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    expert = 3 * h * cfg.moe_intermediate_size
+    ffn = (cfg.num_experts_per_tok * expert + cfg.n_shared_experts * expert + cfg.n_routed_experts * h) * layers
+    hc = 2 * (2 + cfg.hc_mult) * cfg.hc_mult * cfg.hc_mult * h * layers  # two mHC sites a layer
+    lm_head = cfg.vocab_size * h
+    attn = 2 * (dense_params - lm_head - ffn - hc) * n
     for i, r in enumerate(cfg.compress_ratios):
         rows = min(cfg.index_topk, n // max(r, 1)) if r else 0
-        flops += 4 * n * cfg.num_attention_heads * cfg.head_dim * (cfg.sliding_window + rows)
+        attn += 4 * n * cfg.num_attention_heads * cfg.head_dim * (cfg.sliding_window + rows)
         if i in cfg.index_source_layer_ids:
-            flops += 2 * n * cfg.index_n_heads * cfg.index_head_dim * (n // r) / 2  # causal: half the rows on average
-    return flops
+            attn += 2 * n * cfg.index_n_heads * cfg.index_head_dim * (n // r) / 2  # causal: half the rows on average
+    out = {"experts": 2.0 * ffn * n, "attention": float(attn), "rest": 2.0 * hc * n + 2.0 * lm_head}
+    out["total"] = sum(out.values())
+    return out
+
+
+@contextmanager
+def component_timer(model: DeepseekV41ForCausalLM) -> Iterator[dict[str, float]]:
+    """Seconds spent in each layer's ``attn`` and ``ffn`` and each indexer's ``select``, summed
+    over the forwards run inside (a device sync on entry and exit of each: it slows the run)."""
+    times = {"attention": 0.0, "indexer": 0.0, "experts": 0.0}
+    handles, wrapped = [], []
+
+    def timed(key: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            _sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync()
+            times[key] += time.perf_counter() - t0
+            return out
+
+        return run
+
+    for layer in model.model.layers:
+        for key, module in (("attention", layer.attn), ("experts", layer.ffn)):
+            start: dict[str, float] = {}
+
+            def pre(_m, _a, start=start):
+                _sync()
+                start["t"] = time.perf_counter()
+
+            def post(_m, _a, _o, key=key, start=start):
+                _sync()
+                times[key] += time.perf_counter() - start["t"]
+
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        if layer.attn.indexer is not None:
+            idx = layer.attn.indexer
+            idx.select = timed("indexer", idx.select)  # an instance attribute over the method, removed below
+            wrapped.append(idx)
+    try:
+        yield times
+    finally:
+        for hd in handles:
+            hd.remove()
+        for idx in wrapped:
+            del idx.select
+
+
+def prefill_rows(model: DeepseekV41ForCausalLM, ids: list[int], flops: dict[str, float], mm: float, general: bool) -> dict:
+    """The ``prefill`` row (module docstring) of one chunk ``ids`` on a fresh state."""
+    pre = _sync_time(lambda: model([(model.new_state(), ids)]), 1, 2)
+    row: dict = {"kind": "prefill", "tokens": len(ids), "seconds": pre, "flops": flops["total"],
+                 "tflops": flops["total"] / pre / 1e12, "of_matmul_rate": flops["total"] / pre / mm}  # fmt: skip
+    with component_timer(model) as times:
+        t0 = time.perf_counter()
+        model([(model.new_state(), ids)])
+        _sync()
+        total = time.perf_counter() - t0
+    secs = {"attention": times["attention"], "experts": times["experts"], "rest": total - times["attention"] - times["experts"]}
+    row["breakdown"] = {"synced_seconds": total, "indexer_seconds": times["indexer"]}
+    for key, t in secs.items():
+        row["breakdown"][key] = {"seconds": t, "share": t / total, "flops": flops[key], "of_matmul_rate": flops[key] / max(t, 1e-9) / mm}
+    if general:
+        got = model([(model.new_state(), ids)]).float()
+        before = [layer.tuning for layer in model.model.layers]
+        for layer, tuning in zip(model.model.layers, before):
+            _set_tuning(layer, replace(tuning, fast=False))
+        try:
+            t0 = time.perf_counter()
+            want = model([(model.new_state(), ids)]).float()
+            _sync()
+            seconds = time.perf_counter() - t0
+        finally:
+            for layer, tuning in zip(model.model.layers, before):
+                _set_tuning(layer, tuning)
+        row["general"] = {"seconds": seconds, "max_err_over_max_logit": float((got - want).abs().max() / want.abs().max()),
+                          "same_argmax": bool((got.argmax(-1) == want.argmax(-1)).all())}  # fmt: skip
+    return row
+
+
+def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
+    """A built layer switched to ``tuning`` (the general path for ``--general``)."""
+    layer.tuning = layer.attn.tuning = tuning
+    if layer.attn.indexer is not None:
+        layer.attn.indexer.tuning = tuning
 
 
 def main() -> None:
@@ -125,22 +230,45 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--general", action="store_true", help="also time the general path's prefill and compare its logits")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.perf_counter()
     bw, mm = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()
-    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm)
+    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general)
     out["wall_s"] = time.perf_counter() - t0
     with open(args.output, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps(out, indent=2))
+    print(summary(out))
 
 
-def run(cfg: V41Config, device: str, batches: list[int], context: int, prefill: int, iters: int, bw: float, mm: float) -> dict:
-    """The rows of one run (module docstring) of ``cfg``'s slice on ``device``."""
-    model, stacks = random_slice(cfg, device, torch.bfloat16)
+def summary(out: dict) -> str:
+    """One line per row: decode against its floor, prefill against the bf16 matmul rate of the run."""
+    lines = [f"bf16 matmul rate {out['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {out['copy_bw'] / 1e12:.2f} TB/s"]
+    for r in out["rows"]:
+        if r["kind"] == "decode":
+            lines.append(f"decode b={r['batch']}: {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms ({r['x_floor']:.2f}x)")
+        else:
+            lines.append(f"prefill {r['tokens']} tokens: {r['seconds'] * 1e3:.1f} ms, {r['tflops']:.0f} TFLOP/s = {100 * r['of_matmul_rate']:.1f}% of the bf16 matmul rate")
+            for key in ("attention", "experts", "rest"):
+                b = r["breakdown"][key]
+                lines.append(f"  {key}: {b['seconds'] * 1e3:.1f} ms ({100 * b['share']:.0f}% of the synced run), {100 * b['of_matmul_rate']:.1f}% of the rate")
+            lines.append(f"  (indexer inside attention: {r['breakdown']['indexer_seconds'] * 1e3:.1f} ms)")
+            if "general" in r:
+                g = r["general"]
+                lines.append(f"  general path: {g['seconds'] * 1e3:.0f} ms, logits max err / max {g['max_err_over_max_logit']:.2e}, same argmax {g['same_argmax']}")
+    return "\n".join(lines)
+
+
+def run(
+    cfg: V41Config, device: str, batches: list[int], context: int, prefill: int, iters: int, bw: float, mm: float,
+    general: bool = False, tuning: V41Tuning = V41_TUNING,
+) -> dict:  # fmt: skip
+    """The rows of one run (module docstring) of ``cfg``'s slice on ``device``, the model built with ``tuning``."""
+    model, stacks = random_slice(cfg, device, torch.bfloat16, tuning)
     dense, expert = dense_bytes(model)
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else device, "copy_bw": bw, "matmul_flops": mm,
                  "config": SLICE, "kv_bytes_per_token_40_layers": kv_bytes_per_token(V41Config()), "rows": []}  # fmt: skip
@@ -161,7 +289,7 @@ def run(cfg: V41Config, device: str, batches: list[int], context: int, prefill: 
             floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context)
             out["rows"].append({"kind": "decode", "batch": b, "context": context, "step_ms": step * 1e3,
                                 "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "x_floor": step / (floor_bytes / bw)})  # fmt: skip
-        # parity: the slot step against the general path on the same states and tokens
+        # parity: the slot step against the model's forward on the same states and tokens
         n = min(4, dec.max_slots)
         states = [dec.export(s) for s in range(n)]
         toks = torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()
@@ -173,10 +301,7 @@ def run(cfg: V41Config, device: str, batches: list[int], context: int, prefill: 
         if device == "cuda":
             torch.cuda.empty_cache()
         ids = torch.randint(2, cfg.vocab_size, (prefill,), generator=gen).tolist()
-        pre = _sync_time(lambda: model([(model.new_state(), ids)]), 1, 2)
-        flops = prefill_flops(cfg, dense / 2, prefill)
-        out["rows"].append({"kind": "prefill", "tokens": prefill, "seconds": pre, "flops": flops,
-                            "tflops": flops / pre / 1e12, "of_matmul_rate": flops / pre / mm})  # fmt: skip
+        out["rows"].append(prefill_rows(model, ids, prefill_flops(cfg, dense / 2, prefill), mm, general))
     return out
 
 

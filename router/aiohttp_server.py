@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, Literal
 
 from aiohttp import web, web_protocol, web_server
 
-from deepserve.internal_auth import InternalAuth
-from router.serving import Response, Routes
+from router.serving import Response, Routes, ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -123,30 +121,15 @@ def _raw_answer(resp: Response) -> bytes:
 
 
 class AiohttpServer:
-    """Serves ``routes`` on one listening socket through aiohttp (``router.serving`` has the contract)."""
+    """Serves ``routes`` on one listening socket through aiohttp, within ``options``
+    (``router.serving`` has the contract and ``ServerOptions``)."""
 
-    def __init__(
-        self,
-        routes: Routes,
-        *,
-        error_response: Callable[[int, str], Response],
-        max_body: int = 64 * 1024 * 1024,
-        keepalive_s: float = 75.0,
-        read_timeout_s: float = 30.0,
-        max_connections: int = 4096,
-        auth: InternalAuth | None = None,
-        open_paths: frozenset[str] = frozenset(),
-    ) -> None:
+    def __init__(self, routes: Routes, options: ServerOptions = ServerOptions()) -> None:
         self.routes = routes
         self.paths = {p for _, p in routes}
-        self.error_response = error_response
-        self.max_body = max_body
-        self.keepalive_s = keepalive_s
-        self.read_timeout_s = read_timeout_s
-        self.max_connections = max_connections
-        self.auth = auth if auth is not None and auth.enabled else None
-        self.ssl = auth.server_ssl if auth is not None else None
-        self.open_paths = open_paths
+        self.options = options
+        self.error_response = options.error_response
+        self.auth = options.guard
         self._http: web_server.Server | None = None
         self._listener: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -158,24 +141,24 @@ class AiohttpServer:
 
         def connection() -> _Connection:
             return _Connection(
-                http, loop=loop, keepalive_timeout=self.keepalive_s, access_log=None,
+                http, loop=loop, keepalive_timeout=self.options.keepalive_s, access_log=None,
                 lingering_time=0,  # a refused body is not read on: the connection closes after the answer
             )
 
         self._listener = await loop.create_server(
-            connection, host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.ssl,
+            connection, host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.options.ssl,
         )
-        self._sweeper = loop.call_later(self.read_timeout_s / 2, self._sweep)
+        self._sweeper = loop.call_later(self.options.read_timeout_s / 2, self._sweep)
 
     def _sweep(self) -> None:
         """Answer 408 and close each connection whose request head is late (``_Connection.late``)."""
-        cutoff = self._loop.time() - self.read_timeout_s
+        cutoff = self._loop.time() - self.options.read_timeout_s
         for conn in self._http.connections:
             if isinstance(conn, _Connection) and conn.late(cutoff):
-                resp = self.error_response(408, f"request not received within {self.read_timeout_s:g}s")
+                resp = self.error_response(408, f"request not received within {self.options.read_timeout_s:g}s")
                 conn.transport.write(_raw_answer(resp))
                 conn.force_close()  # the transport sends what it holds, then closes
-        self._sweeper = self._loop.call_later(self.read_timeout_s / 2, self._sweep)
+        self._sweeper = self._loop.call_later(self.options.read_timeout_s / 2, self._sweep)
 
     @property
     def port(self) -> int:
@@ -209,20 +192,20 @@ class AiohttpServer:
         path, _, query = raw.raw_path.partition("?")
         method = raw.method.encode()
         try:
-            if len(self._http.connections) > self.max_connections:
-                raise _Refused(503, f"over {self.max_connections} connections")
-            if raw.content_length is not None and raw.content_length > self.max_body:
-                raise _Refused(413, f"body over {self.max_body} bytes")
+            if len(self._http.connections) > self.options.max_connections:
+                raise _Refused(503, f"over {self.options.max_connections} connections")
+            if raw.content_length is not None and raw.content_length > self.options.max_body:
+                raise _Refused(413, f"body over {self.options.max_body} bytes")
             try:
-                async with asyncio.timeout_at(started + self.read_timeout_s):
+                async with asyncio.timeout_at(started + self.options.read_timeout_s):
                     body = await self._body(raw)
             except TimeoutError:
-                raise _Refused(408, f"request not received within {self.read_timeout_s:g}s") from None
+                raise _Refused(408, f"request not received within {self.options.read_timeout_s:g}s") from None
         except _Refused as exc:
             return _answer(self.error_response(exc.status, str(exc)), close=True)
         conn.phase = "handler"
         handler = self.routes.get((method, path))
-        if self.auth is not None and path not in self.open_paths and not self.auth.allows(raw.headers.get("Authorization")):
+        if self.auth is not None and path not in self.options.open_paths and not self.auth.allows(raw.headers.get("Authorization")):
             return _answer(self.error_response(401, "missing or wrong internal token"))
         if handler is None:
             return _answer(self.error_response(405 if path in self.paths else 404, f"no route {raw.method} {path}"))
@@ -247,7 +230,7 @@ class AiohttpServer:
         parts, size = [], 0
         while chunk := await raw.content.readany():
             size += len(chunk)
-            if size > self.max_body:
-                raise _Refused(413, f"body over {self.max_body} bytes")
+            if size > self.options.max_body:
+                raise _Refused(413, f"body over {self.options.max_body} bytes")
             parts.append(chunk)
         return b"".join(parts)

@@ -40,13 +40,11 @@ import asyncio
 import functools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 import httptools
 
-from deepserve.internal_auth import InternalAuth
-from router.serving import Handler, Response
+from router.serving import Handler, Response, ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +162,7 @@ class _Connection(asyncio.Protocol):
     # ---- transport callbacks -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        if len(self.server.connections) >= self.server.max_connections:
+        if len(self.server.connections) >= self.server.options.max_connections:
             self.dead = True
             self._send(self.server.error_response(503, "too many connections"), False)
             transport.close()
@@ -239,16 +237,16 @@ class _Connection(asyncio.Protocol):
         if self.dead:
             return
         cl = self._length
-        if cl and cl.isdigit() and int(cl) > self.server.max_body:
-            self._refuse(413, f"body over {self.server.max_body} bytes")
+        if cl and cl.isdigit() and int(cl) > self.server.options.max_body:
+            self._refuse(413, f"body over {self.server.options.max_body} bytes")
             raise httptools.HttpParserCallbackError("body too large")  # stop parsing this buffer
         if self._expect and self._expect.lower() == b"100-continue" and not self.pending and not self.busy:
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size > self.server.max_body:
-            self._refuse(413, f"body over {self.server.max_body} bytes")
+        if self._size > self.server.options.max_body:
+            self._refuse(413, f"body over {self.server.options.max_body} bytes")
             raise httptools.HttpParserCallbackError("body too large")
         self._body.append(body)
 
@@ -302,7 +300,7 @@ class _Connection(asyncio.Protocol):
             keep = req.keep_alive
             try:
                 handler = server.routes.get((req.method, req.path))
-                if server.auth is not None and req.path not in server.open_paths and not server.auth.allows(req.authorization):
+                if server.auth is not None and req.path not in server.options.open_paths and not server.auth.allows(req.authorization):
                     resp = server.error_response(401, "missing or wrong internal token")
                 elif handler is None:
                     resp = server.error_response(405 if req.path in server.paths else 404, f"no route {req.method.decode()} {req.path}")
@@ -353,36 +351,15 @@ class _Connection(asyncio.Protocol):
 
 
 class HttpServer:
-    """Serves ``routes`` (``{(b"POST", "/path"): handler}``) on one listening socket.
+    """Serves ``routes`` (``{(b"POST", "/path"): handler}``) on one listening socket, within
+    ``options`` (``router.serving.ServerOptions``: limits, error bodies, internal token)."""
 
-    ``error_response(status, message)`` builds the body of errors the server itself answers
-    (404/405/400/401/408/413/500/503); the service passes its JSON error shape. ``auth`` (an
-    ``InternalAuth`` with a token) guards every path but ``open_paths``; with the plane's TLS on
-    (``auth.tls``) the socket serves TLS and requires client certificates.
-    """
-
-    def __init__(
-        self,
-        routes: dict[tuple[bytes, str], Handler],
-        *,
-        error_response: Callable[[int, str], Response] | None = None,
-        max_body: int = 64 * 1024 * 1024,
-        keepalive_s: float = 75.0,
-        read_timeout_s: float = 30.0,
-        max_connections: int = 4096,
-        auth: InternalAuth | None = None,
-        open_paths: frozenset[str] = frozenset(),
-    ) -> None:
+    def __init__(self, routes: dict[tuple[bytes, str], Handler], options: ServerOptions = ServerOptions()) -> None:
         self.routes = routes
         self.paths = {p for _, p in routes}
-        self.error_response = error_response or (lambda status, msg: Response(msg.encode(), status, b"text/plain; charset=utf-8"))
-        self.max_body = max_body
-        self.keepalive_s = keepalive_s
-        self.read_timeout_s = read_timeout_s
-        self.max_connections = max_connections
-        self.auth = auth if auth is not None and auth.enabled else None
-        self.ssl = auth.server_ssl if auth is not None else None  # the plane's mTLS, if on
-        self.open_paths = open_paths
+        self.options = options
+        self.error_response = options.error_response
+        self.auth = options.guard
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -391,13 +368,13 @@ class HttpServer:
     async def start(self, host: str, port: int, *, backlog: int = 1024, reuse_port: bool = False) -> None:
         self.loop = asyncio.get_running_loop()
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.ssl,
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port or None, ssl=self.options.ssl,
         )
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)
 
     @property
     def _sweep_every(self) -> float:
-        return min(self.keepalive_s, self.read_timeout_s) / 2
+        return min(self.options.keepalive_s, self.options.read_timeout_s) / 2
 
     @property
     def port(self) -> int:
@@ -408,10 +385,10 @@ class HttpServer:
         """Close keep-alive connections idle for more than ``keepalive_s``, and those whose
         request has been arriving for more than ``read_timeout_s`` (408)."""
         now = self.loop.time()
-        cutoff, slow = now - self.keepalive_s, now - self.read_timeout_s
+        cutoff, slow = now - self.options.keepalive_s, now - self.options.read_timeout_s
         for c in list(self.connections):
             if c.reading_since and c.reading_since < slow and not c.dead:
-                c._refuse(408, f"request not received within {self.read_timeout_s:g}s")
+                c._refuse(408, f"request not received within {self.options.read_timeout_s:g}s")
             elif not c.busy and not c.pending and c.last_active < cutoff and not c.reading_since:
                 c.transport.close()
         self._sweeper = self.loop.call_later(self._sweep_every, self._sweep)

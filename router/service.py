@@ -47,7 +47,7 @@ from deepserve.protocol import ErrorCode, GenerateRequest, OutputConstraint, Rol
 from deepserve.protocol.validate import check_fields
 from router.config import RouterConfig
 from router.errors import RegistrationRefused, RouterError
-from router.serving import Response, ServerRequest as Request, make_server
+from router.serving import Response, ServerOptions, ServerRequest as Request, make_server
 from router.router import Router
 from router.worker_client import dumps, loads
 
@@ -193,10 +193,10 @@ class RouterService:
             (b"POST", "/drain"): self.drain,
             (b"GET", "/workers"): self.workers,
         }
-        self.server = make_server(
-            config.server, routes, error_response=_server_error, max_body=64 * 1024 * 1024, read_timeout_s=config.read_timeout_s,
-            max_connections=config.max_connections, auth=self.auth, open_paths=frozenset({"/health", "/metrics"} if config.open_metrics else {"/health"}),
-        )
+        self.server = make_server(config.server, routes, ServerOptions(
+            error_response=_server_error, read_timeout_s=config.read_timeout_s, max_connections=config.max_connections,
+            auth=self.auth, open_paths=frozenset({"/health", "/metrics"} if config.open_metrics else {"/health"}),
+        ))
 
     async def start(self, host: str | None = None, port: int | None = None, *, reuse_port: bool = False) -> None:
         await self.router.start()

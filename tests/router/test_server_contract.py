@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from deepserve.internal_auth import InternalAuth
-from router.serving import SERVERS, Response, ServerRequest, make_server
+from router.serving import SERVERS, Response, ServerOptions, ServerRequest, make_server
 
 pytestmark = pytest.mark.parametrize("kind", SERVERS)
 
@@ -63,8 +63,8 @@ def _server(kind: str, state: dict, *, max_body: int = 1 << 20, read_timeout_s: 
     routes = {(b"POST", "/echo"): echo, (b"GET", "/echo"): echo, (b"GET", "/stream"): stream, (b"GET", "/boom"): boom,
               (b"GET", "/silent"): silent, (b"GET", "/health"): echo, (b"POST", "/slow"): slow, (b"POST", "/headers"): headers,
               (b"GET", "/flood"): flood}
-    return make_server(kind, routes, error_response=_error, max_body=max_body, read_timeout_s=read_timeout_s,
-                       max_connections=max_connections, auth=auth, open_paths=frozenset({"/health"}))
+    return make_server(kind, routes, ServerOptions(error_response=_error, max_body=max_body, read_timeout_s=read_timeout_s,
+                                                   max_connections=max_connections, auth=auth, open_paths=frozenset({"/health"})))
 
 
 def _param(req, name: str, default: str) -> str:

@@ -113,6 +113,52 @@ def attn_inputs(
     )  # fmt: skip
 
 
+def verify_attn_inputs(
+    b: int, width: int, h: int, d: int, w: int, mode: str, n_rows: list[int], topk: int = 0,
+    dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0,
+) -> tuple[dict, list[int]]:  # fmt: skip
+    """A multi-query (verify) call of ``decode_attention``: ``b`` slots at random positions
+    (before, at and past the ring's wrap) feeding ``width`` offsets each, offset-major columns; the
+    ring holds the keys before the step, ``fresh`` the step's own. Rows (``mode`` as
+    ``attn_inputs``): slot ``i``'s offset ``j`` sees ``n_rows[i] + j // 2`` of them (offsets close
+    windows). → the call's keywords and each slot's first position."""
+    g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(device=device).manual_seed(seed)
+    n = b * width
+    slots = b + 2
+    first = [int(x) for x in torch.randint(0, 3 * w, (b,), generator=g)]
+    first[0] = 0  # a fresh sequence: no ring keys at all
+    j = torch.arange(n) // b
+    p0 = torch.tensor(first).repeat(width)
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    args = {
+        "q": cast(torch.randn(n, h, d, generator=gd, device=device)),
+        "swa": cast(torch.randn(slots, w, d, generator=gd, device=device)),
+        "swa_len": torch.clamp(torch.minimum(p0, w - 1 - j), min=0).int().to(device),
+        "sinks": torch.randn(h, generator=g).to(device),
+        "swa_slot": torch.randperm(slots, generator=g)[:b].int().repeat(width).to(device),
+        "swa_end": (p0 % w).int().to(device),
+        "fresh": cast(torch.randn(n, d, generator=gd, device=device)),
+        "fresh_cols": b,
+    }
+    if mode != "swa":
+        seen = [n_rows[i % b] + (i // b) // 2 for i in range(n)]
+        starts, at = [], 3
+        for i in range(b):
+            starts.append(at)
+            at += n_rows[i] + width + 1
+        args["rows"] = cast(torch.randn(at + 2, d, generator=gd, device=device))
+        args["row_start"] = torch.tensor(starts, dtype=torch.int32).repeat(width).to(device)
+        args["row_len"] = torch.tensor(seen, dtype=torch.int32).to(device)
+        if mode == "csa":
+            idx = torch.full((n, topk), -1, dtype=torch.int32)
+            for c, m in enumerate(seen):
+                pick = torch.randperm(m, generator=g)[: min(m, topk)]
+                idx[c, torch.randperm(topk, generator=g)[: pick.numel()]] = pick.int()
+            args["row_idx"] = idx.to(device)
+    return args, first
+
+
 def pool_inputs(
     seq_windows: list[int],
     r: int,

@@ -9,6 +9,15 @@ Each sequence ``b`` attends with its ``H`` query heads over
   shared by all sequences: all of them (HCA), or only ``row_idx[b]`` (CSA: the indexer's top-k,
   indices local to the segment, ``-1`` = no row).
 
+Multi-query (a speculative verify step's ``1 + k`` offsets of a slot in one launch): queries are
+offset-major, ``fresh_cols`` per offset, query ``b`` is offset ``j = b // fresh_cols`` of its slot.
+Its window is then the ring *before* the step wrote anything — the ``swa_len[b]`` entries ending
+just before ring row ``swa_end[b]`` (cyclically: the newest at ``swa_end[b] - 1``) — plus the
+step's own new keys ``fresh[b - j·fresh_cols], fresh[b - (j-1)·fresh_cols], .., fresh[b]`` (its
+slot's offsets ``0 .. j``); the caller writes the new keys into the ring after the call, so no
+offset overwrites a key an earlier one reads. Its rows are bounded per query as above
+(``row_len[b]``, ``row_idx[b]``), so offset ``j`` sees the rows the offsets before it closed.
+
 Softmax runs over ``[logits·scale, sink_h]`` with the sink column dropped (per-head sink logits in
 the denominator), ``scale = D**-0.5`` by default; output ``(B, H, D)`` still carries the keys'
 RoPE, which the caller undoes (``apply_rope(out, cos, -sin)``) as ``engine.model.attention`` does.
@@ -17,7 +26,9 @@ Layout (row ``D`` elements contiguous in every tensor)::
 
     q        (B, H, D)     one query per sequence
     swa      (S, W, D)     window ring buffers, S ≥ B slots; swa_slot (B,) picks one (default b)
-    swa_len  (B,)   int    valid window rows (the first swa_len of the slot)
+    swa_len  (B,)   int    valid window rows (the first swa_len of the slot; with swa_end, the last
+                           swa_len before row swa_end, cyclically)
+    fresh    (B, D)        optional: the step's new keys (multi-query), fresh_cols queries per offset
     rows     (R, D)        compressed-row pool (CSA or HCA rows of every sequence, one layer)
     row_start, row_len (B,) int   each sequence's segment of the pool
     row_idx  (B, K) int    optional, CSA: local indices into the segment, -1 = padding
@@ -25,9 +36,9 @@ Layout (row ``D`` elements contiguous in every tensor)::
 
 The Triton kernel is flash-decoding: grid ``(B, H/BH, splits)``; each program holds ``BH`` heads'
 queries and walks its share of the key list (window rows first, then compressed rows) in tiles of
-``BN`` rows with an online softmax in fp32. With ``splits > 1`` partial (max, sum, acc) go to a
-small combine kernel, which adds the sinks (and un-rotates the output when asked); otherwise the
-sinks are added in place.
+``BN`` rows with an online softmax in fp32 (the virtual key list: ``[ring (W) | fresh | rows]``).
+With ``splits > 1`` partial (max, sum, acc) go to a small combine kernel, which adds the sinks
+(and un-rotates the output when asked); otherwise the sinks are added in place.
 """
 
 from __future__ import annotations
@@ -60,14 +71,24 @@ def decode_attention_reference(
     row_idx: torch.Tensor | None = None,
     swa_slot: torch.Tensor | None = None,
     scale: float | None = None,
+    swa_end: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    fresh_cols: int = 1,
 ) -> torch.Tensor:
     """Per-sequence loop with the math of ``kernels.reference.attend_with_sinks`` for one query. → ``(B, H, D)``."""
     b_size, _, d = q.shape
+    w = swa.shape[1]
     scale = d**-0.5 if scale is None else scale
     out = torch.empty_like(q)
     for b in range(b_size):
         slot = b if swa_slot is None else int(swa_slot[b])
-        keys = swa[slot, : int(swa_len[b])]  # (n_w, D)
+        n_w = int(swa_len[b])
+        if swa_end is None:
+            keys = swa[slot, :n_w]  # (n_w, D)
+        else:  # the n_w entries before swa_end, oldest first
+            keys = swa[slot, (int(swa_end[b]) - n_w + torch.arange(n_w, device=swa.device)) % w]
+        if fresh is not None:  # its slot's new keys of offsets 0 .. b // fresh_cols
+            keys = torch.cat([keys, fresh[b % fresh_cols :: fresh_cols][: b // fresh_cols + 1]])
         if rows is not None:
             a, n = int(row_start[b]), int(row_len[b])
             seg = rows[a : a + n]  # (n, D)
@@ -105,8 +126,15 @@ def decode_attention(
     fold_q: int = 1,
     rope_out: bool = True,
     rope_pos: torch.Tensor | None = None,
+    swa_end: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    fresh_cols: int = 1,
 ) -> torch.Tensor:
     """Decode attention for ``B`` sequences (layout in the module docstring). → ``(B, H, D)``.
+
+    ``swa_end (B,)`` int / ``fresh (B, D)`` with ``fresh_cols``: the multi-query form (module
+    docstring): window = the ring's ``swa_len`` entries before ``swa_end`` plus the fresh keys of
+    the query's slot up to its own offset. Either may be given alone.
 
     ``q_norm_eps`` / ``rope = (cos, sin)`` (tables ``(B, R/2)``, row ``b`` for query ``b``): ``q`` is
     raw, the kernel applies the unweighted RMS norm and the RoPE of the trailing ``R`` channels as it
@@ -126,7 +154,7 @@ def decode_attention(
     H=64, D=512 on an H200); they are ignored by the reference path.
     """
     if not use_triton(q):
-        return decode_attention_reference(q, swa, swa_len, sinks, rows, row_start, row_len, row_idx, swa_slot, scale)
+        return decode_attention_reference(q, swa, swa_len, sinks, rows, row_start, row_len, row_idx, swa_slot, scale, swa_end, fresh, fresh_cols)
     b_size, h, d = q.shape
     w = swa.shape[1]
     assert swa.shape[2] == d and q.stride(-1) == 1 and swa.stride(-1) == 1, "rows must be contiguous in D"
@@ -145,7 +173,10 @@ def decode_attention(
     num_stages = num_stages or (1 if fp32 else 2)
     d_pad = next_pow2(d)
     n_hb = triton.cdiv(h, block_h)
-    tiles = max(1, triton.cdiv(w + k_rows, block_n))
+    n_fresh = triton.cdiv(b_size, fresh_cols) if fresh is not None else 0  # offsets: fresh keys at most
+    if fresh is not None:
+        assert fresh.shape == (b_size, d) and fresh.stride(-1) == 1, "one fresh key row per query"
+    tiles = max(1, triton.cdiv(w + n_fresh + k_rows, block_n))
     if num_splits is None:
         num_splits = max(1, min(2 * num_sms(q.device) // max(1, b_size * n_hb), tiles // 2))
     if q_norm_eps is not None or (rope is not None and fold_q > 0):
@@ -176,14 +207,16 @@ def decode_attention(
         rows_t, row_start if has_rows else dummy_i, row_len if has_rows else dummy_i,
         row_idx if indexed else dummy_i, sinks,
         out, part_acc, part_ml, cos_t, sin_t, rope_pos if rope_pos is not None else dummy_i, float(q_norm_eps or 0.0),
-        h, d, w, k_rows,
+        swa_end if swa_end is not None else dummy_i, fresh if fresh is not None else q,
+        h, d, w, k_rows, n_fresh, fresh_cols,
         q.stride(0), q.stride(1), swa.stride(0), swa.stride(1), rows_t.stride(0),
-        row_idx.stride(0) if indexed else 0, out.stride(0), out.stride(1),
+        row_idx.stride(0) if indexed else 0, out.stride(0), out.stride(1), fresh.stride(0) if fresh is not None else 0,
         scale * LOG2E, tiles_per_split,
         D_PAD=d_pad, BH=block_h, BN=block_n, HAS_ROWS=has_rows, INDEXED=indexed,
         HAS_SLOT=swa_slot is not None, SPLIT=num_splits > 1, PRECISION=dot_precision(q.dtype),
         Q_NORM=q_norm_eps is not None and fold_q > 0, ROPE=rope_dim, QMODE=fold_q if (q_norm_eps is not None or rope is not None) else 0,
         ROPE_OUT=rope is not None and rope_out, HAS_POS=rope_pos is not None,
+        RING_END=swa_end is not None, HAS_FRESH=fresh is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -217,13 +250,14 @@ if HAS_TRITON:
         q_ptr, swa_ptr, swa_len_ptr, swa_slot_ptr,
         rows_ptr, row_start_ptr, row_len_ptr, row_idx_ptr, sinks_ptr,
         out_ptr, part_acc_ptr, part_ml_ptr, cos_ptr, sin_ptr, pos_ptr, q_eps,
-        H, D, W, K_ROWS,
-        stride_qb, stride_qh, stride_ss, stride_sw, stride_r, stride_ib, stride_ob, stride_oh,
+        swa_end_ptr, fresh_ptr,
+        H, D, W, K_ROWS, N_FRESH, FRESH_COLS,
+        stride_qb, stride_qh, stride_ss, stride_sw, stride_r, stride_ib, stride_ob, stride_oh, stride_f,
         qk_scale, tiles_per_split,
         D_PAD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_ROWS: tl.constexpr,
         INDEXED: tl.constexpr, HAS_SLOT: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
         Q_NORM: tl.constexpr = False, ROPE: tl.constexpr = 0, QMODE: tl.constexpr = 0, ROPE_OUT: tl.constexpr = False,
-        HAS_POS: tl.constexpr = False,
+        HAS_POS: tl.constexpr = False, RING_END: tl.constexpr = False, HAS_FRESH: tl.constexpr = False,
     ):  # fmt: skip
         launch_dependents()  # a GEMV after this (kernels.gemv, pdl) streams its first weights meanwhile
         b = tl.program_id(0)
@@ -290,10 +324,18 @@ if HAS_TRITON:
             r_start = 0
             r_len = 0
 
+        if RING_END:  # the window's newest ring row is swa_end - 1 (cyclically)
+            s_end = tl.load(swa_end_ptr + b).to(tl.int32)
+        if HAS_FRESH:  # this query is offset ``jq`` of its slot: fresh keys of offsets 0 .. jq
+            jq = b // FRESH_COLS
+            n_fr = jq + 1
+        else:
+            n_fr = 0
+
         t_lo = sp * tiles_per_split
         t_hi = t_lo + tiles_per_split
         if not INDEXED:  # tiles past this sequence's last valid key hold nothing
-            t_hi = tl.minimum(t_hi, tl.cdiv(W + r_len, BN))
+            t_hi = tl.minimum(t_hi, tl.cdiv(W + N_FRESH + r_len, BN))
 
         m_i = tl.full([BH], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BH], dtype=tl.float32)
@@ -301,22 +343,32 @@ if HAS_TRITON:
         for t in range(t_lo, t_hi):
             j = t * BN + tl.arange(0, BN)  # (BN,) position in the virtual key list
             in_swa = j < W
-            ok_swa = in_swa & (j < n_swa)
-            r = j - W
+            if RING_END:
+                ok_swa = in_swa & ((s_end - 1 - j + W) % W < n_swa)  # distance from the newest row
+            else:
+                ok_swa = in_swa & (j < n_swa)
+            f = j - W
+            r = f - N_FRESH
             if INDEXED:
-                in_idx = (~in_swa) & (r < K_ROWS)
+                in_idx = (r >= 0) & (r < K_ROWS)
                 loc = tl.load(row_idx_ptr + b.to(tl.int64) * stride_ib + r, mask=in_idx, other=-1)
                 ok_row = in_idx & (loc >= 0) & (loc < r_len)
             else:
                 loc = r
-                ok_row = (~in_swa) & (r < r_len)
-            ok = ok_swa | ok_row
+                ok_row = (r >= 0) & (r < r_len)
             swa_off = tl.where(ok_swa, j, 0).to(tl.int64) * stride_sw
             row_off = (r_start + tl.where(ok_row, loc, 0).to(tl.int64)) * stride_r
             if HAS_ROWS:
                 ptrs = tl.where(in_swa[:, None], swa_base + swa_off[:, None], rows_ptr + row_off[:, None])
             else:
                 ptrs = swa_base + swa_off[:, None]
+            if HAS_FRESH:  # fresh key f: offset f of this query's slot, column b - (jq - f)·FRESH_COLS
+                ok_fr = (f >= 0) & (f < n_fr)
+                fr_off = (b - (jq - tl.where(ok_fr, f, jq)) * FRESH_COLS).to(tl.int64) * stride_f
+                ptrs = tl.where(ok_fr[:, None], fresh_ptr + fr_off[:, None], ptrs)
+                ok = ok_swa | ok_row | ok_fr
+            else:
+                ok = ok_swa | ok_row
             k = tl.load(ptrs + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)  # (BN, D_PAD)
             if QMODE == 2:
                 kr = tl.load(ptrs + offs_q[None, :], mask=ok[:, None], other=0.0)  # (BN, ROPE)

@@ -23,6 +23,7 @@ from bench.kernel_helpers import (
     poison,
     pool_inputs,
     rel_err,
+    verify_attn_inputs,
 )
 
 pytestmark = pytest.mark.gpu
@@ -98,6 +99,40 @@ def test_decode_attention_rope_out_at_positions(splits, dtype) -> None:
     ref = norm_rope_reference(decode_attention_reference(**inp.args()), None, 0, 0.0, cos, sin, pos, sign=-1.0)
     poison(DEV)
     out = decode_attention(**inp.args(), num_splits=splits, rope=(cos, sin), rope_pos=pos, fold_q=0)
+    _check(out, ref, dtype)
+
+
+VERIFY_CASES = [
+    # (slots, width, H, D, W, mode, rows per slot, topk, splits)
+    (4, 4, 64, 512, 128, "csa", [300, 0, 17, 90], 64, None),
+    (3, 2, 64, 512, 128, "hca", [30, 0, 7], 0, None),
+    (2, 3, 64, 512, 128, "swa", 0, 0, 1),
+    (16, 4, 64, 512, 128, "csa", [20] * 16, 64, None),
+]
+if SMALL:
+    VERIFY_CASES = [
+        (3, 4, 16, 64, 16, "csa", [20, 0, 9], 8, None),
+        (3, 2, 16, 48, 16, "hca", [9, 0, 33], 0, 3),
+        (2, 3, 20, 32, 16, "swa", 0, 0, 1),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: f"{c[5]}-b{c[0]}x{c[1]}H{c[2]}D{c[3]}W{c[4]}-s{c[8]}")
+def test_decode_attention_multi_query(case, dtype) -> None:
+    """A verify step's offsets in one launch (ring before the step + fresh keys, per-query rows),
+    against the reference; the output un-rotated at each query's position as the step asks."""
+    from kernels.fused import norm_rope_reference
+
+    b, width, h, d, w, mode, n_rows, topk, splits = case
+    rows = n_rows if isinstance(n_rows, list) else [n_rows] * b
+    args, first = verify_attn_inputs(b, width, h, d, w, mode, rows, topk, dtype, DEV, seed=b * width)
+    ang = torch.rand(4 * w + width, 8, generator=torch.Generator().manual_seed(1)) * 6.28
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    pos = torch.tensor([p + j for j in range(width) for p in first], device=DEV)
+    ref = norm_rope_reference(decode_attention_reference(**args), None, 0, 0.0, cos, sin, pos, sign=-1.0)
+    poison(DEV)
+    out = decode_attention(**args, num_splits=splits, rope=(cos, sin), rope_pos=pos, fold_q=0, max_rows=int(args["row_len"].max()) if mode == "hca" else None)
     _check(out, ref, dtype)
 
 

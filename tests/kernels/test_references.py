@@ -25,7 +25,7 @@ from kernels.indexer import (
     indexer_topk_reference,
 )
 from kernels.moe import moe_experts, moe_experts_reference, route, route_reference
-from bench.kernel_helpers import attn_inputs, pool_inputs
+from bench.kernel_helpers import attn_inputs, pool_inputs, verify_attn_inputs
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,22 @@ def test_public_functions_fall_back_to_references_on_cpu() -> None:
     x, gu, dn = torch.randn(5, 16), torch.randn(8, 12, 16), torch.randn(8, 16, 6)
     wi, ii = route_reference(logits, 2, 1.5, bias_e)
     torch.testing.assert_close(moe_experts(x, wi, ii, gu, dn, 10.0), moe_experts_reference(x, wi, ii, gu, dn, 10.0))
+
+
+@pytest.mark.parametrize("mode", ["swa", "hca", "csa"])
+def test_multi_query_decode_attention_is_the_offsets_in_order(mode: str) -> None:
+    """The multi-query form (ring before the step + fresh keys, one call for every offset) gives
+    what offset after offset gives, each writing its key into the ring before it attends."""
+    b, width, w = 4, 4, 8
+    args, first = verify_attn_inputs(b, width, 4, 16, w, mode, [5, 0, 9, 3], 4, torch.float32, seed=3)
+    got = decode_attention_reference(**args)
+    ring = args["swa"].clone()
+    plain = {k: v for k, v in args.items() if k not in ("swa_end", "fresh", "fresh_cols", "swa")}
+    for j in range(width):
+        at = torch.arange(j * b, (j + 1) * b)
+        for i in range(b):
+            ring[int(args["swa_slot"][at[i]]), (first[i] + j) % w] = args["fresh"][at[i]]
+        cols = {k: (v[at] if isinstance(v, torch.Tensor) and k != "rows" and k != "sinks" else v) for k, v in plain.items()}
+        cols["swa_len"] = torch.tensor([min(p + j + 1, w) for p in first], dtype=torch.int32)
+        want = decode_attention_reference(swa=ring, **cols)
+        torch.testing.assert_close(got[at], want)

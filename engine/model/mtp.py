@@ -148,13 +148,18 @@ class MTPLayer(nn.Module):
         device = streams.device
         token_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (N,)
         positions = torch.tensor([e.first_pos + j for e in entries for j in range(len(e.next_ids))], device=device)  # (N,)
-        x = self.e_proj(self.enorm(model.model.embed_tokens(token_ids))).unsqueeze(1) + self.h_proj(self.hnorm(streams))  # (N, hc, H)
+        x = self.inputs(model, token_ids, streams)  # (N, hc, H)
         seqs, n = [], 0
         for e in entries:
             seqs.append(SeqSlice(e.state, n, n + len(e.next_ids), e.first_pos))
             n += len(e.next_ids)
         rope = model.rotary["main"].cos_sin(positions, x.dtype)
         return self.block(x, token_ids, positions, rope, model.rotary["compress"], seqs)
+
+    def inputs(self, model: DeepseekV4ForCausalLM, token_ids: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The block's input streams ``(N, hc, H)``: ``e_proj(enorm(embed(t)))`` broadcast over the
+        streams plus ``h_proj(hnorm(h))`` (module docstring)."""
+        return self.e_proj(self.enorm(model.model.embed_tokens(token_ids))).unsqueeze(1) + self.h_proj(self.hnorm(streams))
 
     def hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """The head's input ``(N, H)`` from MTP output streams: its own hyper-head and norm."""
@@ -192,10 +197,12 @@ def _copy(target: torch.Tensor, tensor: torch.Tensor, key: str) -> None:
 
 @dataclass
 class DraftState:
-    """One sequence's drafting state: the MTP window and where its next entry goes."""
+    """One sequence's drafting state: the MTP window and where its next entry goes; ``slot``: the
+    window lives in that slot of a ``slots.mtp_pool.MTPPool`` instead (``window`` is stale then)."""
 
     window: LayerState
     next_pos: int = 0  # position of the next entry (entries before it are in the window or too old)
+    slot: int | None = None
 
 
 class Drafter:

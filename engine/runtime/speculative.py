@@ -26,7 +26,12 @@ Every step of a speculative sequence:
    keeps the token drawn from ``p`` itself, so the output distribution is the target's (and, per
    seed, the very tokens of the plain sampler);
 4. the MTP layer is fed the consumed rows (streams of row ``p``, token ``p + 1``) and proposes the
-   next ``k`` greedy drafts from the last one.
+   next ``k`` greedy drafts from the last one. A sequence that verified in a slot drafts there too
+   (``engine/model/slots/mtp_draft.py``: its MTP window in the same slot of an ``MTPPool``, one
+   fixed-shape step per batch, a CUDA graph per bucket on GPU), so its step never leaves the
+   slots; its window moves back into ``seq.draft`` (``MTPPool.export``) when the sequence leaves
+   its slot for the general path, and into the slot (``load``) when it moves in. The others feed
+   and draft on the general path (``mtp.Drafter``).
 
 With a KV store, drafts never reach past the next 128-token unit boundary, so a sequence always
 lands exactly on it once and the boundary snapshot is taken there, after acceptance.
@@ -43,7 +48,8 @@ from deepserve.protocol import FinishReason, TokenLogprob
 from engine.errors import CheckpointError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
-from engine.model.mtp import Drafter, MTPLayer
+from engine.model.mtp import Drafter, DraftState, MTPLayer
+from engine.model.slots.mtp_draft import SlotDrafter
 from engine.model.rewind import Mark, mark, rewind
 from engine.runtime.config import SpeculativeConfig
 from engine.runtime.sequence import Sequence
@@ -72,17 +78,22 @@ class Feed(NamedTuple):
     next_ids: list[int]
     first_pos: int
     propose: bool
+    verified: int | None = None  # its row in the step's slot verify (it drafts in the slots), else None
 
 
 class SpecDecoder:
     """Drafts and verifies for the engine core (module docstring)."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, sampler: Sampler, config: SpeculativeConfig) -> None:
+    def __init__(self, model: DeepseekV4ForCausalLM, sampler: Sampler, config: SpeculativeConfig, slot_drafts: bool = True) -> None:
+        """``slot_drafts``: sequences that verify in a slot draft there too (module docstring);
+        False drafts every sequence on the general path (benchmarks compare the two)."""
         if not isinstance(model, DeepseekV4ForCausalLM):
             raise CheckpointError("speculative decoding drafts with DeepSeek-V4's MTP layer; this model family has none yet")
         self.model, self.sampler, self.config = model, sampler, config
         self.k = config.num_speculative_tokens
         self.drafter = Drafter(model, MTPLayer.from_model(model))
+        self.slot_drafts = slot_drafts
+        self.slot_drafter: SlotDrafter | None = None  # made on the first slot verify (it takes the slot decoder's sizes)
         self.unit = model.config.unit_tokens  # a KV store saves at these boundaries
         if self.k + 1 > model.config.sliding_window - 1:
             raise ValueError("num_speculative_tokens + 1 must be below the sliding window")
@@ -108,10 +119,13 @@ class SpecDecoder:
             drafts = self._clamp(seq, drafts) if units else drafts
             fed.append((real, drafts))
             slotted.append(static is not None and real == seq.remaining == 1 and static.takes_verify(seq))
+        if static is not None and self.slot_drafts:
+            self._place_windows([seq for seq, _ in batch], slotted, static)
         rows: list[torch.Tensor | None] = [None] * len(batch)  # head inputs (1 + m, H) of each sequence at its end
         streams: list[torch.Tensor] = [torch.empty(0)] * len(batch)  # final streams of every fed token
         marks = self._general(batch, fed, slotted, rows, streams)
         at = [i for i, s in enumerate(slotted) if s]
+        every = None
         if at:
             assert static is not None
             width = static.decoder.verify_width
@@ -120,6 +134,7 @@ class SpecDecoder:
             hidden, every = static.verify(seqs, [r + [0] * (width - len(r)) for r in ids])  # (n, width, H), (n, width, hc, H)
             for j, (i, r) in enumerate(zip(at, ids)):
                 rows[i], streams[i] = hidden[j, : len(r)], every[j]
+        verified = {i: j for j, i in enumerate(at)} if self.slot_drafter is not None else {}
         greedy = self._greedy_targets(batch, rows)
         results, feeds, kept = [], [], []
         for i, (seq, _) in enumerate(batch):
@@ -127,14 +142,36 @@ class SpecDecoder:
             res = self._accept(seq, real, drafts, marks[i], hidden_i, greedy[i])
             first = seq.num_computed
             consumed = streams[i][: res.consumed]  # (consumed, hc, H): the rows now in the state
-            feeds.append(Feed(seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first, hidden_i is not None and res.finish_reason is None))
+            feeds.append(Feed(seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first, hidden_i is not None and res.finish_reason is None, verified.get(i)))
             if slotted[i]:
                 kept.append(res.consumed)
             results.append(res)
         if at:
             static.accept(kept)  # type: ignore[union-attr]
-        self._draft(feeds)
+        self._draft(feeds, every, static)
         return results
+
+    def _place_windows(self, seqs: list[Sequence], slotted: list[bool], static: StaticRunner) -> None:
+        """Each MTP window where this step drafts it: out of the slot pool for a sequence that
+        left its slot (all of these first: a freed slot may already hold another sequence), then
+        into its slot for a sequence that verifies there."""
+        if self.slot_drafter is None:
+            if not any(slotted):
+                return
+            dec = static.decoder
+            self.slot_drafter = SlotDrafter(self.model, self.drafter.layer, dec.max_slots, self.k, dec.buckets, getattr(dec, "use_graphs", False))
+        pool = self.slot_drafter.pool
+        for seq, s in zip(seqs, slotted):
+            d = seq.draft
+            if d is not None and d.slot is not None and not (s and static.slot(seq) == d.slot):
+                pool.export(d.slot, d)
+        for seq, s in zip(seqs, slotted):
+            if not s:
+                continue
+            if seq.draft is None:  # never fed (no live feed yet): an empty window from here on
+                seq.draft = DraftState(self.drafter.layer.new_state(), seq.num_computed)
+            if seq.draft.slot is None:
+                pool.load(static.slot(seq), seq.draft)
 
     def _general(
         self, batch: list[tuple[Sequence, int]], fed: list[tuple[int, list[int]]], slotted: list[bool],
@@ -234,11 +271,23 @@ class SpecDecoder:
             rewind(self.model, seq.state, m, res.consumed)
         return res
 
-    def _draft(self, feeds: list[Feed]) -> None:
-        """Step 4: feed the consumed rows to each MTP window; new drafts for the sequences at their end."""
+    def _draft(self, feeds: list[Feed], every: torch.Tensor | None, static: StaticRunner | None) -> None:
+        """Step 4: feed the consumed rows to each MTP window; new drafts for the sequences at their
+        end: those that verified in a slot through the slot draft step (from the verify's
+        streams ``every``), the others on the general path."""
         for f in feeds:
             f.seq.draft_ids = []
         live = [f for f in feeds if len(f.next_ids) == f.streams.shape[0]]  # a finished run lacks its last next token
+        slotted = [f for f in live if f.verified is not None and f.propose]  # a finished one is not fed: it leaves its slot
+        if slotted:
+            assert every is not None and static is not None and self.slot_drafter is not None
+            slots = [static.slot(f.seq) for f in slotted]
+            assert all(self.slot_drafter.pool.next_pos[s] == f.first_pos for s, f in zip(slots, slotted)), "MTP window out of step"
+            rows = [f.verified for f in slotted]
+            sel = every if rows == list(range(every.shape[0])) else every[torch.tensor(rows, device=every.device)]
+            for f, d in zip(slotted, self.slot_drafter.draft(slots, sel, [f.next_ids for f in slotted])):
+                f.seq.draft_ids = d
+            live = [f for f in live if f.verified is None]
         if not live:
             return
         for f in live:

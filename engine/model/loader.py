@@ -287,7 +287,11 @@ def load_model(
             if fp4_experts and m and scale_key is not None and tensor.dtype == torch.int8:
                 scale = scale_of(scale_key)
                 if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):  # e8m0 exponents: the kernel's format
-                    packed[m.group(1)][int(m.group(2))][m.group(3)] = (tensor, scale.view(torch.float8_e8m0fnu))
+                    prefix = m.group(1)
+                    packed[prefix][int(m.group(2))][m.group(3)] = (tensor, scale.view(torch.float8_e8m0fnu))
+                    if _experts_complete(packed[prefix], cfg.n_routed_experts):  # one layer's unstacked codes at a time
+                        _keep_fp4_experts(model.get_submodule(prefix), packed.pop(prefix), cfg.n_routed_experts, f"{model_dir}: experts of {prefix!r}")
+                        loaded.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
                     continue
             if scale_key is not None and tensor.dtype.itemsize == 1:
                 tensor = dequantize(tensor, scale_of(scale_key)).to(torch_dtype)  # held in the model's dtype, not fp32
@@ -307,9 +311,8 @@ def load_model(
     if experts:
         prefix = next(iter(experts))
         raise CheckpointError(f"{model_dir}: experts of {prefix!r} incomplete (need w1/w2/w3 for {cfg.n_routed_experts} experts)")
-    for prefix, per_expert in packed.items():
+    for prefix, per_expert in packed.items():  # only incomplete layers are left: this names the first
         _keep_fp4_experts(model.get_submodule(prefix), per_expert, cfg.n_routed_experts, f"{model_dir}: experts of {prefix!r}")
-        loaded.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         model.lm_head.weight = model.model.embed_tokens.weight
         loaded.add("lm_head.weight")
@@ -319,7 +322,7 @@ def load_model(
     return model.eval()
 
 
-def _experts_complete(per_expert: dict[int, dict[str, torch.Tensor]], n: int) -> bool:
+def _experts_complete(per_expert: dict[int, dict[str, object]], n: int) -> bool:
     """Whether one layer's routed experts are all read (w1, w2 and w3 of experts 0..n-1)."""
     return sorted(per_expert) == list(range(n)) and all(set(w) == {"w1", "w2", "w3"} for w in per_expert.values())
 

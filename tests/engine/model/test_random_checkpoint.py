@@ -155,7 +155,8 @@ def test_host_slot_decoder_refuses_native_weights(narrow_dir: Path) -> None:
 def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, tmp_path: Path) -> None:
     """Each layer's dequantised experts are held in the model's dtype and stacked once complete
     (a real checkpoint's fp32 experts of every layer would not fit host memory): the bf16 model's
-    experts are the fp32 model's rounded once; a missing expert is named."""
+    experts are the fp32 model's rounded once; a missing expert is named, packed FP4 ones too (each
+    layer's packed codes are stacked once complete, so one layer's per-expert copies exist at a time)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -180,6 +181,8 @@ def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, tmp_path
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="experts of .* incomplete"):
         load_model(broken, dtype="float32", progress=False)
+    with pytest.raises(CheckpointError, match="experts of 'model.layers.1.mlp.experts' incomplete"):  # kept packed
+        load_model(broken, dtype="float32", progress=False, fp4_experts=True)
 
 
 def test_without_mtp_layer() -> None:

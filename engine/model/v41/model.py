@@ -32,7 +32,7 @@ from engine.model.v41.attention import V41_TUNING, Attention, Chunk, Shared, V41
 from engine.model.v41.config import V41Config
 from engine.model.v41.engram import Engram, NgramHasher
 from engine.model.v41 import prefill as fast_path
-from engine.model.v41.layers import MoE, HyperSite, RMSNorm, collapse, expand
+from engine.model.v41.layers import MoE, HyperSite, RMSNorm, collapse
 from engine.model.v41.prefill import use_fast
 from engine.model.v41.state import V41SequenceState
 
@@ -60,13 +60,13 @@ class DecoderLayer(nn.Module):
         if self.engram is not None:
             assert hash_ids is not None, "engram layers need the hash ids"
             streams = self.engram(streams, hash_ids[:, self.engram.slot])
-        fast = use_fast(self.tuning.fast, streams)
-        attn_pre, post, comb = fast_path.gates(self.hc_attn, streams) if fast else self.hc_attn.gates(streams)
-        x = self.attn_norm(collapse(pre, streams))  # (N, H)
-        streams = expand(self.attn(x, positions, ropes, rotary, chunks), streams, post, comb)
-        ffn_pre, post, comb = fast_path.gates(self.hc_ffn, streams) if fast else self.hc_ffn.gates(streams)
-        x = self.ffn_norm(collapse(attn_pre, streams))
-        return expand(fast_path.moe(self.ffn, x) if fast else self.ffn(x), streams, post, comb), ffn_pre
+        ops = fast_path.FAST if use_fast(self.tuning.fast, streams) else fast_path.GENERAL
+        attn_pre, post, comb = ops.gates(self.hc_attn, streams)
+        x = ops.collapse_norm(pre, streams, self.attn_norm)  # (N, H)
+        streams = ops.expand(self.attn(x, positions, ropes, rotary, chunks), streams, post, comb)
+        ffn_pre, post, comb = ops.gates(self.hc_ffn, streams)
+        x = ops.collapse_norm(attn_pre, streams, self.ffn_norm)
+        return ops.expand(ops.moe(self.ffn, x), streams, post, comb), ffn_pre
 
 
 class DeepseekV41Model(nn.Module):

@@ -13,7 +13,10 @@ takes these instead, on the same values:
 - indexer scores: ``kernels.indexer.indexer_scores_prefill`` (relu, weighted head sum and the
   causal ``-inf`` in one kernel; the ``(s, Hi, T)`` logits never reach memory), level one and two
   of the top-k as the general path;
-- mHC gates: ``kernels.mhc.hc_mix`` (the gates and the Sinkhorn in one kernel, as the slot step);
+- mHC: the gates' input norm and projection as V4's blocked dots over the raw streams
+  (``kernels.prefill.hc_pre_block_parts``: the norm applied after the projection, where it
+  commutes) and the gates and Sinkhorn in one kernel (``kernels.mhc.hc_mix_parts``); the collapse
+  with the block's RMSNorm and the expand in one pass each (``kernels.v41_mhc``);
 - routed experts: ``kernels.moe.moe_experts`` over the layer's stacked weights (``MoE.stack``):
   tokens sorted by expert, one grouped GEMM per projection (``torch._grouped_mm`` / the Triton
   ``kernels.moe_grouped`` at prefill sizes in bf16, SwiGLU fused), one fp32 combine with the
@@ -28,14 +31,19 @@ and logprobs within 1e-4, as the general path).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from engine.model.v41.layers import HyperSite, MoE
+from engine.model.v41.layers import HyperSite, MoE, RMSNorm, collapse, expand
+from kernels import v41_mhc
+from kernels._common import use_triton
 from kernels.indexer import indexer_scores_prefill
-from kernels.mhc import hc_mix
+from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import moe_experts
-from kernels.prefill import prefill_attention
+from kernels.prefill import hc_pre_block_parts, prefill_attention
 
 
 def use_fast(flag: bool | None, t: torch.Tensor) -> bool:
@@ -72,10 +80,18 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
 
 
 def gates(site: HyperSite, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``HyperSite.gates`` with the gates and Sinkhorn in ``kernels.mhc.hc_mix``."""
+    """``HyperSite.gates`` through the kernels (module docstring) → ``pre, post (N, hc)``, ``comb (N, hc, hc)``."""
+    if use_triton(streams):
+        parts = hc_pre_block_parts(streams, site.fn.float().contiguous())  # (N, splits, MP): fn @ x and Σx²
+        return hc_mix_parts(parts, streams.shape[1] * streams.shape[2], site.norm_eps, site.scale, site.base, site.hc, site.iters, site.hc_eps)
     flat = streams.flatten(1).float()  # (N, hc·H), normalised as one vector per token
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + site.norm_eps)
     return hc_mix(F.linear(flat, site.fn.float()), site.scale, site.base, site.hc, site.iters, site.hc_eps)
+
+
+def collapse_norm(pre: torch.Tensor, streams: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """``norm(collapse(pre, streams))`` in one pass (``kernels.v41_mhc``)."""
+    return v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps)
 
 
 def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -85,3 +101,16 @@ def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     shared = layer.shared_experts(x)  # (N, H)
     limit = layer.shared_experts.limit
     return moe_experts(x, weights, indices, gate_up, down, limit if limit > 0 else float("inf"), add=shared)
+
+
+class LayerOps(NamedTuple):
+    """The token-wise steps of a decoder layer: the general path's or the fast path's."""
+
+    gates: Callable[[HyperSite, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    collapse_norm: Callable[[torch.Tensor, torch.Tensor, RMSNorm], torch.Tensor]
+    expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    moe: Callable[[MoE, torch.Tensor], torch.Tensor]
+
+
+GENERAL = LayerOps(HyperSite.gates, lambda pre, streams, norm: norm(collapse(pre, streams)), expand, MoE.__call__)
+FAST = LayerOps(gates, collapse_norm, v41_mhc.expand, moe)

@@ -346,6 +346,11 @@ def verify_rows(ours, ks: list[int], batches: list[int], context: int, iters: in
             print(f"b={batch} k={k}: plain replay {t_replay * 1e3:.3f} ms / step {t_step * 1e3:.3f} ms; verify replay {r * 1e3:.3f} ms "
                   f"({r / t_replay:.2f}x), reject-all step {t_rej * 1e3:.3f} ms ({t_rej / t_step:.2f}x), accept-all {t_acc * 1e3:.3f} ms, err {err:.1e}", flush=True)  # fmt: skip
         rows.append(row)
+    print("verify(1+k) / plain step, graph replays (target <= 1.3x):", flush=True)
+    for row in rows:
+        if "plain_replay_ms" in row:
+            cells = "  ".join(f"k={k} {row[f'k{k}']['replay_ratio']:.2f}x" for k in ks)
+            print(f"  b={row['batch']:3d}  {cells}", flush=True)
     del plain, decs
     torch.cuda.empty_cache()
 
@@ -637,7 +642,6 @@ def main() -> None:
         default="",
         help="prefix of kernel-profile files of the static step (first context)",
     )
-    ap.add_argument("--no-plain", action="store_true", help="skip the unfused static step rows")
     ap.add_argument("--no-fp8", action="store_true", help="skip the FP8-expert static step rows")
     ap.add_argument("--no-unmerged", action="store_true", help="skip the one-GEMM-per-projection static step rows")
     ap.add_argument("--profile-prefill", default="", help="profile one prefill of each of these many tokens (comma list)")
@@ -761,9 +765,6 @@ def main() -> None:
             flush=True,
         )
         first = context == int(args.contexts.split(",")[0])
-        dec_plain = None
-        if first and not args.no_plain:
-            dec_plain = StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra, fused=False)
         dec_um = None
         if first and not args.no_unmerged:  # run 5's fused step: one GEMM per projection of x
             dec_um = StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra, merge_proj=False)
@@ -778,9 +779,9 @@ def main() -> None:
             want = ours([(st, [t]) for st, t in zip(states, nxt)])
             try:
                 got = dec.step(list(range(batch)), nxt).float()
-            except Exception:  # noqa: BLE001 - report the failure; retry unfused, then eager
+            except Exception:  # noqa: BLE001 - report the failure; retry without graphs
                 traceback.print_exc()
-                dec.fused = dec.use_graphs = False
+                dec.use_graphs = False
                 dec._graphs.clear()
                 for i in range(batch):
                     dec.load(i, base)
@@ -818,9 +819,6 @@ def main() -> None:
                 end.record()
                 torch.cuda.synchronize()
                 t_replay = start.elapsed_time(end) / args.graph_iters / 1e3
-            t_plain = r_plain = float("nan")
-            if dec_plain is not None:  # run 4's step (PyTorch glue) in the same run
-                t_plain, r_plain = time_static(dec_plain, batch, base, nxt, args.graph_iters)
             t_um = r_um = float("nan")
             if dec_um is not None:
                 t_um, r_um = time_static(dec_um, batch, base, nxt, args.graph_iters)
@@ -850,12 +848,12 @@ def main() -> None:
                 "what": f"decode b={batch} ctx={context}", "ours_ms": t_ours * 1e3, "graph_ms": t_graph * 1e3,
                 "replay_ms": t_replay * 1e3, "transformers_ms": None if t_hf is None else t_hf * 1e3,
                 "floor_ms": floor * 1e3, "graph_rel_err": rel_err, "graph_argmax_agree": argmax_agree,
-                "plain_graph_ms": t_plain * 1e3, "plain_replay_ms": r_plain * 1e3, "fused": dec.fused,
+                "triton": dec.triton,
                 "unmerged_graph_ms": t_um * 1e3, "unmerged_replay_ms": r_um * 1e3, "merge_proj": dec.merge_proj,
             }  # fmt: skip
             print(row, flush=True)
             rows.append(row)
-        del dec, dec_plain, dec_um
+        del dec, dec_um
         if first and args.decode_variants:
             decode_variants(args.decode_variants, ours, base, context, extra, batches, args.graph_iters, rows)
         if cuda:
@@ -921,7 +919,7 @@ def main() -> None:
         f"{name}  copy bandwidth {bw / 1e12:.2f} TB/s  bf16 matmul {mm / 1e12:.0f} TFLOP/s  params {n_params / 1e9:.1f}B"
     )
     print(
-        f"{'case':34s} {'ours ms':>9s} {'run4-step':>9s} {'graph ms':>9s} {'replay ms':>9s} {'hf ms':>8s} {'floor ms':>9s} {'graph/floor':>11s} {'hf/graph':>8s} {'rel err':>8s} {'argmax':>6s}"
+        f"{'case':34s} {'ours ms':>9s} {'graph ms':>9s} {'replay ms':>9s} {'hf ms':>8s} {'floor ms':>9s} {'graph/floor':>11s} {'hf/graph':>8s} {'rel err':>8s} {'argmax':>6s}"
     )
     for r in rows:
         if "transformers_ms" not in r:
@@ -934,7 +932,7 @@ def main() -> None:
                 else f"{r['transformers_ms'] / r['graph_ms']:.1f}x"
             )
             print(
-                f"{r['what']:34s} {r['ours_ms']:9.2f} {r.get('plain_graph_ms', float('nan')):9.3f} {r['graph_ms']:9.3f} {r['replay_ms']:9.3f} {hf_ms:>8s} {r['floor_ms']:9.3f} {r['graph_ms'] / r['floor_ms']:10.2f}x {vs:>8s} {r['graph_rel_err']:8.1e} {r['graph_argmax_agree']:6.2f}"
+                f"{r['what']:34s} {r['ours_ms']:9.2f} {r['graph_ms']:9.3f} {r['replay_ms']:9.3f} {hf_ms:>8s} {r['floor_ms']:9.3f} {r['graph_ms'] / r['floor_ms']:10.2f}x {vs:>8s} {r['graph_rel_err']:8.1e} {r['graph_argmax_agree']:6.2f}"
             )
         else:
             print(

@@ -88,6 +88,35 @@ def norm_rope_reference(
     return apply_rope_eager(y, cos, -sin if sign < 0 else sin)
 
 
+def compress_step_reference(
+    kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+    buf_kv: torch.Tensor, buf_gate: torch.Tensor, overlap_kv: torch.Tensor | None, overlap_gate: torch.Tensor | None,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    cos_tab: torch.Tensor, sin_tab: torch.Tensor, rows: torch.Tensor,
+) -> None:  # fmt: skip
+    """``compress_step`` with the general path's ops (``Compressor.update``'s pooling, ``kv_norm``,
+    RoPE); reads which rows close on the host (not capturable)."""
+    r, d = buf_kv.shape[1], rows.shape[2]
+    j = pos % r
+    buf_kv[slots, j] = kv
+    buf_gate[slots, j] = gate.to(buf_gate.dtype)
+    close = (j == r - 1).nonzero().squeeze(1)
+    if not close.numel():
+        return
+    s, window = slots[close], torch.div(pos[close], r, rounding_mode="floor")
+    ckv, cgate = buf_kv[s], buf_gate[s] + position_bias  # (m, r, P), gates in fp32
+    if overlap_kv is not None:  # the previous window's Ca (none before the first), then this one's Cb
+        has_prev = (window >= 1)[:, None, None]
+        prev_kv = torch.where(has_prev, overlap_kv[s], 0).to(ckv.dtype)
+        prev_gate = torch.where(has_prev, overlap_gate[s], float("-inf"))
+        pool_kv, pool_gate = torch.cat([prev_kv, ckv[..., d:]], dim=1), torch.cat([prev_gate, cgate[..., d:]], dim=1)
+        overlap_kv[s], overlap_gate[s] = ckv[..., :d], cgate[..., :d].to(overlap_gate.dtype)
+    else:
+        pool_kv, pool_gate = ckv, cgate
+    pooled = (pool_kv * pool_gate.softmax(dim=1, dtype=torch.float32).to(pool_kv.dtype)).sum(dim=1)  # (m, d)
+    rows[s, window] = norm_rope_reference(pooled[:, None], norm_weight, 1, eps, cos_tab, sin_tab, window * r)[:, 0]
+
+
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
@@ -189,12 +218,16 @@ def compress_step(
     position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     cos_tab: torch.Tensor, sin_tab: torch.Tensor, rows: torch.Tensor,
 ) -> None:  # fmt: skip
-    """One decode token of a compressor for every batch row (Triton only; the caller checks
-    ``use_triton``). ``kv, gate (b, P)`` this token's projections, ``pos, slots (b,)``; pools as
+    """One decode token of a compressor for every batch row (off Triton: ``compress_step_reference``).
+    ``kv, gate (b, P)`` this token's projections, ``pos, slots (b,)``; pools as
     ``static_decode.CompPool`` (``rows (S+1, Tc+1, d)``). Writes ``buf[slot, pos % r]``; where
     ``pos % r == r-1`` pools the window (CSA: the overlap's ``r`` slots, when there is a previous
     window, and this window's second half), normalises, rotates at ``(pos // r)·r`` and writes
     ``rows[slot, pos // r]`` and (CSA) the new overlap."""
+    if not use_triton(kv):
+        return compress_step_reference(
+            kv, gate, pos, slots, buf_kv, buf_gate, overlap_kv, overlap_gate, position_bias, norm_weight, eps, cos_tab, sin_tab, rows
+        )  # fmt: skip
     b, p = kv.shape
     r = buf_kv.shape[1]
     d = rows.shape[2]
@@ -427,6 +460,6 @@ if HAS_TRITON:
 
 
 __all__ = [
-    "collapse_norm", "compress_step", "hc_merge", "hc_pre_parts", "norm_rope", "swiglu",
+    "collapse_norm", "compress_step", "compress_step_reference", "hc_merge", "hc_pre_parts", "norm_rope", "swiglu",
     "collapse_norm_reference", "hc_merge_reference", "norm_rope_reference", "swiglu_reference",
 ]  # fmt: skip

@@ -37,6 +37,14 @@ Prefill stays on the general path: ``load(slot, state)`` imports a ``SequenceSta
 mode, not a replay) into a slot, ``export(slot)`` gives it back. ``step(slots, token_ids)``
 runs one decode token for each listed slot and returns the float32 logits ``(n, V)``; with
 CUDA graphs the returned tensor is the graph's output buffer, valid until the next step.
+``verify(slots, token_rows)`` (speculative decoding) feeds ``1 + k`` tokens per slot in one step
+of offset-major columns: the compressors take the offsets in order, then one multi-query
+attention launch serves every offset (each reads the ring as it was before the step plus its
+slot's new keys up to its own offset), and the new keys go into the ring after it.
+
+Where Triton does not run (CPU without the interpreter) the same step body runs each kernel
+function's PyTorch reference and the general path's mHC modules (tests and the expert-parallel
+CPU group; the CPU engine's step is ``host_decode.HostDecoder``).
 
 Same math as the general path (fp32: within 1e-4; bf16: within the kernels' tolerance — the
 attention kernel keeps logits in fp32 where the general path rounds them to bf16). One known
@@ -56,17 +64,9 @@ import torch.nn.functional as F
 
 from engine.model.fp8 import Fp8Linear, Fp8Weight, Weight, merge_weights, weight_of
 from engine.model import slot_rewind
-from engine.model.attention import Attention, Compressor, Projected
-from engine.model.decode import pool_windows
-from engine.model.layers import (
-    HyperConnection,
-    collapse,
-    hc_merge,
-    swiglu,
-    unweighted_rms_norm,
-)
+from engine.model.attention import Attention, Compressor
+from engine.model.layers import HyperConnection, collapse, swiglu, unweighted_rms_norm
 from engine.model.moe import MoE
-from engine.model.rope import Rotary, apply_rope
 from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
 from engine.model.state import SequenceState
 from kernels import fused as fk
@@ -140,9 +140,10 @@ class StaticDecoder:
 
     ``max_slots`` sequences of up to ``max_tokens`` tokens each (prompt and decoded tokens).
     ``use_graphs`` (default: on CUDA) captures one CUDA graph per bucket on its first use.
-    ``fused`` (default on where the Triton kernels run): the step's glue through
-    ``kernels.fused`` (norms + RoPE, mHC pre/merge, compressor token, shared-expert SwiGLU) and
-    the routing kernel, instead of the general path's PyTorch ops (~5x fewer launches).
+    The step's glue runs through ``kernels.fused`` (norms + RoPE, mHC pre/merge, compressor
+    token, shared-expert SwiGLU) and the routing kernel where Triton runs (CUDA, or its
+    interpreter); elsewhere each kernel function runs its PyTorch reference (the general path's
+    ops) and the mHC mixing the general path's modules — one step body either way.
     ``step`` returns float32 logits (``output``); ``host_decode.HostDecoder`` returns hidden states.
     """
 
@@ -155,7 +156,6 @@ class StaticDecoder:
         max_tokens: int,
         use_graphs: bool | None = None,
         buckets: Sequence[int] = BUCKETS,
-        fused: bool = True,
         merge_proj: bool = True,
         tuning: DecodeTuning = DECODE,
         verify_width: int = 1,
@@ -208,16 +208,16 @@ class StaticDecoder:
             self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
             self._turn = 0
         self.num_tokens, self.token_ids = self.slots.num_tokens, self.slots.token_ids
-        self.fused = fused and use_triton(self._inputs)
+        self.triton = use_triton(self._inputs)  # the Triton kernels run (else their references)
         self._rope_tab: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if self.fused:  # cos/sin of every position, as Rotary.cos_sin gives them per step
-            with torch.inference_mode():
-                every = torch.arange(max_tokens + 1, device=dev)
-                for kind, rot in model.rotary.items():
-                    cos, sin = rot.cos_sin(every, self.dtype)
-                    self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
-        self.merge_proj = merge_proj and self.fused
-        self.dense_gemv = tuning.dense_gemv and self.fused
+        with torch.inference_mode():  # cos/sin of every position, as Rotary.cos_sin gives them per step
+            every = torch.arange(max_tokens + 1, device=dev)
+            for kind, rot in model.rotary.items():
+                cos, sin = rot.cos_sin(every, self.dtype)
+                self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
+        self.merge_proj = merge_proj
+        self.dense_gemv = tuning.dense_gemv and self.triton
+        self.rope_out = tuning.attn_rope_out and self.triton  # the attention kernel un-rotates its output
         if self.merge_proj:  # our own concatenated copy; the model's parameters stay as they are
             with torch.inference_mode():
                 for layer, lp in zip(model.model.layers, self.pools):
@@ -230,11 +230,11 @@ class StaticDecoder:
                             mods += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
                     lp.xproj = merge_weights([weight_of(m) for m in mods])
         self._graphs: dict[int | tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}  # bucket, or (bucket, width) of a verify
-        self._side = torch.cuda.Stream(dev) if tuning.side_stream and self.fused and dev.type == "cuda" else None
+        self._side = torch.cuda.Stream(dev) if tuning.side_stream and dev.type == "cuda" else None
         # fp32 contiguous copies of the mHC parameters (a bf16 checkpoint's fn/scale/base would be
         # cast on every call: 3 launches per block)
         self._hc32: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        if self.fused:
+        if self.triton:
             with torch.inference_mode():
                 for layer in model.model.layers:
                     for hc in (layer.attn_hc, layer.ffn_hc):
@@ -373,14 +373,9 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def _forward(self, b: int, width: int = 1):
-        """A step over ``b`` slots → logits ``(b, V)``; a verify (``width > 1``, offset-major
-        columns) → final hidden ``(b·width, H)``, final streams and the rewind snapshot."""
-        if self.fused:
-            return self._forward_fused(b, width)
-        return self._forward_plain(b, width)
-
-    def _forward_fused(self, b: int, width: int = 1):
-        """``_forward_plain`` with the glue in ``kernels.fused`` (same math, same roundings)."""
+        """The fixed-shape step body on ``self._inputs`` (no host reads where Triton runs): a step
+        over ``b`` slots → logits ``(b, V)`` fp32; a verify (``width > 1``, offset-major columns) →
+        final hidden ``(b·width, H)``, final streams and the rewind snapshot."""
         model, cfg = self.model, self.cfg
         n = b * width
         ids, pos, slots = self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n]
@@ -388,6 +383,11 @@ class StaticDecoder:
         embeds = model.model.embed_tokens(ids)  # (n, H)
         streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (n, hc, H)
         derived = {key: (self._inputs[3 + 2 * i, :n], self._inputs[4 + 2 * i, :n]) for i, key in enumerate(self._derived)}
+        if width > 1:  # each column's window before the step: (ring end, length) per window size
+            j = torch.arange(n, device=pos.device) // b
+            first = pos - j  # its slot's position before the step (negative on padding columns)
+            for w in {k[1] for k in self._derived if k[0] == "ring"}:
+                derived["before", w] = (torch.remainder(first, w), torch.clamp(torch.minimum(first, w - 1 - j), min=0))
         for layer, lp in zip(model.model.layers, self.pools):
             attn = layer.self_attn
             post, comb, x = self._hyper_connection_fused(layer.attn_hc, streams, layer.input_layernorm)
@@ -399,11 +399,14 @@ class StaticDecoder:
             post, comb, x = self._hyper_connection_fused(layer.ffn_hc, streams, layer.post_attention_layernorm)
             streams = fk.hc_merge(post, comb, self._moe_fused(layer.mlp, x, ids), streams)
         head, norm = model.model.hc_head, model.model.norm
-        fn, scale, base = self._hc32[id(head)]
-        parts = fk.hc_pre_parts(streams, fn, max_splits=self.tuning.hc_splits)
-        hc = streams.shape[1]
-        pre, _, _ = hc_mix_parts(parts, hc * streams.shape[2], head.norm_eps, scale, base, hc, 0, head.eps, head=True)
-        hidden = fk.collapse_norm(pre, streams, norm.weight, norm.eps)  # norm(hc_head(streams)): (n, H)
+        if self.triton:
+            fn, scale, base = self._hc32[id(head)]
+            parts = fk.hc_pre_parts(streams, fn, max_splits=self.tuning.hc_splits)
+            hc = streams.shape[1]
+            pre, _, _ = hc_mix_parts(parts, hc * streams.shape[2], head.norm_eps, scale, base, hc, 0, head.eps, head=True)
+            hidden = fk.collapse_norm(pre, streams, norm.weight, norm.eps)  # norm(hc_head(streams)): (n, H)
+        else:
+            hidden = norm(head(streams))
         if width > 1:
             return hidden, streams, snap
         return self._linear(hidden, model.lm_head.weight, torch.float32)
@@ -429,7 +432,10 @@ class StaticDecoder:
 
     def _hyper_connection_fused(self, hc: HyperConnection, streams: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``_hyper_connection`` + the block's input ``RMSNorm`` in three kernels: split-K norm and
-        mixes, gates + Sinkhorn, collapse + norm."""
+        mixes, gates + Sinkhorn, collapse + norm (without Triton: the general path's ops)."""
+        if not self.triton:
+            post, comb, x = _hyper_connection(hc, streams)
+            return post, comb, norm(x)
         fn, scale, base = self._hc32[id(hc)]
         parts = fk.hc_pre_parts(streams, fn, max_splits=self.tuning.hc_splits)
         pre, post, comb = hc_mix_parts(parts, streams.shape[1] * streams.shape[2], hc.norm_eps, scale, base, hc.hc, hc.iters, hc.hc_eps)
@@ -464,7 +470,7 @@ class StaticDecoder:
             idx = attn.indexer
             if idx is not None:
                 with self._branch() as join:
-                    self._compress_fused(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
+                    self._compress(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
                     idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
                     scores = indexer_scores(
                         idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
@@ -478,7 +484,7 @@ class StaticDecoder:
                 out=lp.swa.view(-1, attn.head_dim), out_rows=ring_row,
             )  # fmt: skip
             if comp is not None:
-                self._compress_fused(comp, lp.comp, parts[2], parts[3], pos, slots, ccos, csin)
+                self._compress(comp, lp.comp, parts[2], parts[3], pos, slots, ccos, csin)
 
         if row_idx is None:  # no indexer on the side stream: the kv path goes there
             with self._branch() as join:
@@ -487,7 +493,7 @@ class StaticDecoder:
         if row_idx is not None:
             kv_path()
         join()
-        kw = {"rope": (cos, sin), "rope_pos": pos, "fold_q": 0} if self.tuning.attn_rope_out else {}
+        kw = {"rope": (cos, sin), "rope_pos": pos, "fold_q": 0} if self.rope_out else {}
         if comp is None:
             out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling, **kw)
         else:
@@ -495,7 +501,7 @@ class StaticDecoder:
                 q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
                 swa_slot=slots, scale=attn.scaling, max_rows=tc, **kw,
             )  # fmt: skip
-        if not self.tuning.attn_rope_out:
+        if not self.rope_out:
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
         return self._output(attn, out)
 
@@ -503,10 +509,12 @@ class StaticDecoder:
         self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
         derived: dict[tuple, tuple[torch.Tensor, torch.Tensor]], b: int,
     ) -> torch.Tensor:  # fmt: skip
-        """``_attention_fused`` over a verify's offset-major columns: the projections of all of
-        them at once, then offset by offset (each after the one before has attended, since its ring
-        write replaces a key the earlier offsets read) the window ring, compressors, indexer and
-        attention of ``b`` columns; no side stream."""
+        """``_attention_fused`` over a verify's offset-major columns (``b`` per offset) in one pass:
+        the projections of all of them, the compressors offset by offset (a window one closes is
+        pooled from the buffer entries of the ones before), the indexer's scores and top-k of every
+        column, then ONE multi-query attention launch (``decode_attention``'s ``swa_end``/``fresh``:
+        each column reads the ring as it was before the step plus its slot's new keys up to its own
+        offset, and rows up to its own count), and last the new keys into the ring; no side stream."""
         n = x.shape[0]
         cos, sin = self._rope_tab[attn.rope_kind]
         ccos, csin = self._rope_tab.get("compress", (cos, sin))
@@ -517,38 +525,35 @@ class StaticDecoder:
         parts = [p for w, widths in lp.xproj for p in self._linear(x, w).split(widths, dim=-1)] if lp.xproj else [m(x) for m in mods]
         q_res = fk.norm_rope(parts[0][:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
         q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(n, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
-        idx_q = None
-        if idx is not None:
-            idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
-        ring_row, swa_len = derived["ring", attn.window]
-        outs = []
-        for c in range(0, n, b):
-            at = slice(c, c + b)
-            fk.norm_rope(
-                parts[1][at, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos[at],
-                out=lp.swa.view(-1, attn.head_dim), out_rows=ring_row[at],
-            )  # fmt: skip
-            kw = {"rope": (cos, sin), "rope_pos": pos[at], "fold_q": 0} if self.tuning.attn_rope_out else {}
-            if comp is None:
-                outs.append(decode_attention(q[at], lp.swa, swa_len[at], attn.sinks, swa_slot=slots[at], scale=attn.scaling, **kw))
-                continue
+        kv = fk.norm_rope(parts[1][:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos)[:, 0]  # (n, D) the new keys
+        ring_row, _ = derived["ring", attn.window]
+        swa_end, swa_len = derived["before", attn.window]
+        ring = {"swa_end": swa_end, "fresh": kv, "fresh_cols": b, "swa_slot": slots, "scale": attn.scaling}
+        if self.rope_out:
+            ring.update(rope=(cos, sin), rope_pos=pos, fold_q=0)
+        if comp is None:
+            out = decode_attention(q, lp.swa, swa_len, attn.sinks, **ring)
+        else:
             tc = lp.comp.rows.shape[1] - 1
             row_len, row_start = derived["rows", comp.rate, tc]
-            self._compress_fused(comp, lp.comp, parts[2][at], parts[3][at], pos[at], slots[at], ccos, csin)
+            for c in range(0, n, b):  # offset by offset
+                at = slice(c, c + b)
+                self._compress(comp, lp.comp, parts[2][at], parts[3][at], pos[at], slots[at], ccos, csin)
+                if idx is not None:
+                    self._compress(idx, lp.index, parts[4][at], parts[5][at], pos[at], slots[at], ccos, csin)
             row_idx = None
             if idx is not None:
-                self._compress_fused(idx, lp.index, parts[4][at], parts[5][at], pos[at], slots[at], ccos, csin)
+                idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
                 scores = indexer_scores(
-                    idx_q[at], parts[6][at], lp.index.rows.view(-1, idx.width), row_start[at], row_len[at],
+                    idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
                     idx.softmax_scale * idx.weights_scaling, t_max=tc,
                 )  # fmt: skip
                 row_idx = mask_topk(scores, idx.topk, ordered=False)
-            outs.append(decode_attention(
-                q[at], lp.swa, swa_len[at], attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start[at], row_len[at], row_idx,
-                swa_slot=slots[at], scale=attn.scaling, max_rows=tc, **kw,
-            ))  # fmt: skip
-        out = torch.cat(outs)
-        if not self.tuning.attn_rope_out:
+            out = decode_attention(
+                q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx, max_rows=tc, **ring,
+            )  # fmt: skip
+        lp.swa.view(-1, attn.head_dim).index_copy_(0, ring_row, kv)
+        if not self.rope_out:
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)
         return self._output(attn, out)
 
@@ -565,7 +570,9 @@ class StaticDecoder:
         with torch.cuda.stream(self._side):
             yield lambda: main.wait_stream(self._side)
 
-    def _compress_fused(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """This token's projections into the buffers; the window it closes pooled into its row
+        (``kernels.fused.compress_step``)."""
         fk.compress_step(
             kv, gate, pos, slots, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate,
             comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, cos, sin, cp.rows,
@@ -618,116 +625,6 @@ class StaticDecoder:
         if fp8 is not None:
             return moe_experts_fp8(x, weights, indices, *fp8, ex.limit)
         return moe_experts(x, weights, indices, ex.gate_up_proj, ex.down_proj, ex.limit, grouped=ex.tuning.grouped)
-
-    def _forward_plain(self, b: int, width: int = 1):
-        """The fixed-shape step body on ``self._inputs[:, :b]`` (no host reads). → ``(b, V)`` fp32;
-        a verify: ``width`` offsets of ``b`` columns (``_forward``)."""
-        model, cfg = self.model, self.cfg
-        n = b * width
-        ids, pos, slots = self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n]
-        snap = slot_rewind.snapshot(self.pools, self.slots.windows, pos, slots, b) if width > 1 else None
-        embeds = model.model.embed_tokens(ids)  # (b, H)
-        streams = (
-            embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        )  # (b, hc, H)
-        ropes = {
-            kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()
-        }
-        for layer, lp in zip(model.model.layers, self.pools):
-            attn = layer.self_attn
-            post, comb, x = _hyper_connection(layer.attn_hc, streams)
-            out = self._attention(
-                attn,
-                lp,
-                layer.input_layernorm(x),
-                pos,
-                slots,
-                ropes[attn.rope_kind],
-                model.rotary["compress"],
-                b,
-            )
-            streams = hc_merge(post, comb, out, streams)
-            post, comb, x = _hyper_connection(layer.ffn_hc, streams)
-            streams = hc_merge(
-                post,
-                comb,
-                self._moe(layer.mlp, layer.post_attention_layernorm(x), ids),
-                streams,
-            )
-        hidden = model.model.norm(model.model.hc_head(streams))  # (n, H)
-        if width > 1:
-            return hidden, streams, snap
-        return F.linear(hidden, model.lm_head.weight).float()
-
-    def _attention(self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, rope, rotary: Rotary, b: int) -> torch.Tensor:
-        """One layer's attention over ``b`` columns at a time (a verify's offsets in order)."""
-        n = x.shape[0]
-        cos, sin = rope
-        p = attn._project(x, rope)
-        outs = [self._attend_slots(attn, lp, Projected(*(None if t is None else t[c : c + b] for t in p)), pos[c : c + b], slots[c : c + b], rotary) for c in range(0, n, b)]
-        out = apply_rope(torch.cat(outs), cos, -sin)  # undo the rotation values picked up as keys
-        grouped = attn.o_a_proj(out.reshape(n, attn.o_groups, -1)).flatten(1)
-        return attn.o_b_proj(grouped)
-
-    def _attend_slots(self, attn: Attention, lp: LayerPool, p: Projected, pos: torch.Tensor, slots: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """The window ring, compressors, indexer and attention of one token per slot → ``(b, nh, D)``."""
-        w = attn.window
-        lp.swa.index_put_((slots, pos % w), p.kv)
-        swa_len = torch.clamp(pos + 1, max=w)
-        if attn.compressor is None:
-            return decode_attention(p.q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling)
-        comp = attn.compressor
-        self._compress(comp, lp.comp, p.comp_kv, p.comp_gate, pos, slots, rotary)
-        tc = lp.comp.rows.shape[1] - 1
-        row_len = torch.div(pos + 1, comp.rate, rounding_mode="floor")
-        row_start = slots * (tc + 1)
-        row_idx = None
-        idx = attn.indexer
-        if idx is not None:
-            self._compress(idx, lp.index, p.idx_kv, p.idx_gate, pos, slots, rotary)
-            scores = indexer_scores(
-                p.idx_q, p.idx_w, lp.index.rows.view(-1, idx.width), row_start, row_len, idx.softmax_scale * idx.weights_scaling, t_max=tc,
-            )  # fmt: skip
-            row_idx = mask_topk(scores, idx.topk)  # (b, k) local rows, -1 = none
-        return decode_attention(
-            p.q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
-            swa_slot=slots, scale=attn.scaling, max_rows=tc,
-        )  # fmt: skip
-
-    def _compress(
-        self,
-        comp: Compressor,
-        cp: CompPool,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        pos: torch.Tensor,
-        slots: torch.Tensor,
-        rotary: Rotary,
-    ) -> None:
-        """Buffer this token's projections; pool the window it closes (masked by ``close``) with
-        the general path's ``decode.pool_windows`` (the other rows' pools go to the scratch row)."""
-        r, d = comp.rate, comp.width
-        j = pos % r
-        cp.buf_kv.index_put_((slots, j), kv)
-        cp.buf_gate.index_put_((slots, j), gate)
-        close = j == r - 1  # (b,)
-        window = torch.div(pos, r, rounding_mode="floor")  # (b,) this token's window
-        ckv = cp.buf_kv.index_select(0, slots)  # (b, r, P)
-        graw = cp.buf_gate.index_select(0, slots)  # (b, r, P)
-        scratch = torch.full_like(slots, self.scratch)
-        prev_kv = prev_gate = None
-        if comp.overlap:  # the previous window's Ca, none before the first window
-            has_prev = (window >= 1)[:, None, None]
-            prev_kv = torch.where(has_prev, cp.overlap_kv.index_select(0, slots), 0).to(ckv.dtype)  # (b, r, d)
-            prev_gate = torch.where(has_prev, cp.overlap_gate.index_select(0, slots), float("-inf"))
-        rows, cgate = pool_windows(comp, ckv, graw, prev_kv, prev_gate, window * r, rotary)  # (b, d), (b, r, P)
-        if comp.overlap:
-            dst = torch.where(close, slots, scratch)
-            cp.overlap_kv.index_copy_(0, dst, ckv[..., :d].contiguous())
-            cp.overlap_gate.index_copy_(0, dst, cgate[..., :d].contiguous())
-        tc = cp.rows.shape[1] - 1
-        dst = torch.where(close, slots * (tc + 1) + window, scratch * (tc + 1) + tc)
-        cp.rows.view(-1, d).index_copy_(0, dst, rows)
 
     def _moe(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.experts is not None:

@@ -117,7 +117,7 @@ native, dense = native_model(path), load_model(path, dtype="float32", progress=F
 # (kernels.fp8_gemv has its own interpreted tests)
 for lens in ([5], [0, 3, 130]):
     errors, _, _, dec = decode_both(native, dense, lens, steps=1, seed=4, tuning=DecodeTuning(dense_gemv=False))
-    assert dec.fused, lens
+    assert dec.triton, lens
     check(errors)
 print("ok")
 """

@@ -31,7 +31,7 @@ def test_graph_step_fp32_native(native_dir, lengths) -> None:
     native = native_model(native_dir, "float32", "cuda")
     dense = load_model(native_dir, dtype="float32", device="cuda", progress=False)
     errors, _, _, dec = decode_both(native, dense, lengths, steps=6, seed=11, use_graphs=True)
-    assert dec.fused and dec._graphs
+    assert dec.triton and dec._graphs
     check(errors)
 
 
@@ -42,6 +42,6 @@ def test_graph_step_bf16_native(native_dir, lengths) -> None:
     native = native_model(native_dir, "bfloat16", "cuda")
     dense = load_model(native_dir, dtype="bfloat16", device="cuda", progress=False)
     errors, _, _, dec = decode_both(native, dense, lengths, steps=6, seed=12, use_graphs=True)
-    assert dec.fused and dec._graphs
+    assert dec.triton and dec._graphs
     assert errors.flip <= FLIP, errors
     assert errors.general <= NATIVE_VS_DEQUANT and errors.static <= errors.general + FLIP, errors

@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP layer on CPU: tokens per step and inter-token latency.
 
     python -m bench.spec_bench --output FILE.json [--model DIR] [--k 1,2,3] [--concurrency 1,8]
-        [--prompt-len 256] [--new-tokens 128] [--repeats 2] [--serve]
+        [--prompt-len 256] [--new-tokens 128] [--repeats 2] [--drafts slots,general] [--serve]
 
 The model is the tiny checkpoint trained by ``make-tiny-model --train-mtp`` (made in a temporary
 directory unless ``--model`` names one). For each concurrency B, B requests arrive at once: a
@@ -13,6 +13,9 @@ Reported per point: output tokens/s (B·N / submission → last token), ITL = me
 (last token − first token) / (N − 1), tokens per verify step = 1 + accepted / verifies, the
 acceptance rate of each draft position, and whether every request's tokens equal the
 non-speculative run's. One intra-op thread; the best (highest tokens/s) of ``--repeats`` rounds.
+``--drafts``: where slot-verified sequences draft — ``slots`` (``slots.mtp_draft.SlotDrafter``,
+the default) and/or ``general`` (``mtp.Drafter``, as before the slot draft step), each ``k`` run
+with each, same rounds; per point also the seconds spent drafting (``draft_s``).
 
 ``--serve``: the same comparison through the whole stack instead — ``deepserve up`` on the
 checkpoint without and with ``--speculative-config`` (each ``k``), each measured at each
@@ -57,14 +60,26 @@ def requests(b: int, prompt_len: int, new_tokens: int, seed: int) -> list[Genera
     return out
 
 
-def run_point(ckpt: Path, model: Any, k: int | None, reqs: list[GenerateRequest]) -> dict[str, Any]:
-    """One run of ``reqs`` through a fresh engine: timings, tokens and the spec counters."""
+def run_point(ckpt: Path, model: Any, k: int | None, reqs: list[GenerateRequest], where: str = "slots") -> dict[str, Any]:
+    """One run of ``reqs`` through a fresh engine (drafting where ``where`` says): timings,
+    tokens, the spec counters and the time spent drafting."""
     reg = CollectorRegistry()
     spec = None if k is None else SpeculativeConfig("mtp", k)
     engine = build_engine(ckpt, EngineConfig(max_num_seqs=max(8, len(reqs)), speculative=spec), model=model,
                           metrics=EngineMetrics(EngineMetricFamilies(reg), "bench", 0))  # fmt: skip
     if engine.static is not None:
         engine.static.warm_up()
+    draft_s = [0.0]
+    if engine.spec is not None:
+        engine.spec.slot_drafts = where == "slots"
+        inner = engine.spec._draft
+
+        def timed(*a, inner=inner):
+            t = time.perf_counter()
+            inner(*a)
+            draft_s[0] += time.perf_counter() - t
+
+        engine.spec._draft = timed
     tokens: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -85,7 +100,7 @@ def run_point(ckpt: Path, model: Any, k: int | None, reqs: list[GenerateRequest]
     verifies, drafts = value("num_drafts"), value("num_draft_tokens")
     per_pos = [value("num_accepted_tokens_per_pos", position=str(p)) / verifies if verifies else 0.0 for p in range(k or 0)]
     return {
-        "k": k, "tok_s": len(reqs) * n / wall, "itl_ms": 1e3 * itl, "wall_s": wall, "tokens": tokens,
+        "k": k, "drafts": where if k else None, "draft_s": draft_s[0], "tok_s": len(reqs) * n / wall, "itl_ms": 1e3 * itl, "wall_s": wall, "tokens": tokens,
         "verifies": verifies, "draft_tokens": drafts, "accepted": value("num_accepted_tokens"),
         "tokens_per_step": 1 + value("num_accepted_tokens") / verifies if verifies else 1.0, "acceptance_per_position": per_pos,
     }  # fmt: skip
@@ -161,6 +176,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--drafts", default="slots", help="slots and/or general (comma list; module docstring)")
     ap.add_argument("--serve", action="store_true", help="through deepserve up + deepserve bench serve (module docstring)")
     ap.add_argument("--num-requests", type=int, default=0, help="--serve: requests per point (default 4 x concurrency)")
     args = ap.parse_args()
@@ -175,18 +191,19 @@ def main() -> None:
     points = []
     for b in (int(x) for x in args.concurrency.split(",")):
         reqs = requests(b, args.prompt_len, args.new_tokens, seed=b)
-        runs: dict[int | None, dict[str, Any]] = {}
+        runs: dict[tuple[int | None, str], dict[str, Any]] = {}
+        settings = [(None, "-")] + [(int(x), d) for x in args.k.split(",") for d in args.drafts.split(",")]
         for _ in range(args.repeats):  # rounds interleave the settings
-            for k in [None] + [int(x) for x in args.k.split(",")]:
-                r = run_point(ckpt, model, k, [GenerateRequest.from_dict(q.to_dict()) for q in reqs])
-                if k not in runs or r["tok_s"] > runs[k]["tok_s"]:
-                    runs[k] = r
-        base = runs[None]["tokens"]
-        for k, r in runs.items():
+            for k, d in settings:
+                r = run_point(ckpt, model, k, [GenerateRequest.from_dict(q.to_dict()) for q in reqs], d)
+                if (k, d) not in runs or r["tok_s"] > runs[k, d]["tok_s"]:
+                    runs[k, d] = r
+        base = runs[None, "-"]["tokens"]
+        for r in runs.values():
             r["same_tokens"] = sum(r["tokens"][q] == base[q] for q in base)
             del r["tokens"]
             points.append({"concurrency": b, **r})
-            print(json.dumps({"concurrency": b, **{key: r[key] for key in ("k", "tok_s", "itl_ms", "tokens_per_step", "acceptance_per_position", "same_tokens")}}))
+            print(json.dumps({"concurrency": b, **{key: r[key] for key in ("k", "drafts", "tok_s", "itl_ms", "draft_s", "tokens_per_step", "acceptance_per_position", "same_tokens")}}))
     meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1, **vars(args)}
     Path(args.output).write_text(json.dumps({"meta": meta, "points": points}, indent=2))
 

@@ -8,7 +8,8 @@ whose inputs are the verify's final streams ``(n, width, hc, H)`` and the kept c
 1. *feed*: every verify column ``j`` of slot ``i`` is an MTP entry at ``p_i + j`` (``p_i`` the
    slot's ``next_pos``) with the token after it; columns ``j >= kept_i`` are pointed at the
    scratch slot (their keys land there), so the shapes never depend on the counts. Columns are
-   offset-major (``j·b + i``) and attend offset by offset, each after the one before wrote its key;
+   offset-major (``j·b + i``); offset ``j`` attends to the ring as it was before the step and to
+   its slot's new keys of offsets ``0 .. j``, and the new keys go into the ring after;
 2. *chain*: draft 1 is the greedy token of the last kept column's output streams; draft ``j + 1``
    the greedy token of the entry at ``p_i + kept_i + j - 1`` fed the previous output streams and
    draft ``j``. Those ``k - 1`` chained entries are not real, so the ring rows they overwrite are
@@ -40,16 +41,20 @@ from kernels.decode_attention import decode_attention
 from kernels.reference import attend_with_sinks, hide
 
 # rows of the staged index tensor: token ids, absolute positions (RoPE), slots, positions relative
-# to each window's start, flat ring rows (slot · W + rel % W), window lengths min(rel + 1, W)
-_IDS, _POS, _SLOT, _REL, _RING, _LEN = range(6)
+# to each window's start, flat ring rows (slot · W + rel % W); for column j of a group of
+# offsets whose offset 0 is at r0: the ring entries it reads (those before the step's own keys,
+# min(r0, W - 1 - j)) and the slot's ring row just after them (r0 % W) — kernels.decode_attention's
+# multi-query form
+_IDS, _POS, _SLOT, _REL, _RING, _OLD, _END = range(7)
 
 
 class SlotDrafter:
     """An ``MTPPool`` and its draft step (module docstring) for ``k`` drafts per slot.
 
     ``buckets``: the padded batch sizes of the CUDA graphs (the slot decoder's); ``use_graphs``
-    (default: on CUDA) captures one graph per bucket on its first use; without graphs nothing is
-    padded. ``compiled``: the numba decode layer where it runs (fp32 CPU)."""
+    (default: on CUDA) captures one graph per bucket on its first use — in bf16/fp16 only: in fp32
+    the MTP block's experts (the general ``MoE``) read their counts on the host —; without graphs
+    nothing is padded. ``compiled``: the numba decode layer where it runs (fp32 CPU)."""
 
     def __init__(
         self, model, layer: MTPLayer, max_slots: int, k: int, buckets: Sequence[int] = (), use_graphs: bool | None = None,
@@ -60,16 +65,16 @@ class SlotDrafter:
         self.model, self.layer, self.k, self.width = model, layer, k, k + 1
         self.pool = MTPPool(layer, max_slots)
         self.device = layer.e_proj.weight.device
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.use_graphs = (self.device.type == "cuda" if use_graphs is None else use_graphs) and layer.dtype in (torch.bfloat16, torch.float16)
         self.buckets = tuple(sorted({b for b in buckets if b < max_slots} | {max_slots}))
         bmax = self.buckets[-1]
         self._feed, self._chain = self.width * bmax, (k - 1) * bmax  # columns of each part
         cols = self._feed + self._chain + bmax  # then the last kept column of each slot
         hc, h = model.config.hc_mult, model.config.hidden_size
         with torch.inference_mode():
-            self._inputs = torch.zeros(6, cols, dtype=torch.long, device=self.device)
+            self._inputs = torch.zeros(7, cols, dtype=torch.long, device=self.device)
             self._streams = torch.zeros(self._feed, hc, h, dtype=layer.dtype, device=self.device)  # verify streams, offset-major
-        self._host = torch.zeros(6, cols, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host = torch.zeros(7, cols, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._packed = cpu_layer.pack(layer.block) if compiled and self.device.type == "cpu" else None
         self.steps = 0  # draft steps run (tests and benchmarks read it)
@@ -136,10 +141,13 @@ class SlotDrafter:
             host[[_POS, _SLOT, _REL], cf : cf + nc] = torch.tensor(chain, dtype=torch.long).t()
         last = [(c - 1) * b + i for i, c in enumerate(len(r) for r in next_ids)] + list(range(len(slots), b))
         host[_IDS, cf + cc : cf + cc + b] = torch.tensor(last, dtype=torch.long)
-        for a, m in ((0, nf), (cf, nc)):
+        for a, m, one in ((0, nf, False), (cf, nc, True)):  # the feed's offsets are one group, each chained entry its own
             rel, sl = host[_REL, a : a + m], host[_SLOT, a : a + m]
             host[_RING, a : a + m] = sl * w + rel % w
-            host[_LEN, a : a + m] = torch.clamp(rel + 1, max=w)
+            j = torch.zeros(m, dtype=torch.long) if one else torch.arange(m) // b  # each column's offset in its group
+            first = rel - j  # offset 0's relative position
+            host[_OLD, a : a + m] = torch.minimum(first, w - 1 - j).clamp(min=0)
+            host[_END, a : a + m] = first % w
         self._inputs.copy_(host, non_blocking=True)
 
     @torch.inference_mode()
@@ -149,7 +157,6 @@ class SlotDrafter:
         self._host.zero_()
         self._host[_SLOT] = scratch
         self._host[_RING] = scratch * self.pool.window
-        self._host[_LEN] = 1
         self._host[_IDS, self._feed + self._chain :] = torch.arange(self._host.shape[1] - self._feed - self._chain)
         self._inputs.copy_(self._host)
         stream = torch.cuda.Stream(self.device)
@@ -193,7 +200,7 @@ class SlotDrafter:
         return F.linear(hidden, self.model.lm_head.weight).float().argmax(-1)
 
     def _block(self, x: torch.Tensor, cols: torch.Tensor, b: int) -> torch.Tensor:
-        """The MTP block on ``x (N, hc, H)`` at the columns ``cols (6, N)`` (groups of ``b``
+        """The MTP block on ``x (N, hc, H)`` at the columns ``cols (7, N)`` (groups of ``b``
         attending in order) → its output streams; writes each real column's key to the ring."""
         attn = self.layer.block.self_attn
         rot = self.model.rotary[attn.rope_kind]
@@ -206,27 +213,39 @@ class SlotDrafter:
         return self.layer.block.blocks(x, cols[_IDS], lambda h: attn.project_attend(h, rope, attend))
 
     def _attend(self, p: Projected, cols: torch.Tensor, b: int) -> torch.Tensor:
-        """Each group of ``b`` columns: its keys into the ring, then its attention over the window
-        → ``(N, nh, D)``."""
+        """The attention of every column over its window, groups of ``b`` columns in order (each
+        sees the keys of the groups before it: the ring as it was, then the step's own keys) →
+        ``(N, nh, D)``; the keys go into the ring after. Where Triton runs, one multi-query
+        ``decode_attention`` launch; elsewhere ``_attend_host``."""
         attn = self.layer.block.self_attn
         ring3 = self.pool.ring
         ring = ring3.view(-1, ring3.shape[-1])
-        outs = []
-        for c in range(0, p.q.shape[0], b):
-            g = slice(c, c + b)
-            ring.index_copy_(0, cols[_RING, g], p.kv[g])
-            if use_triton(ring):  # CUDA (or the Triton interpreter)
-                outs.append(decode_attention(p.q[g].contiguous(), ring3, cols[_LEN, g], attn.sinks, swa_slot=cols[_SLOT, g], scale=attn.scaling))
-            else:
-                outs.append(self._attend_host(p.q[g], cols[_SLOT, g], cols[_REL, g]))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        if use_triton(ring):  # CUDA (or the Triton interpreter)
+            out = decode_attention(
+                p.q.contiguous(), ring3, cols[_OLD], attn.sinks, swa_slot=cols[_SLOT], scale=attn.scaling, swa_end=cols[_END],
+                fresh=p.kv.contiguous(), fresh_cols=b,
+            )  # fmt: skip
+        else:
+            out = self._attend_host(p, cols, b)
+        ring.index_copy_(0, cols[_RING], p.kv)
+        return out
 
-    def _attend_host(self, q: torch.Tensor, slots: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-        """One query per column over its window, gathered in order: ring entries of relative
-        positions ``rel - W + 1 .. rel``, the ones before the window's start hidden → ``(n, nh, D)``."""
+    def _attend_host(self, p: Projected, cols: torch.Tensor, b: int) -> torch.Tensor:
+        """Column ``t`` (group ``j = t // b``, relative position ``r``) over its window, gathered in
+        order — relative positions ``r - W + 1 .. r``: the ring's entries before the step's own
+        columns, this step's keys ``p.kv`` (not in the ring yet) from the column ``j - back`` groups
+        back, the ones before the window's start hidden → ``(N, nh, D)``."""
         attn, w = self.layer.block.self_attn, self.pool.window
-        back = torch.arange(w - 1, -1, -1)  # key j of the window is relative position rel - (W-1) + j
-        at = slots[:, None] * w + torch.remainder(rel[:, None] - back[None, :], w)  # (n, W)
-        win = self.pool.ring.view(-1, self.pool.ring.shape[-1]).index_select(0, at.view(-1)).view(*at.shape, -1)  # (n, W, D)
-        bias = hide(back[None, :] > rel[:, None], q.dtype) if int(rel.min()) < w - 1 else None
-        return attend_with_sinks(q, win, bias, None, None, attn.sinks, attn.scaling)
+        n = p.q.shape[0]
+        t = torch.arange(n)
+        j, i = t // b, t % b  # (N,) group and row of each column
+        back = torch.arange(w - 1, -1, -1)  # key m of the window is relative position r - (W-1) + m
+        rel = cols[_REL][:, None] - back[None, :]  # (N, W)
+        fresh = back[None, :] <= j[:, None]  # (N, W): a key of this step
+        ring = self.pool.ring.view(-1, self.pool.ring.shape[-1])
+        old = ring.index_select(0, (cols[_SLOT][:, None] * w + torch.remainder(rel, w)).view(-1)).view(n, w, -1)  # (N, W, D)
+        new = p.kv.index_select(0, ((j[:, None] - back[None, :]).clamp(min=0) * b + i[:, None]).view(-1)).view(n, w, -1)
+        win = torch.where(fresh[..., None], new, old)  # (N, W, D)
+        hidden = rel < 0
+        bias = hide(hidden, p.q.dtype) if bool(hidden.any()) else None
+        return attend_with_sinks(p.q, win, bias, None, None, attn.sinks, attn.scaling)

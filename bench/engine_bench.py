@@ -14,7 +14,7 @@ at once; greedy, ``ignore_eos``, exactly N output tokens each.
   ``(B, P)`` batch. transformers cannot batch padded V4 prompts correctly, so every prompt of a
   run has the same length and nothing is padded; ``min_new_tokens = max_new_tokens = N``.
 - ``--general-path``: our engine again with decode on the general path (per-sequence state
-  tensors, ``engine/model/decode.py``) instead of the slot pools, side by side.
+  tensors, ``Attention._attend_sequence``) instead of the slot pools, side by side.
 - ``--eager-slots``: our engine again with the slot decode's eager PyTorch layers (its attention and
   compressors stay compiled; ``HostDecoder.compiled`` off) instead of its compiled loops, side by side.
 Both fp32, one intra-op thread (the engine's default: on a shared 2-core machine extra threads

@@ -388,7 +388,7 @@ def annotate_modules() -> None:
     wrap(model_mod, "hc_merge", "hc_merge")
     wrap(attn_mod.Attention, "forward", "attn")
     wrap(attn_mod.Attention, "_project", "attn.project")
-    wrap(attn_mod.Attention, "_chunk_windows", "attn.window")
+    wrap(attn_mod.Attention, "_window_keys", "attn.window")
     wrap(attn_mod.Compressor, "update", "attn.compress")
     wrap(attn_mod.Indexer, "topk_rows", "attn.indexer")
     wrap(attn_mod, "attend_with_sinks", "attn.core")

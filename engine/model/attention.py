@@ -4,8 +4,8 @@ Every layer attends over its last ``W`` tokens (one shared key=value head, per-h
 CSA layers add rows compressing every ``r=4`` tokens (overlapping windows of ``2r``) of which a
 lightning indexer picks the top-k per query; HCA layers add one row per ``r=128`` tokens, all
 visible. Projections run on all tokens of a batch at once; the sequence-local parts (window,
-compressors, indexer) run per sequence, so different lengths batch freely — except decode
-tokens, which ``decode.py`` handles for all sequences at once.
+compressors, indexer) run per sequence (``_attend_sequence``: the reference every slot decoder's
+step is tested against), so different lengths batch freely.
 
 Attention itself (``attend_with_sinks``) gives every query its own key list: its ``W`` window
 keys (an ``unfold`` view of the chunk's keys, no copy) and its compressed rows (CSA: the top-k
@@ -24,7 +24,6 @@ from torch import nn
 from kernels.prefill import PREFILL, PrefillTuning
 from kernels.reference import attend_with_sinks, hide
 from engine.model.config import CSA, SLIDING, ModelConfig
-from engine.model.decode import attend_decode, decode_eligible
 from engine.model.layers import GroupedLinear, RMSNorm, unweighted_rms_norm
 from engine.model.rope import Rotary, apply_rope
 from engine.model.state import CompressorState, LayerState
@@ -216,7 +215,6 @@ class Attention(nn.Module):
         self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups, dtype)
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        self.fast_decode = True  # batch single-token chunks through attend_decode (decode.py)
         # Triton prefill (kernels/prefill.py, fused norm+RoPE): None = on CUDA in bf16/fp16,
         # True = wherever Triton runs (CUDA, or its CPU interpreter), False = never
         self.fast_prefill: bool | None = None
@@ -247,15 +245,11 @@ class Attention(nn.Module):
         rotary: Rotary,
         seqs: list[SeqSlice],
     ) -> torch.Tensor:
-        """``x (N, H)`` normalised block input → ``(N, H)``; updates each sequence's state.
-
-        Sequences feeding one token (decode) go through ``attend_decode`` together when
-        ``fast_decode`` is on; the others one by one through ``_attend_sequence``.
-        """
+        """``x (N, H)`` normalised block input → ``(N, H)``; updates each sequence's state (each
+        sequence through ``_attend_sequence``)."""
         if self.use_fast_prefill(x):
             return self._forward_fast(x, positions, rope, rotary, seqs)
-        decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
-        return self.project_attend(x, rope, lambda p: self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence))
+        return self.project_attend(x, rope, lambda p: self._attend_all(seqs, p, positions, rotary, fast=False))
 
     def project_attend(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable[[Projected], torch.Tensor]) -> torch.Tensor:
         """``x (N, H)`` → ``(N, H)``: the projections, ``attend`` (→ ``(N, nh, D)``, updating whatever
@@ -264,25 +258,14 @@ class Attention(nn.Module):
         out = attend(self._project(x, rope))
         return self._output(apply_rope(out, cos, -sin))  # undo the rotation values picked up as keys
 
-    def _attend_all(
-        self, seqs: list[SeqSlice], decode: list[SeqSlice], p: Projected, positions: torch.Tensor, rotary: Rotary,
-        attend_one: Callable[[SeqSlice, Projected, torch.Tensor, Rotary], torch.Tensor],
-    ) -> torch.Tensor:
-        """Attention output ``(N, nh, D)``: the ``decode`` sequences together (``attend_decode``),
-        every other sequence through ``attend_one`` (the general or the Triton path)."""
-        n = p.q.shape[0]
-        if len(decode) == n:  # every token is a decode token, rows in batch order
-            return attend_decode(self, decode, p, None, rotary)
-        if len(seqs) == 1 and not decode:  # one chunk: its output is the whole output
-            return attend_one(seqs[0], p, positions, rotary)
+    def _attend_all(self, seqs: list[SeqSlice], p: Projected, positions: torch.Tensor, rotary: Rotary, fast: bool) -> torch.Tensor:
+        """Attention output ``(N, nh, D)``: every sequence through ``_attend_sequence`` (``fast``:
+        its attention and top-k through ``kernels.prefill``)."""
+        if len(seqs) == 1:  # one chunk: its output is the whole output
+            return self._attend_sequence(seqs[0], p, positions, rotary, fast=fast)
         out = torch.empty_like(p.q)
-        if decode:
-            rows = torch.tensor([s.start for s in decode], device=p.q.device)
-            out[rows] = attend_decode(self, decode, p, rows, rotary)
-        batched = {id(s) for s in decode}
         for s in seqs:
-            if id(s) not in batched:
-                out[s.start : s.end] = attend_one(s, p, positions, rotary)
+            out[s.start : s.end] = self._attend_sequence(s, p, positions, rotary, fast=fast)
         return out
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
@@ -314,14 +297,13 @@ class Attention(nn.Module):
         n = x.shape[0]
         cos, sin = rope
         at = torch.arange(n, device=x.device)  # row of each token in the cos/sin tables
-        decode = [s for s in seqs if decode_eligible(self, s)] if self.fast_decode else []
-        # one prefill sequence: the output's RoPE undo (default, fold_norm_rope 3) and optionally
-        # the q norm + RoPE (1, 2) run inside the attention kernel, a pass over (N, nh, D) fewer each
-        fold = self.prefill.fold_norm_rope if len(seqs) == 1 and not decode else 0
+        # one sequence: the output's RoPE undo (default, fold_norm_rope 3) and optionally the q
+        # norm + RoPE (1, 2) run inside the attention kernel, a pass over (N, nh, D) fewer each
+        fold = self.prefill.fold_norm_rope if len(seqs) == 1 else 0
         p = self._project_fast(x, rope, at, fold_q=fold in (1, 2))
         if fold:
-            return self._output_fast(self._attend_sequence_fast(seqs[0], p, positions, rotary, rope=rope, fold=fold))
-        out = self._attend_all(seqs, decode, p, positions, rotary, self._attend_sequence_fast)
+            return self._output_fast(self._attend_sequence(seqs[0], p, positions, rotary, fast=True, rope=rope, fold=fold))
+        out = self._attend_all(seqs, p, positions, rotary, fast=True)
         undo = fk.norm_rope(out, None, 0, 0.0, cos, sin, at, sign=-1.0, tuning=self.prefill.norm_rope)  # undo the values' rotation
         return self._output_fast(undo)
 
@@ -360,43 +342,6 @@ class Attention(nn.Module):
             idx_w = idx.scorer.weights_proj(x)  # (N, Hi)
         return Projected(q, kv, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
 
-    def _attend_sequence_fast(
-        self, s: SeqSlice, p: Projected, positions: torch.Tensor, rotary: Rotary,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None, fold: int = 0,
-    ) -> torch.Tensor:  # fmt: skip
-        """``_attend_sequence`` through ``kernels.prefill``: no score tensor, no per-tile loop.
-        ``fold`` (``PrefillTuning.fold_norm_rope``) with the ``rope`` tables: 1/2 = ``p.q`` is raw,
-        its norm + RoPE and the output's RoPE undo run in the kernel; 3 = only the undo."""
-        from kernels import prefill as kp
-
-        a, b, st = s.start, s.end, s.state
-        kv = p.kv[a:b]
-        keep = self.window - 1
-        prev = st.swa[max(0, st.swa.shape[0] - keep) :]
-        pad = keep - prev.shape[0]
-        keys = torch.cat([kv.new_zeros(pad, kv.shape[-1]), prev, kv])  # (W-1+S, D), as _chunk_windows
-        real = min(prev.shape[0] + kv.shape[0], keep)
-        st.swa = keys[keys.shape[0] - real :].clone()
-        rows = row_len = top = None
-        idx = self.indexer
-        if self.compressor is not None:
-            self.compressor.update(st.comp, p.comp_kv[a:b], p.comp_gate[a:b], rotary, fast=True)
-            if idx is not None:
-                idx.update(st.index, p.idx_kv[a:b], p.idx_gate[a:b], rotary, fast=True)
-            if st.comp.rows.shape[0]:
-                rows = st.comp.rows  # (T, D)
-                row_len = torch.div(positions[a:b] + 1, self.compressor.rate, rounding_mode="floor")
-                if idx is not None:
-                    scale = idx.softmax_scale * idx.weights_scaling
-                    top = kp.prefill_topk(p.idx_q[a:b], p.idx_w[a:b], st.index.rows, row_len, idx.topk, scale, self.prefill.indexer)
-        kw = {}
-        if rope is not None and fold:
-            tables = (rope[0][a:b], rope[1][a:b])
-            kw = {"q_norm_eps": self.eps, "rope": tables, "fold_q": fold if fold in (1, 2) else 0}
-        return kp.prefill_attention(
-            p.q[a:b], keys, pad, self.sinks, self.window, rows, row_len, top, self.scaling, **kw, tuning=self.prefill.attention
-        )
-
     def _project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Projected:
         n = x.shape[0]
         cos, sin = rope
@@ -414,22 +359,39 @@ class Attention(nn.Module):
             idx_w = idx.scorer.weights_proj(x)  # (N, Hi)
         return Projected(q, kv, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
 
-    def _attend_sequence(self, s: SeqSlice, p: Projected, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """The general path: one sequence's chunk of any length → ``(S, nh, D)``; updates its state."""
+    def _attend_sequence(
+        self, s: SeqSlice, p: Projected, positions: torch.Tensor, rotary: Rotary, fast: bool = False,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None, fold: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """The general path: one sequence's chunk of any length → ``(S, nh, D)``; updates its state.
+
+        The window keys and the compressors' rows are this method's; the attention itself is the
+        reference (``attend_with_sinks`` over 512-query tiles, ``Indexer.topk_rows``) or, ``fast``
+        (the Triton prefill path), ``kernels.prefill``'s kernels (no score tensor, no tile loop;
+        ``fold`` = ``PrefillTuning.fold_norm_rope`` with the ``rope`` tables: 1/2 = ``p.q`` is raw,
+        its norm + RoPE and the output's RoPE undo run in the kernel; 3 = only the undo)."""
         a, b, st = s.start, s.end, s.state
         pos = positions[a:b]
-        win, win_bias = self._chunk_windows(st, p.kv[a:b])  # (S, W, D) view, (S, W) or None
-        rows = row_bias = None
+        keys, pad = self._window_keys(st, p.kv[a:b])  # (W-1+S, D), left padding
+        rows = None
         idx = self.indexer
         if self.compressor is not None:
-            self.compressor.update(st.comp, p.comp_kv[a:b], p.comp_gate[a:b], rotary)
+            self.compressor.update(st.comp, p.comp_kv[a:b], p.comp_gate[a:b], rotary, fast=fast)
             if idx is not None:
-                idx.update(st.index, p.idx_kv[a:b], p.idx_gate[a:b], rotary)
+                idx.update(st.index, p.idx_kv[a:b], p.idx_gate[a:b], rotary, fast=fast)
             if st.comp.rows.shape[0]:
                 rows = st.comp.rows  # (T, D)
-                if idx is None:  # HCA: every complete row
-                    visible = torch.arange(rows.shape[0], device=rows.device)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
-                    row_bias = hide(~visible, p.q.dtype)  # (S, T)
+        if fast:
+            return self._attend_kernels(p, a, b, pos, keys, pad, rows, st, rope, fold)
+        win = keys.unfold(0, self.window, 1).transpose(1, 2)  # (S, W, D) view: query i sees padded rows i .. i+W-1
+        win_bias = None
+        if pad:
+            i = torch.arange(b - a, device=keys.device)[:, None]
+            win_bias = hide(i + torch.arange(self.window, device=keys.device)[None, :] < pad, keys.dtype)
+        row_bias = None
+        if rows is not None and idx is None:  # HCA: every complete row
+            visible = torch.arange(rows.shape[0], device=rows.device)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
+            row_bias = hide(~visible, p.q.dtype)  # (S, T)
         out = torch.empty_like(p.q[a:b])
         for t0 in range(0, b - a, QUERY_TILE):
             t = slice(t0, min(t0 + QUERY_TILE, b - a))
@@ -441,19 +403,37 @@ class Attention(nn.Module):
             out[t] = attend_with_sinks(p.q[a:b][t], win[t], wb, extra, extra_bias, self.sinks, self.scaling)
         return out
 
-    def _chunk_windows(self, st: LayerState, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Window keys of each new token, ``(S, W, D)``: an ``unfold`` view of the previous
-        ``W-1`` keys (left-padded with zeros) and the new ones, so query i sees padded rows
-        ``i .. i+W-1``; bias ``(S, W)`` hides the padding (None without). Updates ``st.swa``."""
+    def _attend_kernels(
+        self, p: Projected, a: int, b: int, pos: torch.Tensor, keys: torch.Tensor, pad: int, rows: torch.Tensor | None,
+        st: LayerState, rope: tuple[torch.Tensor, torch.Tensor] | None, fold: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """``_attend_sequence``'s attention through ``kernels.prefill`` (``prefill_topk``,
+        ``prefill_attention``) over the padded window ``keys`` and the compressed ``rows``."""
+        from kernels import prefill as kp
+
+        row_len = top = None
+        idx = self.indexer
+        if rows is not None:
+            row_len = torch.div(pos + 1, self.compressor.rate, rounding_mode="floor")
+            if idx is not None:
+                scale = idx.softmax_scale * idx.weights_scaling
+                top = kp.prefill_topk(p.idx_q[a:b], p.idx_w[a:b], st.index.rows, row_len, idx.topk, scale, self.prefill.indexer)
+        kw = {}
+        if rope is not None and fold:
+            tables = (rope[0][a:b], rope[1][a:b])
+            kw = {"q_norm_eps": self.eps, "rope": tables, "fold_q": fold if fold in (1, 2) else 0}
+        return kp.prefill_attention(
+            p.q[a:b], keys, pad, self.sinks, self.window, rows, row_len, top, self.scaling, **kw, tuning=self.prefill.attention
+        )
+
+    def _window_keys(self, st: LayerState, kv: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The chunk's window keys ``(W-1+S, D)``: the previous ``W-1`` keys left-padded with
+        ``pad`` zero rows, then the new ones (query ``i`` sees rows ``i .. i+W-1``); updates
+        ``st.swa``. → ``(keys, pad)``."""
         keep = self.window - 1
         prev = st.swa[max(0, st.swa.shape[0] - keep) :]
         pad = keep - prev.shape[0]
-        padded = torch.cat([kv.new_zeros(pad, kv.shape[-1]), prev, kv])  # (W-1+S, D)
+        keys = torch.cat([kv.new_zeros(pad, kv.shape[-1]), prev, kv])  # (W-1+S, D)
         real = min(prev.shape[0] + kv.shape[0], keep)
-        st.swa = padded[padded.shape[0] - real :].clone()  # (≤ W-1, D), not a view of the chunk
-        win = padded.unfold(0, self.window, 1).transpose(1, 2)  # (S, W, D) view
-        if not pad:
-            return win, None
-        i = torch.arange(kv.shape[0], device=kv.device)[:, None]
-        j = torch.arange(self.window, device=kv.device)[None, :]
-        return win, hide(i + j < pad, kv.dtype)
+        st.swa = keys[keys.shape[0] - real :].clone()  # (≤ W-1, D), not a view of the chunk
+        return keys, pad

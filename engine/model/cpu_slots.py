@@ -10,7 +10,7 @@ layer's attention step that read and write its slot pools.
 - ``compress_step``: the step's tokens into a compressor (``Compressor.update`` at decode), in
   column order (a verify's offsets one after another): each token's projections into its slot's
   buffer and, right after a token whose window closes, the gated pooling, the kv norm and RoPE of
-  ``decode.pool_windows``, the row written in place and (CSA) the window's first half kept as the
+  ``Compressor.update``, the row written in place and (CSA) the window's first half kept as the
   next window's overlap.
 
 Per token the arithmetic is the eager path's, in fp32 (``cpu_fused._exp``, ``cpu_fused._dot``:

@@ -1,9 +1,8 @@
 """Slot decode on the CPU: the static decoder's slot pools, stepped with the lengths the host knows.
 
-The general decode path (``decode.py``) keeps each sequence's state in its own tensors, so every
-layer of every step stacks B windows, B buffers and B row lists and splits them again — per-sequence
-work that grows with the batch (engine throughput with the slots: 1.18x at 32 sequences of 256
-tokens, 1.1x at 1K, none at 8 or fewer; ``bench.engine_bench --general-path``). Here the state lives
+The general path keeps each sequence's state in its own tensors and attends sequence by sequence
+(``Attention._attend_sequence``), per-sequence work that grows with the batch
+(``bench.engine_bench --general-path``). Here the state lives
 in a ``slots.SlotPool`` (the layout ``StaticDecoder`` steps too; ``load``/``export``/``free``), and a step is
 batched tensor ops with no per-sequence loop:
 

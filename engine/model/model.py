@@ -3,8 +3,8 @@
 ``forward(chunks)`` takes ``(SequenceState, new token ids)`` pairs — a prefill chunk, a whole
 prompt or one decode token each — flattens all tokens into one ``(N, ...)`` axis for the
 token-wise parts (projections, MoE, mHC) and lets attention walk each sequence's own state
-(the one-token chunks of a step together, ``decode.py``). No padding of the token axis, so mixed
-lengths batch exactly. States are updated in place.
+(``attention.Attention._attend_sequence``). No padding of the token axis, so mixed lengths batch
+exactly. States are updated in place.
 """
 
 from __future__ import annotations
@@ -152,9 +152,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
     def set_fast_paths(self, enabled: bool) -> None:
-        """Turn the exact fast paths (batched decode attention, ...) on or off (tests compare both)."""
+        """Turn the exact fast paths (compiled mHC and experts on CPU) on or off (tests compare both)."""
         for layer in self.model.layers:
-            layer.self_attn.fast_decode = enabled
             layer.attn_hc.fused = layer.ffn_hc.fused = layer.mlp.fused = enabled
 
     def set_tuning(self, tuning: ModelTuning) -> None:

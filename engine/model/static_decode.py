@@ -1,7 +1,7 @@
 """Static decode: fixed-shape, host-sync-free decode steps over a preallocated slot pool,
 captured as one CUDA graph per batch-size bucket and replayed.
 
-The general path (``model.py`` + ``decode.py``) keeps per-sequence state tensors that grow each
+The general path (``model.py``, ``attention.py``) keeps per-sequence state tensors that grow each
 step and walks Python lists, so a decode step is hundreds of host-side decisions and launches.
 Here every sequence lives in a *slot* of per-layer pools whose shapes never change
 (``slots.pool.SlotPool``, composed: the window ring ``swa``, each compressor's open-window

@@ -17,11 +17,13 @@ takes these instead, on the same values:
   (``kernels.prefill.hc_pre_block_parts``: the norm applied after the projection, where it
   commutes) and the gates and Sinkhorn in one kernel (``kernels.mhc.hc_mix_parts``); the collapse
   with the block's RMSNorm and the expand in one pass each (``kernels.v41_mhc``);
-- routed experts: ``kernels.moe.moe_experts`` over the layer's stacked weights (``MoE.stack``):
-  tokens sorted by expert, one grouped GEMM per projection (``torch._grouped_mm`` / the Triton
-  ``kernels.moe_grouped`` at prefill sizes in bf16, SwiGLU fused), one fp32 combine with the
-  shared expert's output; the routing weight is applied after the down projection (the slot
-  step's choice: same math, other last bits).
+- routed experts: over the layer's stacked weights (``MoE.stack``), tokens sorted by expert, one
+  grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA), the weighted SwiGLU and the
+  per-token sum (``kernels.v41_moe``) in ``MoE.forward``'s own rounding order: the
+  routing weight before the down projection, the picks summed in ascending expert order, then the
+  shared expert. (``kernels.moe.moe_experts`` applies the weight after the down projection: same
+  math, other last bits, and on these models a last bit that moves one FP8/FP4 KV rounding or
+  one top-k pick moves later logits by far more than 1e-4.)
 
 Off CUDA without the Triton interpreter every kernel above runs its PyTorch reference, so the
 fast path's torch parts are testable on the CPU. Sums run in another order than the general
@@ -42,7 +44,8 @@ from kernels import v41_mhc
 from kernels._common import use_triton
 from kernels.indexer import indexer_scores_prefill
 from kernels.mhc import hc_mix, hc_mix_parts
-from kernels.moe import moe_experts
+from kernels.moe import has_grouped_mm
+from kernels.v41_moe import combine_in_order
 from kernels.prefill import hc_pre_block_parts, prefill_attention
 
 
@@ -95,12 +98,53 @@ def collapse_norm(pre: torch.Tensor, streams: torch.Tensor, norm: RMSNorm) -> to
 
 
 def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
-    """``MoE.forward`` of ``x (N, H)`` with grouped expert GEMMs (module docstring) → ``(N, H)``."""
+    """``MoE.forward`` of ``x (N, H)`` with grouped expert GEMMs in its rounding order → ``(N, H)``.
+
+    The (token, pick) slots sorted by expert (tokens ascending inside an expert: the rows the
+    general path hands each expert), one grouped GEMM for gate|up and one for down; between them
+    ``weight · silu(gate) · up`` in fp32 as ``Expert.forward``; each token's outputs summed in fp32 in
+    ascending expert order, then the shared expert's, as ``MoE.forward``."""
     weights, indices = layer.gate(x)  # (N, k) each
+    indices, order = indices.sort(dim=-1)  # a token's picks in ascending expert order
+    weights = weights.gather(1, order)
     gate_up, down = layer.stack()
-    shared = layer.shared_experts(x)  # (N, H)
+    n, k = indices.shape
+    flat = indices.reshape(-1)  # (N·k,)
+    slots = torch.argsort(flat, stable=True)  # sorted row -> flat (token, j) slot
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
+    gate, up = _grouped_up(x.index_select(0, slots // k), gate_up, offs, counts)  # (N·k, I) each, fp32
     limit = layer.shared_experts.limit
-    return moe_experts(x, weights, indices, gate_up, down, limit if limit > 0 else float("inf"), add=shared)
+    if limit > 0:
+        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+    act = (weights.reshape(-1)[slots, None] * (F.silu(gate) * up)).to(x.dtype)  # (N·k, I)
+    y = _grouped(act, down, offs, counts)  # (N·k, H)
+    row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=x.device))
+    return combine_in_order(y, row_of_slot, k, layer.shared_experts(x))
+
+
+def _grouped(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows ``xs (M, K)`` sorted by expert times ``w[e]ᵀ`` (``w (E, out, K)``): ``torch._grouped_mm``
+    on CUDA in bf16, else one ``F.linear`` per non-empty expert (a host sync for the counts)."""
+    if xs.is_cuda and has_grouped_mm(xs.dtype):
+        return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
+    out = xs.new_empty(xs.shape[0], w.shape[1])
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            out[start : start + c] = F.linear(xs[start : start + c], w[e])
+        start += c
+    return out
+
+
+def _grouped_up(xs: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up projections of the sorted rows, fp32 ``(M, I)`` each: one grouped GEMM
+    where ``_grouped`` takes ``torch._grouped_mm``, else the gate and up halves as separate GEMMs
+    per expert (``Expert``'s own ``w1`` and ``w3`` calls, their last bits included)."""
+    inter = gate_up.shape[1] // 2
+    if xs.is_cuda and has_grouped_mm(xs.dtype):
+        return tuple(t.float() for t in _grouped(xs, gate_up, offs, counts).chunk(2, dim=-1))  # type: ignore[return-value]
+    return _grouped(xs, gate_up[:, :inter], offs, counts).float(), _grouped(xs, gate_up[:, inter:], offs, counts).float()
 
 
 class LayerOps(NamedTuple):

@@ -134,7 +134,7 @@ class SpecDecoder:
             hidden, every = static.verify(seqs, [r + [0] * (width - len(r)) for r in ids])  # (n, width, H), (n, width, hc, H)
             for j, (i, r) in enumerate(zip(at, ids)):
                 rows[i], streams[i] = hidden[j, : len(r)], every[j]
-        verified = {i: j for j, i in enumerate(at)} if self.slot_drafter is not None else {}
+        verified = {i: j for j, i in enumerate(at)} if self.slot_drafts and self.slot_drafter is not None else {}  # row in the verify
         greedy = self._greedy_targets(batch, rows)
         results, feeds, kept = [], [], []
         for i, (seq, _) in enumerate(batch):

@@ -316,6 +316,42 @@ FUSED_DTYPES = DTYPES if DEV == "cuda" else [torch.float32]  # the interpreter's
 
 
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
+def test_fused_compress_step(dtype, overlap) -> None:
+    """``compress_step``'s kernel against ``compress_step_reference`` (the general path's ops):
+    tokens at positions that close a window (first and later ones) and that do not, stale pool
+    contents, every pool compared after the call."""
+    from kernels import fused as fk
+
+    r, d = 4, (64 if SMALL else 512)
+    p = 2 * d if overlap else d
+    g = torch.Generator().manual_seed(31)
+    b, s1, tc = 6, 9, 20
+    pos = torch.tensor([3, 7, 5, 0, 2 * r + 3, 11], device=DEV)  # closes: window 0, 1, none, none, 2, 2
+    slots = torch.tensor([4, 0, 8, 2, 6, 1], device=DEV)
+    kv = torch.randn(b, p, generator=g).to(DEV, dtype)
+    gate = (2 * torch.randn(b, p, generator=g)).to(DEV, dtype)
+    gate_dt = torch.promote_types(dtype, torch.float32)
+    pools = {
+        "buf_kv": torch.randn(s1, r, p, generator=g).to(DEV, dtype), "buf_gate": torch.randn(s1, r, p, generator=g).to(DEV, dtype),
+        "overlap_kv": torch.randn(s1, r, d, generator=g).to(DEV, dtype) if overlap else None,
+        "overlap_gate": torch.randn(s1, r, d, generator=g).to(DEV, gate_dt) if overlap else None,
+        "rows": torch.randn(s1, tc + 1, d, generator=g).to(DEV, dtype),
+    }  # fmt: skip
+    bias = torch.randn(r, p, generator=g).to(DEV)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEV)
+    ang = torch.rand(200, 8, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    got = {k: None if v is None else v.clone() for k, v in pools.items()}
+    want = {k: None if v is None else v.clone() for k, v in pools.items()}
+    fk.compress_step(kv, gate, pos, slots, got["buf_kv"], got["buf_gate"], got["overlap_kv"], got["overlap_gate"], bias, w, 1e-6, cos, sin, got["rows"])
+    fk.compress_step_reference(kv, gate, pos, slots, want["buf_kv"], want["buf_gate"], want["overlap_kv"], want["overlap_gate"], bias, w, 1e-6, cos, sin, want["rows"])
+    for k, v in want.items():
+        if v is not None:
+            _check(got[k], v, dtype)
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("n", [1, 5])
 def test_fused_hyper_connection(dtype, n) -> None:
     from engine.model.layers import collapse, unweighted_rms_norm

@@ -185,3 +185,50 @@ def test_multi_query_decode_attention_is_the_offsets_in_order(mode: str) -> None
         cols["swa_len"] = torch.tensor([min(p + j + 1, w) for p in first], dtype=torch.int32)
         want = decode_attention_reference(swa=ring, **cols)
         torch.testing.assert_close(got[at], want)
+
+
+def _compress_case(cfg, layer_type, seed: int):
+    """A compressor with random bias and norm weight, its rotary, and random projections of
+    ``n`` tokens for each of 3 sequences (started at different points)."""
+    g = _gen(seed)
+    rate = 4 if layer_type == CSA else 8
+    comp = Compressor(cfg.hidden_size, cfg.head_dim, rate, layer_type == CSA, cfg.rms_norm_eps, torch.float32)
+    with torch.no_grad():
+        comp.position_bias.copy_(torch.randn(comp.position_bias.shape, generator=g))
+        comp.kv_norm.weight.copy_(1 + 0.1 * torch.randn(cfg.head_dim, generator=g))
+    rotary = Rotary(cfg.rope_compress, cfg.qk_rope_head_dim, cfg.max_position_embeddings)
+    n = 5 * rate + 2
+    p = comp.kv_proj.out_features
+    return comp, rotary, torch.randn(3, n, p, generator=g), 2 * torch.randn(3, n, p, generator=g)
+
+
+@pytest.mark.parametrize("layer_type", [CSA, HCA])
+def test_compress_step_reference_matches_compressor(cfg, layer_type) -> None:
+    """``kernels.fused.compress_step_reference`` (the static step's compressor token off Triton, and
+    the kernel's reference) fed token by token into slot pools gives ``Compressor.update``'s rows,
+    buffer and overlap for each sequence."""
+    from kernels.fused import compress_step_reference
+
+    comp, rotary, kv, gate = _compress_case(cfg, layer_type, 4)
+    r, d, p = comp.rate, comp.width, kv.shape[-1]
+    n = kv.shape[1]
+    slots, tc = torch.tensor([2, 0, 3]), n // r + 1
+    rows = torch.zeros(5, tc + 1, d)
+    buf_kv, buf_gate = torch.zeros(5, r, p), torch.zeros(5, r, p)
+    ov_kv = torch.full((5, r, d), 7.0) if comp.overlap else None  # stale values: a first window must not read them
+    ov_gate = torch.full((5, r, d), 7.0) if comp.overlap else None
+    every = torch.arange(n + 1)
+    cos_tab, sin_tab = rotary.cos_sin(every, torch.float32)
+    for t in range(n):
+        compress_step_reference(
+            kv[:, t], gate[:, t], torch.full((3,), t), slots, buf_kv, buf_gate, ov_kv, ov_gate,
+            comp.position_bias.detach(), comp.kv_norm.weight.detach(), comp.kv_norm.eps, cos_tab, sin_tab, rows,
+        )  # fmt: skip
+    for i, s in enumerate(slots.tolist()):
+        st = comp.empty_state(torch.float32, torch.device("cpu"))
+        comp.update(st, kv[i], gate[i], rotary)
+        torch.testing.assert_close(rows[s, : n // r], st.rows, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(buf_kv[s, : n % r], st.buf_kv)
+        if comp.overlap:
+            torch.testing.assert_close(ov_kv[s], st.overlap_kv)
+            torch.testing.assert_close(ov_gate[s], st.overlap_gate)

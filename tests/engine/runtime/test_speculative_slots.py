@@ -38,6 +38,20 @@ def _counts(reg: CollectorRegistry) -> tuple[float, ...]:
     return tuple(reg.get_sample_value(f"vllm:spec_decode_{n}_total", LABELS) or 0.0 for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
 
 
+def _logging_drafts(engine) -> dict[str, list[list[int]]]:
+    """Every draft list each request is given, step by step (``SpecDecoder._draft`` wrapped)."""
+    log: dict[str, list[list[int]]] = {}
+    inner = engine.spec._draft
+
+    def logged(feeds, *a):
+        inner(feeds, *a)
+        for f in feeds:
+            log.setdefault(f.seq.request_id, []).append(list(f.seq.draft_ids))
+
+    engine.spec._draft = logged
+    return log
+
+
 def _requests() -> list[GenerateRequest]:
     """Mixed lengths; 100 + 40 and 240 + 40 tokens cross the 128-token units and the window."""
     lang = TrainConfig()
@@ -51,9 +65,11 @@ def test_slot_drafts_verify_what_general_drafts_do(trained, k: int) -> None:
     base = run(_engine(ckpt, model, None)[0], _requests())
     general, reg_general = _engine(ckpt, model, k, slot_drafts=False)
     slotted, reg_slotted = _engine(ckpt, model, k)
+    logs = [_logging_drafts(general), _logging_drafts(slotted)]
     out_general, out_slotted = run(general, _requests()), run(slotted, _requests())
     want = {r: o.tokens for r, o in base.items()}
     assert {r: o.tokens for r, o in out_general.items()} == want and {r: o.tokens for r, o in out_slotted.items()} == want
+    assert logs[0] == logs[1]  # step by step the same drafts
     assert _counts(reg_slotted) == _counts(reg_general) and _counts(reg_slotted)[2] > 0
     assert slotted.spec.slot_drafter is not None and slotted.spec.slot_drafter.steps > 0
     assert general.spec.slot_drafter is None
@@ -69,6 +85,7 @@ def test_kv_store_resume_with_slot_drafts(trained) -> None:
 
     ckpt, model = trained
     engines = [_engine(ckpt, model, 2, slot_drafts=s) for s in (True, False)]
+    logs = [_logging_drafts(engine) for engine, _ in engines]
     for engine, _ in engines:
         engine.kv = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), model, snapshot_interval_units=1)
     cold = _engine(ckpt, model, None)[0]
@@ -80,4 +97,22 @@ def test_kv_store_resume_with_slot_drafts(trained) -> None:
         got = [run(engine, [req(f"t{turn}")])[f"t{turn}"] for engine, _ in engines]
         assert all(g.tokens == want for g in got) and (turn == 0 or got[0].cached > 0)
         conversation += want + prompt(20, 100 + turn) + sentence(lang, 1010 + turn, 4)
-    assert _counts(engines[0][1]) == _counts(engines[1][1]) and engines[0][0].spec.slot_drafter.steps > 0
+    assert logs[0] == logs[1] and _counts(engines[0][1]) == _counts(engines[1][1]) and engines[0][0].spec.slot_drafter.steps > 0
+
+
+
+def test_sequences_that_outgrow_their_slot_draft_on_from_the_exported_window(small_windows_model_dir) -> None:
+    """Slots of 40 tokens on the small-windows checkpoint (window 16; an untrained MTP, whose
+    drafts depend on every window entry): sequences leave their slot mid-run, their MTP windows
+    exported back to the general path, which drafts on from them — step by step the very drafts
+    of general-path drafting, and the plain tokens."""
+    ckpt = small_windows_model_dir
+    model = load_model(ckpt, dtype="float32", progress=False)
+    reqs = lambda: [GenerateRequest(f"s{n}", prompt(n, n), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for n in (5, 17, 30)]  # noqa: E731
+    base = run(_engine(ckpt, model, None)[0], reqs())
+    (general, _), (slotted, _) = (_engine(ckpt, model, 3, slot_drafts=s, static_max_tokens=40) for s in (False, True))
+    logs = [_logging_drafts(general), _logging_drafts(slotted)]
+    want = {r: o.tokens for r, o in base.items()}
+    assert {r: o.tokens for r, o in run(general, reqs()).items()} == want
+    assert {r: o.tokens for r, o in run(slotted, reqs()).items()} == want
+    assert logs[0] == logs[1] and slotted.spec.slot_drafter.steps > 0

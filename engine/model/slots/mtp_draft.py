@@ -19,8 +19,9 @@ The window layout is ``mtp_pool.MTPPool``'s. The MTP block runs the model's own 
 (``DecoderLayer.blocks`` with ``Attention.project_attend``; on the CPU with numba, the block's
 compiled decode layer, ``cpu_layer.decode_layer``), its attention over the ring through
 ``kernels.decode_attention`` where Triton runs (CUDA, or its interpreter) and
-``kernels.reference.attend_with_sinks`` over the gathered window elsewhere. The head is ``F.linear`` + argmax in the graph on CUDA and ``LMHead.argmax``
-(exact) on the CPU. The drafts equal ``mtp.Drafter``'s (the general path) up to float rounding of
+``kernels.reference.attend_with_sinks`` over the gathered window elsewhere. The head is the fp32
+logits' argmax in the graph on CUDA (``kernels.gemv`` for one slot) and ``LMHead.argmax`` (exact)
+on the CPU. The drafts equal ``mtp.Drafter``'s (the general path) up to float rounding of
 near-ties.
 """
 
@@ -30,7 +31,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine.model import cpu_layer
 from engine.model.attention import Projected
@@ -38,6 +38,7 @@ from engine.model.mtp import MTPLayer
 from engine.model.slots.mtp_pool import MTPPool
 from kernels._common import use_triton
 from kernels.decode_attention import decode_attention
+from kernels.gemv import gemv
 from kernels.reference import attend_with_sinks, hide
 
 # rows of the staged index tensor: token ids, absolute positions (RoPE), slots, positions relative
@@ -194,10 +195,11 @@ class SlotDrafter:
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of ``hidden (b, H)``: the exact host argmax on the CPU, the fp32 logits'
-        argmax on the device (capturable)."""
+        argmax on the device (capturable; one slot: ``kernels.gemv``'s weight stream, the
+        static step's lm_head at batch 1)."""
         if self.device.type == "cpu":
             return self.model.head.argmax(hidden)
-        return F.linear(hidden, self.model.lm_head.weight).float().argmax(-1)
+        return gemv(hidden.contiguous(), self.model.lm_head.weight, out_dtype=torch.float32, pdl=False).argmax(-1)
 
     def _block(self, x: torch.Tensor, cols: torch.Tensor, b: int) -> torch.Tensor:
         """The MTP block on ``x (N, hc, H)`` at the columns ``cols (7, N)`` (groups of ``b``

@@ -17,7 +17,8 @@ model's forward on the same states and tokens. ``prefill`` = one chunk of ``--pr
 the model's default path on the device (the fast path, ``engine.model.v41.prefill``, on CUDA), its
 FLOPs (projections, experts, attention, indexer) against the bf16 matmul rate measured in the run;
 ``breakdown``: one more prefill with a device sync around each layer's attention (projections,
-compressor, indexer, attention, output projections; the indexer's ``select`` also on its own) and
+compressor, indexer, attention, output projections; the indexer's ``select``, the compressor's
+``update`` and the softmax attention also on their own) and
 FFN (router, routed and shared experts), "rest" = the total less those (mHC, norms, engram,
 embedding, lm_head), each with its FLOPs and % of the matmul rate; ``general`` (``--general``): the
 general path's time and the largest logit difference of the two paths, relative to the largest
@@ -40,6 +41,7 @@ from torch import nn
 from bench.gpu_slice_bench import _sync_time, copy_bandwidth, matmul_rate, touched_experts
 from bench.gpu_slice_bench import _sync
 from engine.model.rope import Rotary
+from engine.model.v41 import prefill as fast_path
 from engine.model.v41.attention import V41_TUNING, V41Tuning
 from engine.model.v41.config import V41Config
 from engine.model.v41.model import DecoderLayer, DeepseekV41ForCausalLM
@@ -142,9 +144,11 @@ def prefill_flops(cfg: V41Config, dense_params: float, n: int) -> dict[str, floa
 
 @contextmanager
 def component_timer(model: DeepseekV41ForCausalLM) -> Iterator[dict[str, float]]:
-    """Seconds spent in each layer's ``attn`` and ``ffn`` and each indexer's ``select``, summed
-    over the forwards run inside (a device sync on entry and exit of each: it slows the run)."""
-    times = {"attention": 0.0, "indexer": 0.0, "experts": 0.0}
+    """Seconds spent in each layer's ``attn`` and ``ffn`` and, inside ``attn``, each indexer's
+    ``select``, the KV source's ``compressor.update`` and the softmax attention itself (``_attend``
+    or ``_attend_fast``), summed over the forwards run inside (a device sync on entry and exit of
+    each: it slows the run)."""
+    times = {"attention": 0.0, "indexer": 0.0, "compressor": 0.0, "attend": 0.0, "experts": 0.0}
     handles, wrapped = [], []
 
     def timed(key: str, fn: Callable) -> Callable:
@@ -171,17 +175,26 @@ def component_timer(model: DeepseekV41ForCausalLM) -> Iterator[dict[str, float]]
                 times[key] += time.perf_counter() - start["t"]
 
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        parts = [(layer.attn, "_attend", "attend"), (layer.attn, "_attend_fast", "attend")]
         if layer.attn.indexer is not None:
-            idx = layer.attn.indexer
-            idx.select = timed("indexer", idx.select)  # an instance attribute over the method, removed below
-            wrapped.append(idx)
+            parts.append((layer.attn.indexer, "select", "indexer"))
+        if layer.attn.compressor is not None:
+            parts.append((layer.attn.compressor, "update", "compressor"))
+        for obj, name, key in parts:
+            setattr(obj, name, timed(key, getattr(obj, name)))  # an instance attribute over the method, removed below
+            wrapped.append((obj, name))
+    # the fast path's MoE is a function of the module, not its forward (no hooks): timed in the
+    # LayerOps the layers look up at each call, restored below
+    fast_ops = fast_path.FAST
+    fast_path.FAST = fast_ops._replace(moe=timed("experts", fast_ops.moe))
     try:
         yield times
     finally:
+        fast_path.FAST = fast_ops
         for hd in handles:
             hd.remove()
-        for idx in wrapped:
-            del idx.select
+        for obj, name in wrapped:
+            delattr(obj, name)
 
 
 def prefill_rows(model: DeepseekV41ForCausalLM, ids: list[int], flops: dict[str, float], mm: float, general: bool) -> dict:
@@ -195,7 +208,7 @@ def prefill_rows(model: DeepseekV41ForCausalLM, ids: list[int], flops: dict[str,
         _sync()
         total = time.perf_counter() - t0
     secs = {"attention": times["attention"], "experts": times["experts"], "rest": total - times["attention"] - times["experts"]}
-    row["breakdown"] = {"synced_seconds": total, "indexer_seconds": times["indexer"]}
+    row["breakdown"] = {"synced_seconds": total, "inside_attention_seconds": {k: times[k] for k in ("indexer", "compressor", "attend")}}
     for key, t in secs.items():
         row["breakdown"][key] = {"seconds": t, "share": t / total, "flops": flops[key], "of_matmul_rate": flops[key] / max(t, 1e-9) / mm}
     if general:
@@ -256,7 +269,8 @@ def summary(out: dict) -> str:
             for key in ("attention", "experts", "rest"):
                 b = r["breakdown"][key]
                 lines.append(f"  {key}: {b['seconds'] * 1e3:.1f} ms ({100 * b['share']:.0f}% of the synced run), {100 * b['of_matmul_rate']:.1f}% of the rate")
-            lines.append(f"  (indexer inside attention: {r['breakdown']['indexer_seconds'] * 1e3:.1f} ms)")
+            inside = r["breakdown"]["inside_attention_seconds"]
+            lines.append("  inside attention: " + ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in inside.items()))
             if "general" in r:
                 g = r["general"]
                 lines.append(f"  general path: {g['seconds'] * 1e3:.0f} ms, logits max err / max {g['max_err_over_max_logit']:.2e}, same argmax {g['same_argmax']}")

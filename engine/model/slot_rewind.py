@@ -1,8 +1,9 @@
 """Rewind of slot-pool state after a verify step fed ``1 + k`` tokens per slot and kept fewer.
 
-A verify step (``StaticDecoder.verify``) feeds each slot its next token ``t`` at position ``p``
-and ``k`` drafts at ``p+1 .. p+k`` (``k + 1`` at most the smallest compression rate and below the
-window), each offset ``j`` after offset ``j - 1`` has attended, so offset ``j`` writes:
+A verify step (``StaticDecoder.verify``, ``HostDecoder.verify``) feeds each slot its next token
+``t`` at position ``p`` and ``k`` drafts at ``p+1 .. p+k`` (``k + 1`` at most the smallest
+compression rate and below the window), all offsets attending in one pass over the ring as it was
+before the step (the new keys are written after it), so offset ``j`` writes:
 
 - the window ring entry ``(p+j) % W`` (it held position ``p+j-W``, which a later step still needs
   when ``j`` is rejected);

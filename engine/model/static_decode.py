@@ -391,10 +391,7 @@ class StaticDecoder:
         for layer, lp in zip(model.model.layers, self.pools):
             attn = layer.self_attn
             post, comb, x = self._hyper_connection_fused(layer.attn_hc, streams, layer.input_layernorm)
-            if width == 1:
-                out = self._attention_fused(attn, lp, x, pos, slots, derived)
-            else:
-                out = self._attention_verify(attn, lp, x, pos, slots, derived, b)
+            out = self._attention(attn, lp, x, pos, slots, derived, b)
             streams = fk.hc_merge(post, comb, out, streams)
             post, comb, x = self._hyper_connection_fused(layer.ffn_hc, streams, layer.post_attention_layernorm)
             streams = fk.hc_merge(post, comb, self._moe_fused(layer.mlp, x, ids), streams)
@@ -441,128 +438,95 @@ class StaticDecoder:
         pre, post, comb = hc_mix_parts(parts, streams.shape[1] * streams.shape[2], hc.norm_eps, scale, base, hc.hc, hc.iters, hc.hc_eps)
         return post, comb, fk.collapse_norm(pre, streams, norm.weight, norm.eps)
 
-    def _attention_fused(
+    def _attention(
         self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        derived: dict[tuple, tuple[torch.Tensor, torch.Tensor]],
+        derived: dict[tuple, tuple[torch.Tensor, torch.Tensor]], b: int,
     ) -> torch.Tensor:  # fmt: skip
-        """One layer's attention; on the side stream, next to the q projection: the CSA indexer
-        (compressor, scores, top-k) where there is one, else the kv path (norm, RoPE, window ring,
-        compressor)."""
-        b = x.shape[0]
+        """One layer's attention over the step's columns (``b`` per offset, offset-major): the
+        projections of all of them, the kv path (norm, RoPE, compressors), the CSA indexer (its
+        compressor, scores, top-k of every column), then ONE ``decode_attention`` launch.
+
+        A step (one offset): the new key goes into the window ring first (``norm_rope`` writes it
+        there) and the attention reads the ring; the indexer, or else the kv path, runs on the side
+        stream next to the q projection. A verify (``1 + k`` offsets): the new keys stay apart
+        (``fresh``) and each column reads the ring as it was before the step plus its slot's new
+        keys up to its own offset, and rows up to its own count (``decode_attention``'s multi-query
+        form); the compressors take the offsets in order (a window one closes pools the buffer
+        entries of the ones before); the new keys go into the ring after the attention; no side stream."""
+        n = x.shape[0]
+        verify = n > b
         cos, sin = self._rope_tab[attn.rope_kind]
+        ccos, csin = self._rope_tab.get("compress", (cos, sin))
+        comp, idx = attn.compressor, attn.indexer
         if lp.xproj:  # one GEMM per run of merged projections of x, then column views
             parts = [p for w, widths in lp.xproj for p in self._linear(x, w).split(widths, dim=-1)]
         else:
-            parts = [attn.q_a_proj(x), attn.kv_proj(x)]
-            if attn.compressor is not None:
-                parts += [attn.compressor.kv_proj(x), attn.compressor.gate_proj(x)]
-                if attn.indexer is not None:
-                    idx = attn.indexer
-                    parts += [idx.kv_proj(x), idx.gate_proj(x), idx.scorer.weights_proj(x)]
+            mods = [attn.q_a_proj, attn.kv_proj]
+            if comp is not None:
+                mods += [comp.kv_proj, comp.gate_proj] + ([idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj] if idx is not None else [])
+            parts = [m(x) for m in mods]
         q_res = fk.norm_rope(parts[0][:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
         ring_row, swa_len = derived["ring", attn.window]
-        comp = attn.compressor
-        row_idx = None
-        ccos, csin = self._rope_tab.get("compress", (cos, sin))
+        tc = row_len = row_start = None
         if comp is not None:
             tc = lp.comp.rows.shape[1] - 1
             row_len, row_start = derived["rows", comp.rate, tc]
-            idx = attn.indexer
-            if idx is not None:
-                with self._branch() as join:
-                    self._compress(idx, lp.index, parts[4], parts[5], pos, slots, ccos, csin)
-                    idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(b, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
-                    scores = indexer_scores(
-                        idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
-                        idx.softmax_scale * idx.weights_scaling, t_max=tc,
-                    )  # fmt: skip
-                    row_idx = mask_topk(scores, idx.topk, ordered=False)  # any order: no sort
+        new_kv: list[torch.Tensor] = []  # a verify's new keys (n, D)
 
-        def kv_path() -> None:  # this token's key into the window ring; the compressor
-            fk.norm_rope(
-                parts[1][:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos,
-                out=lp.swa.view(-1, attn.head_dim), out_rows=ring_row,
-            )  # fmt: skip
+        def compress(c: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor) -> None:
+            for at in (slice(o, o + b) for o in range(0, n, b)):  # offset by offset
+                self._compress(c, cp, kv[at], gate[at], pos[at], slots[at], ccos, csin)
+
+        def kv_path() -> None:  # the new keys (into the ring, or apart for a verify); the compressor
+            kv = parts[1][:, None]
+            if verify:
+                new_kv.append(fk.norm_rope(kv, attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos)[:, 0])
+            else:
+                fk.norm_rope(kv, attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos, out=lp.swa.view(-1, attn.head_dim), out_rows=ring_row)
             if comp is not None:
-                self._compress(comp, lp.comp, parts[2], parts[3], pos, slots, ccos, csin)
+                compress(comp, lp.comp, parts[2], parts[3])
 
-        if row_idx is None:  # no indexer on the side stream: the kv path goes there
-            with self._branch() as join:
+        def indexer() -> torch.Tensor:  # its compressor, then each column's top-k rows (any order: no sort)
+            compress(idx, lp.index, parts[4], parts[5])
+            idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
+            scores = indexer_scores(
+                idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len, idx.softmax_scale * idx.weights_scaling, t_max=tc,
+            )  # fmt: skip
+            return mask_topk(scores, idx.topk, ordered=False)
+
+        row_idx = None
+        with self._branch(side=not verify) as join:  # next to the q projection
+            if idx is not None:
+                row_idx = indexer()
+            else:
                 kv_path()
-        q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(b, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
-        if row_idx is not None:
+        q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(n, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
+        if idx is not None:
             kv_path()
         join()
-        kw = {"rope": (cos, sin), "rope_pos": pos, "fold_q": 0} if self.rope_out else {}
+        kw = {"swa_slot": slots, "scale": attn.scaling}
+        if self.rope_out:
+            kw.update(rope=(cos, sin), rope_pos=pos, fold_q=0)
+        if verify:
+            swa_end, swa_len = derived["before", attn.window]
+            kw.update(swa_end=swa_end, fresh=new_kv[0], fresh_cols=b)
         if comp is None:
-            out = decode_attention(q, lp.swa, swa_len, attn.sinks, swa_slot=slots, scale=attn.scaling, **kw)
+            out = decode_attention(q, lp.swa, swa_len, attn.sinks, **kw)
         else:
-            out = decode_attention(
-                q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx,
-                swa_slot=slots, scale=attn.scaling, max_rows=tc, **kw,
-            )  # fmt: skip
+            rows = lp.comp.rows.view(-1, attn.head_dim)
+            out = decode_attention(q, lp.swa, swa_len, attn.sinks, rows, row_start, row_len, row_idx, max_rows=tc, **kw)
+        if verify:
+            lp.swa.view(-1, attn.head_dim).index_copy_(0, ring_row, new_kv[0])
         if not self.rope_out:
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
         return self._output(attn, out)
 
-    def _attention_verify(
-        self, attn: Attention, lp: LayerPool, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        derived: dict[tuple, tuple[torch.Tensor, torch.Tensor]], b: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """``_attention_fused`` over a verify's offset-major columns (``b`` per offset) in one pass:
-        the projections of all of them, the compressors offset by offset (a window one closes is
-        pooled from the buffer entries of the ones before), the indexer's scores and top-k of every
-        column, then ONE multi-query attention launch (``decode_attention``'s ``swa_end``/``fresh``:
-        each column reads the ring as it was before the step plus its slot's new keys up to its own
-        offset, and rows up to its own count), and last the new keys into the ring; no side stream."""
-        n = x.shape[0]
-        cos, sin = self._rope_tab[attn.rope_kind]
-        ccos, csin = self._rope_tab.get("compress", (cos, sin))
-        comp, idx = attn.compressor, attn.indexer
-        mods = [attn.q_a_proj, attn.kv_proj]
-        if comp is not None:
-            mods += [comp.kv_proj, comp.gate_proj] + ([idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj] if idx is not None else [])
-        parts = [p for w, widths in lp.xproj for p in self._linear(x, w).split(widths, dim=-1)] if lp.xproj else [m(x) for m in mods]
-        q_res = fk.norm_rope(parts[0][:, None], attn.q_a_norm.weight, 1, attn.q_a_norm.eps)[:, 0]
-        q = fk.norm_rope(self._linear(q_res, weight_of(attn.q_b_proj)).view(n, attn.n_heads, attn.head_dim), None, 2, attn.eps, cos, sin, pos)
-        kv = fk.norm_rope(parts[1][:, None], attn.kv_norm.weight, 1, attn.kv_norm.eps, cos, sin, pos)[:, 0]  # (n, D) the new keys
-        ring_row, _ = derived["ring", attn.window]
-        swa_end, swa_len = derived["before", attn.window]
-        ring = {"swa_end": swa_end, "fresh": kv, "fresh_cols": b, "swa_slot": slots, "scale": attn.scaling}
-        if self.rope_out:
-            ring.update(rope=(cos, sin), rope_pos=pos, fold_q=0)
-        if comp is None:
-            out = decode_attention(q, lp.swa, swa_len, attn.sinks, **ring)
-        else:
-            tc = lp.comp.rows.shape[1] - 1
-            row_len, row_start = derived["rows", comp.rate, tc]
-            for c in range(0, n, b):  # offset by offset
-                at = slice(c, c + b)
-                self._compress(comp, lp.comp, parts[2][at], parts[3][at], pos[at], slots[at], ccos, csin)
-                if idx is not None:
-                    self._compress(idx, lp.index, parts[4][at], parts[5][at], pos[at], slots[at], ccos, csin)
-            row_idx = None
-            if idx is not None:
-                idx_q = fk.norm_rope(self._linear(q_res, weight_of(idx.q_b_proj)).view(n, idx.n_heads, idx.width), None, 0, 0.0, cos, sin, pos)
-                scores = indexer_scores(
-                    idx_q, parts[6], lp.index.rows.view(-1, idx.width), row_start, row_len,
-                    idx.softmax_scale * idx.weights_scaling, t_max=tc,
-                )  # fmt: skip
-                row_idx = mask_topk(scores, idx.topk, ordered=False)
-            out = decode_attention(
-                q, lp.swa, swa_len, attn.sinks, lp.comp.rows.view(-1, attn.head_dim), row_start, row_len, row_idx, max_rows=tc, **ring,
-            )  # fmt: skip
-        lp.swa.view(-1, attn.head_dim).index_copy_(0, ring_row, kv)
-        if not self.rope_out:
-            out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)
-        return self._output(attn, out)
-
     @contextmanager
-    def _branch(self):
+    def _branch(self, side: bool = True):
         """Run the ``with`` body on the side stream (after the current stream's work so far);
         yields ``join``, which makes the current stream wait for the body's work. Without a side
-        stream the body runs in place and ``join`` does nothing."""
-        if self._side is None:
+        stream (or ``side`` False) the body runs in place and ``join`` does nothing."""
+        if self._side is None or not side:
             yield lambda: None
             return
         main = torch.cuda.current_stream(self.device)

@@ -28,8 +28,8 @@ def small(small_windows_model_dir):
 
 
 def _decoder(model, kind: str, width: int, max_tokens: int) -> StaticDecoder:
-    if kind == "static":
-        return StaticDecoder(model, 8, max_tokens, use_graphs=False, verify_width=width)
+    if kind in ("static", "static-graphs"):
+        return StaticDecoder(model, 8, max_tokens, use_graphs=kind == "static-graphs", verify_width=width)
     return HostDecoder(model, 8, max_tokens, compiled=kind == "host", verify_width=width)
 
 
@@ -129,3 +129,14 @@ def test_fused_verify_under_the_triton_interpreter(small_windows_model_dir) -> N
         [sys.executable, "-c", _INTERPRETED, str(small_windows_model_dir)], cwd=root, env=env, capture_output=True, text=True, timeout=1100, check=False,
     )  # fmt: skip
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("width", [2, 4])
+def test_verify_on_cuda_in_graphs(small_windows_model_dir, width: int) -> None:
+    """The CUDA verify step (one multi-query attention launch per layer, a graph per bucket and
+    width; fp32) against plain graph steps, with rewinds: logits within 1e-4, states within 1e-5."""
+    model = load_model(small_windows_model_dir, dtype="float32", device="cuda", progress=False)
+    worst = run_verify(model, "static-graphs", width, rounds=6, seed=width)
+    assert worst <= 1e-4, worst

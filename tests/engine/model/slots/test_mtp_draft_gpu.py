@@ -7,8 +7,6 @@ Run on a GPU machine: ``pytest -m gpu tests/engine/model/slots/test_mtp_draft_gp
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -36,12 +34,15 @@ def test_fp32_slot_drafts_equal_the_general_paths_on_cuda(small_windows_model_di
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_graph_replay_gives_the_eager_steps_drafts(trained_mtp_model_dir, k: int) -> None:
+    """Buckets 1 and 16 (the eager step runs the same shapes): the very drafts and ring; 3 slots
+    in bucket 4 (padded, so other GEMM shapes than the eager 3 rows): bf16-close."""
     model = load_model(trained_mtp_model_dir, dtype="bfloat16", device="cuda", progress=False)
     layer = MTPLayer.from_model(model)
     g = torch.Generator().manual_seed(k)
     drafters = [SlotDrafter(model, layer, 16, k, (1, 2, 4, 8, 16), use_graphs=u) for u in (True, False)]
     w, d = layer.block.self_attn.window, model.config.head_dim
-    for n in (1, 3, 16):  # buckets 1, 4 (padded) and 16
+    same = total = 0
+    for n in (1, 3, 16):
         for dr in drafters:
             for s in range(n):
                 dr.pool.load(s, DraftState(LayerState(swa=torch.randn(w - 1 - s, d, generator=g).to("cuda", torch.bfloat16)), 200 + s))
@@ -51,13 +52,16 @@ def test_graph_replay_gives_the_eager_steps_drafts(trained_mtp_model_dir, k: int
             kept = torch.randint(1, k + 2, (n,), generator=rng).tolist()
             ids = [torch.randint(2, 129280, (c,), generator=rng).tolist() for c in kept]
             graph, eager = (dr.draft(list(range(n)), streams, ids) for dr in drafters)
-            assert graph == eager
-        for dr in drafters:
-            for s in range(n):
-                dr.pool.export(s, copy.deepcopy(DraftState(layer.new_state())))
-        rings = [dr.pool.ring for dr in drafters]
-        assert torch.equal(rings[0][:n], rings[1][:n])  # the chained entries' rows restored alike
-    assert set(drafters[0]._graphs) == {1, 4, 16}
+            if n != 3:
+                assert graph == eager
+            same += sum(a == b for x, y in zip(graph, eager) for a, b in zip(x, y))
+            total += n * k
+        rings = [dr.pool.ring[:n].float() for dr in drafters]
+        if n != 3:
+            assert torch.equal(rings[0], rings[1])  # the fed keys, and the chained entries' rows restored
+        else:
+            torch.testing.assert_close(rings[0], rings[1], rtol=0.05, atol=0.05)
+    assert same >= 0.9 * total and set(drafters[0]._graphs) == {1, 4, 16}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -19,7 +19,7 @@ takes these instead, on the same values:
   with the block's RMSNorm and the expand in one pass each (``kernels.v41_mhc``);
 - routed experts: over the layer's stacked weights (``MoE.stack``), tokens sorted by expert, one
   grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA), the weighted SwiGLU and the
-  per-token sum (``kernels.v41_moe``) in ``MoE.forward``'s own rounding order: the
+  per-token sum in one pass each (``kernels.v41_moe``) in ``MoE.forward``'s own rounding order: the
   routing weight before the down projection, the picks summed in ascending expert order, then the
   shared expert. (``kernels.moe.moe_experts`` applies the weight after the down projection: same
   math, other last bits, and on these models a last bit that moves one FP8/FP4 KV rounding or
@@ -45,7 +45,7 @@ from kernels._common import use_triton
 from kernels.indexer import indexer_scores_prefill
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import has_grouped_mm
-from kernels.v41_moe import combine_in_order
+from kernels.v41_moe import combine_in_order, weighted_swiglu
 from kernels.prefill import hc_pre_block_parts, prefill_attention
 
 
@@ -113,11 +113,7 @@ def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     slots = torch.argsort(flat, stable=True)  # sorted row -> flat (token, j) slot
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
-    gate, up = _grouped_up(x.index_select(0, slots // k), gate_up, offs, counts)  # (N·k, I) each, fp32
-    limit = layer.shared_experts.limit
-    if limit > 0:
-        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
-    act = (weights.reshape(-1)[slots, None] * (F.silu(gate) * up)).to(x.dtype)  # (N·k, I)
+    act = _weighted_act(x.index_select(0, slots // k), weights.reshape(-1)[slots], gate_up, offs, counts, layer.shared_experts.limit)  # (N·k, I)
     y = _grouped(act, down, offs, counts)  # (N·k, H)
     row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=x.device))
     return combine_in_order(y, row_of_slot, k, layer.shared_experts(x))
@@ -137,14 +133,18 @@ def _grouped(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torc
     return out
 
 
-def _grouped_up(xs: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up projections of the sorted rows, fp32 ``(M, I)`` each: one grouped GEMM
-    where ``_grouped`` takes ``torch._grouped_mm``, else the gate and up halves as separate GEMMs
-    per expert (``Expert``'s own ``w1`` and ``w3`` calls, their last bits included)."""
-    inter = gate_up.shape[1] // 2
+def _weighted_act(
+    xs: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, limit: float
+) -> torch.Tensor:  # fmt: skip
+    """``w · silu(gate) · up`` of the sorted rows ``xs (M, H)`` → ``(M, I)`` (``kernels.v41_moe``):
+    one grouped GEMM for gate|up where ``_grouped`` takes ``torch._grouped_mm``, else the gate and
+    up halves as separate GEMMs per expert (``Expert``'s own ``w1`` and ``w3`` calls, their last
+    bits included)."""
     if xs.is_cuda and has_grouped_mm(xs.dtype):
-        return tuple(t.float() for t in _grouped(xs, gate_up, offs, counts).chunk(2, dim=-1))  # type: ignore[return-value]
-    return _grouped(xs, gate_up[:, :inter], offs, counts).float(), _grouped(xs, gate_up[:, inter:], offs, counts).float()
+        return weighted_swiglu(_grouped(xs, gate_up, offs, counts), w, limit)
+    inter = gate_up.shape[1] // 2
+    h = torch.cat([_grouped(xs, gate_up[:, :inter], offs, counts), _grouped(xs, gate_up[:, inter:], offs, counts)], dim=-1)  # (M, 2I)
+    return weighted_swiglu(h, w, limit)
 
 
 class LayerOps(NamedTuple):

@@ -2,7 +2,12 @@
 
 Disaggregated prefill/decode gives the colocated tokens and logprobs; a decode worker killed with
 SIGKILL mid-stream is survived by migration with the undisturbed tokens; a dead prefill worker
-is retried around; a draining worker finishes its requests and gets no new ones.
+is retried around; a draining worker finishes its requests, leaves the router service it
+registered with and gets no new ones.
+
+A worker process costs seconds of CPU to start (torch, the model, the compiled decode step), so
+the module shares one cluster (prefill, decode, mixed) and starts a worker of its own only for a
+scenario that ends it (killed, drained) or runs it differently (``--dp 2``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import pytest
 from deepserve.protocol import GenerateRequest, SamplingParams
 from router.config import RouterConfig
 from router.router import Router
-from tests.integration.workers import AUTH, TOKEN, WorkerProcess, start_workers
+from tests.integration.workers import AUTH, TOKEN, WorkerProcess, free_port, start_workers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,8 +29,8 @@ pytestmark = pytest.mark.timeout(300)
 def cluster(tiny_model_dir, tmp_path_factory):
     kv = tmp_path_factory.mktemp("kv")
     logs = tmp_path_factory.mktemp("logs")
-    workers = start_workers(tiny_model_dir, kv, ["prefill", "decode", "decode", "mixed"], logs)
-    yield {"prefill": workers[0], "decode": workers[1:3], "mixed": workers[3], "kv": kv, "logs": logs, "model": tiny_model_dir}
+    workers = start_workers(tiny_model_dir, kv, ["prefill", "decode", "mixed"], logs)
+    yield {"prefill": workers[0], "decode": workers[1:2], "mixed": workers[2], "kv": kv, "logs": logs, "model": tiny_model_dir}
     for w in workers:
         w.terminate()
 
@@ -133,41 +138,80 @@ def test_decode_worker_killed_mid_stream_migrates(cluster, tmp_path) -> None:
 
 
 def test_prefill_worker_killed_requests_retried(cluster) -> None:
-    dead = start_workers(cluster["model"], cluster["kv"], ["prefill"], cluster["logs"])[0]
-    dead.kill()
+    # a killed worker's port refuses connections: a port nothing listens on is that worker
+    dead_port = free_port()
     reqs = _requests(4, seed=3, max_tokens=8)
     reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), reqs))
-    out = asyncio.run(_run_all(_config(prefill=(dead.url, cluster["prefill"].url), decode=(cluster["decode"][0].url,), policy="round_robin"), reqs))
+    out = asyncio.run(_run_all(_config(prefill=(f"http://127.0.0.1:{dead_port}", cluster["prefill"].url), decode=(cluster["decode"][0].url,),
+                                       policy="round_robin"), reqs))
     for (tokens, _, workers), (ref, _, _) in zip(out, reference):
         assert tokens == ref
-        assert not any(w.endswith(str(dead.port)) for w in workers)
+        assert not any(w.endswith(str(dead_port)) for w in workers)
 
 
-def test_draining_worker_finishes_and_gets_no_new_requests(cluster) -> None:
-    draining: WorkerProcess = start_workers(cluster["model"], cluster["kv"], ["mixed"], cluster["logs"])[0]
+def test_draining_worker_finishes_deregisters_and_gets_no_new_requests(cluster) -> None:
+    """``deepserve engine --register ROUTER`` joins a router service (which then serves through it);
+    SIGTERM drains it: its running requests finish with the undisturbed tokens, it leaves the router
+    service, and a router that still knows it sends it no new requests."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    service = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "router", "--port", str(port), "--policy", "least_load", "--internal-token", TOKEN],
+                               stdout=open(cluster["logs"] / "router-register.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def listed() -> list[str]:
+        return [w["url"] for w in json.load(urllib.request.urlopen(urllib.request.Request(url + "/workers", headers=AUTH.headers())))["workers"]]
+
+    def wait_until(cond, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
     first = _requests(4, seed=4, max_tokens=40)
     later = _requests(4, seed=5, max_tokens=6)
     reference = asyncio.run(_run_all(_config(worker=(cluster["mixed"].url,)), first))
-
-    async def scenario():
-        router = Router(_config(worker=(draining.url,)), auth=AUTH)
-        await router.start()
-        try:
-            tasks = [asyncio.create_task(_collect(router, r)) for r in first]
-            await asyncio.sleep(1.0)
-            draining.proc.terminate()  # SIGTERM: drain
-            await router.add_worker(cluster["mixed"].url)
-            await asyncio.sleep(0.6)
-            done = await asyncio.gather(*tasks)
-            new = await asyncio.gather(*[_collect(router, r) for r in later])
-            return done, new
-        finally:
-            await router.stop()
-
+    draining: WorkerProcess | None = None
     try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/health")
+                break
+            except OSError:
+                time.sleep(0.1)
+        draining = start_workers(cluster["model"], cluster["kv"], ["mixed"], cluster["logs"], extra=("--register", url))[0]
+        wait_until(lambda: draining.url in listed(), "worker never registered")
+        body = json.dumps(_requests(1, seed=7, max_tokens=4)[0].to_dict()).encode()
+        reply = urllib.request.urlopen(urllib.request.Request(url + "/internal/generate", data=body, method="POST", headers=AUTH.headers()), timeout=60).read()
+        assert b'"finish_reason"' in reply
+
+        async def scenario():
+            router = Router(_config(worker=(draining.url,)), auth=AUTH)
+            await router.start()
+            try:
+                tasks = [asyncio.create_task(_collect(router, r)) for r in first]
+                await asyncio.sleep(1.0)
+                draining.proc.terminate()  # SIGTERM: drain
+                await router.add_worker(cluster["mixed"].url)
+                await asyncio.sleep(0.6)
+                done = await asyncio.gather(*tasks)
+                new = await asyncio.gather(*[_collect(router, r) for r in later])
+                return done, new
+            finally:
+                await router.stop()
+
         done, new = asyncio.run(scenario())
+        wait_until(lambda: draining.url not in listed(), "worker never deregistered")
     finally:
-        draining.terminate()
+        if draining is not None:
+            draining.terminate()
+        service.terminate()
+        service.wait(10)
     for (tokens, _, workers), (ref, _, _) in zip(done, reference):
         assert tokens == ref
     for _, _, workers in new:
@@ -193,49 +237,6 @@ def test_dp_ranks_of_one_worker_share_the_load(cluster) -> None:
         assert per_rank["0"] > 0 and per_rank["1"] > 0 and sum(per_rank.values()) == len(reqs)
     finally:
         dp_worker.terminate()
-
-
-def test_worker_registers_and_deregisters_itself(cluster) -> None:
-    """``deepserve engine --register ROUTER`` joins a router service; SIGTERM (drain) leaves it."""
-    import json
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    from tests.integration.workers import free_port
-
-    port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "router", "--port", str(port), "--policy", "least_load", "--internal-token", TOKEN],
-                              stdout=open(cluster["logs"] / "router-register.log", "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def listed() -> list[str]:
-        return [w["url"] for w in json.load(urllib.request.urlopen(urllib.request.Request(url + "/workers", headers=AUTH.headers())))["workers"]]
-
-    try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url + "/health")
-                break
-            except OSError:
-                time.sleep(0.1)
-        worker = start_workers(cluster["model"], cluster["kv"], ["mixed"], cluster["logs"], extra=("--register", url))[0]
-        deadline = time.monotonic() + 20
-        while worker.url not in listed():
-            assert time.monotonic() < deadline, "worker never registered"
-            time.sleep(0.1)
-        body = json.dumps(_requests(1, seed=7, max_tokens=4)[0].to_dict()).encode()
-        reply = urllib.request.urlopen(urllib.request.Request(url + "/internal/generate", data=body, method="POST", headers=AUTH.headers()), timeout=60).read()
-        assert b'"finish_reason"' in reply
-        worker.terminate()
-        deadline = time.monotonic() + 20
-        while worker.url in listed():
-            assert time.monotonic() < deadline, "worker never deregistered"
-            time.sleep(0.1)
-    finally:
-        router.terminate()
-        router.wait(10)
 
 
 def test_kv_events_rows_equal_events(cluster) -> None:

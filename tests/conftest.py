@@ -32,18 +32,20 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny checkpoint (4 layers: sliding, CSA, HCA(128), CSA; hidden 128)."""
+    """The default tiny checkpoint (4 layers: sliding, CSA, HCA(128), CSA; hidden 128), built once
+    for the run (tests only read it)."""
     from engine.model.tiny import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, preset="tiny")
+    return built_once(tmp_path_factory, "tiny", lambda d: make_tiny_model(d / "model", seed=0, preset="tiny"))
 
 
 @pytest.fixture(scope="session")
 def small_windows_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny checkpoint with window 16 and HCA ratio 8, so short runs cross every boundary."""
+    """A tiny checkpoint with window 16 and HCA ratio 8, so short runs cross every boundary (built
+    once for the run)."""
     from engine.model.tiny import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-sw") / "model", seed=1, preset="tiny-small-windows")
+    return built_once(tmp_path_factory, "tiny-sw", lambda d: make_tiny_model(d / "model", seed=1, preset="tiny-small-windows"))
 
 
 @pytest.fixture(scope="session")

@@ -36,3 +36,20 @@ def test_bench_rows_on_a_tiny_slice() -> None:
     # bf16: other roundings (the fp32 parity is test_v41_fast's); a wrong path would be far off
     assert pre["general"]["max_err_over_max_logit"] < 0.5
     assert "% of the bf16 matmul rate" in summary(out)
+
+
+def test_the_slice_experts_are_stacked_once() -> None:
+    """``MoE.stack`` keeps the bench's stacks (a restack would copy 27 GB a layer at Flash width)
+    and stacks an unstacked model once, its expert parameters becoming views."""
+    from bench.v41_slice_bench import random_slice
+    from engine.model.v41.model import DeepseekV41ForCausalLM
+
+    model, stacks = random_slice(TINY, "cpu", torch.float32)
+    for layer, (gate_up, down) in zip(model.model.layers, stacks):
+        got = layer.ffn.stack()
+        assert got[0] is gate_up and got[1] is down
+    fresh = DeepseekV41ForCausalLM(TINY).model.layers[0].ffn
+    w1 = fresh.experts[3].w1.weight.detach().clone()
+    gate_up, down = fresh.stack()
+    assert fresh.stack()[0] is gate_up and torch.equal(gate_up[3, : TINY.moe_intermediate_size], w1)
+    assert fresh.experts[3].w1.weight.data_ptr() == gate_up[3].data_ptr()

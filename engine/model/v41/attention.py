@@ -247,11 +247,12 @@ class Attention(nn.Module):
             if self.ratio:
                 comp_rope = (ropes["compress"][0][rows], ropes["compress"][1][rows])
                 extra = self._compressed(c, x[rows], q_res[rows], positions[rows], comp_rope, compress_rotary)
-            if fast:
-                out[rows] = self._attend_fast(c, q[rows], kv[rows], extra)
+            if fast:  # the kernel also undoes the rotation the values picked up as keys
+                out[rows] = self._attend_fast(c, q[rows], kv[rows], extra, (cos[rows], sin[rows]))
             else:
                 out[rows] = self._attend(c, q[rows], kv[rows], positions[rows], None if extra is None else (extra[0], bias(extra, c.end - c.start)))
-        out = apply_rope(out, cos, -sin)  # undo the rotation the values picked up as keys
+        if not fast:
+            out = apply_rope(out, cos, -sin)  # undo the rotation the values picked up as keys
         return self.wo_b(self.wo_a(out.view(n, self.o_groups, -1)).flatten(1))
 
     def _compressed(
@@ -284,10 +285,12 @@ class Attention(nn.Module):
 
     def _attend_fast(
         self, c: Chunk, q: torch.Tensor, kv: torch.Tensor, extra: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:  # fmt: skip
-        """``_attend`` through ``engine.model.v41.prefill.window_attention`` (no mask tensor)."""
+        """``_attend`` through ``engine.model.v41.prefill.window_attention`` (no mask tensor), the
+        output un-rotated by ``rope`` (the chunk's ``(cos, sin)``) as ``forward`` does after ``_attend``."""
         ring = c.state.windows[self.layer_idx]
-        out = fast_path.window_attention(q, ring, kv, self.window, self.attn_sink, self.scaling, *(extra or (None, None)))
+        out = fast_path.window_attention(q, ring, kv, self.window, self.attn_sink, self.scaling, *(extra or (None, None)), rope)
         keys = torch.cat([ring, kv])  # (R+S, D)
         c.state.windows[self.layer_idx] = keys[max(0, keys.shape[0] - (self.window - 1)) :].clone()
         return out

@@ -9,7 +9,7 @@ takes these instead, on the same values:
 - attention: ``kernels.prefill.prefill_attention`` (V4's flash kernel over a per-query virtual key
   list, the same softmax with the sink only in the denominator): each query's ``W`` window keys as
   a strided view of the left-padded ``[ring, new keys]``, and only its chosen compressed rows
-  (``row_idx``, ``-1`` = none), never a score matrix;
+  (``row_idx``, ``-1`` = none), never a score matrix; the output's inverse RoPE in its epilogue;
 - indexer scores: ``kernels.indexer.indexer_scores_prefill`` (relu, weighted head sum and the
   causal ``-inf`` in one kernel; the ``(s, Hi, T)`` logits never reach memory), level one and two
   of the top-k as the general path;
@@ -58,22 +58,24 @@ def use_fast(flag: bool | None, t: torch.Tensor) -> bool:
 
 def window_attention(
     q: torch.Tensor, ring: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,
-    rows: torch.Tensor | None, picks: tuple[torch.Tensor, torch.Tensor] | None,
+    rows: torch.Tensor | None, picks: tuple[torch.Tensor, torch.Tensor] | None, rope: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:  # fmt: skip
-    """``Attention._attend`` of one chunk without a mask tensor: ``q (S, nh, D)`` over its window
-    of ``[ring (R, D), kv (S, D)]`` and the chosen ``rows (T, D)`` (``picks``: indices ``(S, k)``
-    and True where valid; None: no row visible) → ``(S, nh, D)`` in q's dtype."""
+    """``Attention._attend`` of one chunk without a mask tensor, then the inverse RoPE of
+    ``rope = (cos, sin)`` (``(S, R/2)``, the queries' tables) in the kernel's epilogue:
+    ``q (S, nh, D)`` over its window of ``[ring (R, D), kv (S, D)]`` and the chosen ``rows (T, D)``
+    (``picks``: indices ``(S, k)`` and True where valid; None: no row visible) → ``(S, nh, D)`` in
+    q's dtype."""
     s, r = q.shape[0], ring.shape[0]
     pad = window - 1 - r
     assert pad >= 0, f"ring of {r} rows, window {window}"
     keys = torch.cat([kv.new_zeros(pad, kv.shape[1]), ring, kv])  # (W-1+S, D): pad rows never read
     if rows is None or picks is None or not rows.shape[0]:
-        out = prefill_attention(q, keys, pad, sinks, window, scale=scale)
+        out = prefill_attention(q, keys, pad, sinks, window, scale=scale, rope=rope, fold_q=0)
     else:
         idx, valid = picks
         row_idx = torch.where(valid, idx, -1).to(torch.int32)  # (S, k)
         row_len = torch.full((s,), rows.shape[0], dtype=torch.int32, device=q.device)
-        out = prefill_attention(q, keys, pad, sinks, window, rows, row_len, row_idx, scale=scale)
+        out = prefill_attention(q, keys, pad, sinks, window, rows, row_len, row_idx, scale=scale, rope=rope, fold_q=0)
     return out.to(q.dtype)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from deepserve import cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +51,7 @@ def random_config(seed: int):
 
 
 @pytest.mark.parametrize("seed", [int(s) for s in __import__("os").environ.get("GEN_SEEDS", "11,22,33").split(",")])
-def test_generate_matches_transformers(seed: int, tmp_path: Path) -> None:
+def test_generate_matches_transformers(seed: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     torch.manual_seed(seed)
     cfg = random_config(seed)
     hf = transformers.DeepseekV4ForCausalLM(cfg).eval()
@@ -65,13 +65,13 @@ def test_generate_matches_transformers(seed: int, tmp_path: Path) -> None:
     ref_tokens = out.sequences[0, len(prompt):].tolist()
     ref_lp = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
 
-    res = subprocess.run(
-        [sys.executable, "-m", "deepserve.cli", "generate", "--model", str(tmp_path / "ckpt"), "--prompt-ids",
-         ",".join(map(str, prompt)), "--max-tokens", str(n), "--top-logprobs", "5", "--ignore-eos", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    row = json.loads(res.stdout.strip().splitlines()[-1])
+    # the console script's entry, in this process: a subprocess spent seconds of CPU importing torch
+    # again (``python -m deepserve.cli`` itself runs in tests/server/test_cli.py). Rows go to
+    # --output: write_results' stdout default is bound at import, before capture replaces stdout.
+    rc = cli.main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt-ids", ",".join(map(str, prompt)),
+                   "--max-tokens", str(n), "--top-logprobs", "5", "--ignore-eos", "--dtype", "float32", "--output", str(tmp_path / "out.jsonl")])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    row = json.loads((tmp_path / "out.jsonl").read_text().strip().splitlines()[-1])
     assert row["generated_ids"] == ref_tokens
     for i, top in enumerate(row["top_logprobs"]):
         for token, lp in top:

@@ -153,8 +153,17 @@ def decode_attention(
     ``block_h/block_n/num_splits/num_warps/num_stages`` tune the Triton kernel (defaults suit
     H=64, D=512 on an H200); they are ignored by the reference path.
     """
-    if not use_triton(q):
-        return decode_attention_reference(q, swa, swa_len, sinks, rows, row_start, row_len, row_idx, swa_slot, scale, swa_end, fresh, fresh_cols)
+    if not use_triton(q):  # the reference, with the folded norm / RoPE passes as fused.norm_rope runs them
+        from kernels.fused import norm_rope_reference
+
+        at = rope_pos if rope_pos is not None else torch.arange(q.shape[0], device=q.device)
+        cos_t, sin_t = rope if rope is not None else (None, None)
+        if q_norm_eps is not None and fold_q > 0:
+            q = norm_rope_reference(q, None, 2, q_norm_eps, cos_t, sin_t, at if rope is not None else None)
+        elif rope is not None and fold_q > 0:
+            q = norm_rope_reference(q, None, 0, 0.0, cos_t, sin_t, at)
+        out = decode_attention_reference(q, swa, swa_len, sinks, rows, row_start, row_len, row_idx, swa_slot, scale, swa_end, fresh, fresh_cols)
+        return out if rope is None or not rope_out else norm_rope_reference(out, None, 0, 0.0, cos_t, sin_t, at, sign=-1.0)
     b_size, h, d = q.shape
     w = swa.shape[1]
     assert swa.shape[2] == d and q.stride(-1) == 1 and swa.stride(-1) == 1, "rows must be contiguous in D"

@@ -217,7 +217,6 @@ class StaticDecoder:
                 self._rope_tab[kind] = (cos.contiguous(), sin.contiguous())
         self.merge_proj = merge_proj
         self.dense_gemv = tuning.dense_gemv and self.triton
-        self.rope_out = tuning.attn_rope_out and self.triton  # the attention kernel un-rotates its output
         if self.merge_proj:  # our own concatenated copy; the model's parameters stay as they are
             with torch.inference_mode():
                 for layer, lp in zip(model.model.layers, self.pools):
@@ -505,7 +504,7 @@ class StaticDecoder:
             kv_path()
         join()
         kw = {"swa_slot": slots, "scale": attn.scaling}
-        if self.rope_out:
+        if self.tuning.attn_rope_out:  # the attention kernel un-rotates its output
             kw.update(rope=(cos, sin), rope_pos=pos, fold_q=0)
         if verify:
             swa_end, swa_len = derived["before", attn.window]
@@ -517,7 +516,7 @@ class StaticDecoder:
             out = decode_attention(q, lp.swa, swa_len, attn.sinks, rows, row_start, row_len, row_idx, max_rows=tc, **kw)
         if verify:
             lp.swa.view(-1, attn.head_dim).index_copy_(0, ring_row, new_kv[0])
-        if not self.rope_out:
+        if not self.tuning.attn_rope_out:
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
         return self._output(attn, out)
 

@@ -232,3 +232,23 @@ def test_compress_step_reference_matches_compressor(cfg, layer_type) -> None:
         if comp.overlap:
             torch.testing.assert_close(ov_kv[s], st.overlap_kv)
             torch.testing.assert_close(ov_gate[s], st.overlap_gate)
+
+
+def test_decode_attention_off_triton_applies_the_folded_passes() -> None:
+    """Without Triton, ``decode_attention``'s ``q_norm_eps`` / ``rope`` / ``rope_out`` keywords run
+    as the ``fused.norm_rope`` passes they fold (q normalised and rotated, output un-rotated)."""
+    from kernels import _common
+    from kernels.fused import norm_rope_reference
+
+    if _common.INTERPRET:
+        pytest.skip("the interpreter runs the Triton path on CPU")
+    inp = attn_inputs(3, 4, 32, 8, "hca", [5, 0, 7], 0, torch.float32, seed=2)
+    ang = torch.rand(50, 8, generator=_gen(3)) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    pos = torch.tensor([4, 40, 0])
+    q = norm_rope_reference(inp.q, None, 2, 1e-6, cos, sin, pos)
+    want = norm_rope_reference(decode_attention_reference(**{**inp.args(), "q": q}), None, 0, 0.0, cos, sin, pos, sign=-1.0)
+    got = decode_attention(**inp.args(), q_norm_eps=1e-6, rope=(cos, sin), rope_pos=pos, fold_q=1)
+    torch.testing.assert_close(got, want)
+    plain = decode_attention(**inp.args(), rope=(cos, sin), rope_pos=pos, fold_q=0)  # only the output's undo
+    torch.testing.assert_close(plain, norm_rope_reference(decode_attention_reference(**inp.args()), None, 0, 0.0, cos, sin, pos, sign=-1.0))

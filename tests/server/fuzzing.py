@@ -24,14 +24,18 @@ def _cap_budget(case: Any, limit: int) -> None:
             body["max_output_tokens" if case.path == "/v1/responses" else "max_tokens"] = limit
 
 
-def fuzz(base_url: str, *, max_examples: int = 30, max_tokens: int = 8, headers: dict[str, str] | None = None) -> dict[str, int]:
-    """Positive and negative cases for every operation; asserts no 5xx and the server stays up.
-    Returns the count of responses per status class, for the test's report."""
+def fuzz(
+    base_url: str, *, max_examples: int = 30, max_tokens: int = 8, headers: dict[str, str] | None = None,
+    modes: tuple[GenerationMode, ...] = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE),
+) -> dict[str, int]:
+    """Cases of each of ``modes`` (positive: valid by the schema; negative: not) for every operation;
+    asserts no 5xx and the server stays up. Returns the count of responses per status class, for
+    the test's report."""
     schema = from_url(base_url + "/openapi.json")
     seen: dict[str, int] = {}
     for result in schema.get_all_operations():
         operation = result.ok()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        for mode in modes:
 
             @settings(
                 max_examples=max_examples, deadline=None, database=None, derandomize=True,

@@ -128,10 +128,11 @@ def prefill_flops(cfg: V41Config, dense_params: float, n: int) -> dict[str, floa
     token meets once (the shared experts included, the routed ones not)."""
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
     expert = 3 * h * cfg.moe_intermediate_size
-    ffn = (cfg.num_experts_per_tok * expert + cfg.n_shared_experts * expert + cfg.n_routed_experts * h) * layers
+    dense_ffn = (cfg.n_shared_experts * expert + cfg.n_routed_experts * h) * layers  # shared experts + router
+    ffn = cfg.num_experts_per_tok * expert * layers + dense_ffn
     hc = 2 * (2 + cfg.hc_mult) * cfg.hc_mult * cfg.hc_mult * h * layers  # two mHC sites a layer
     lm_head = cfg.vocab_size * h
-    attn = 2 * (dense_params - lm_head - ffn - hc) * n
+    attn = 2 * (dense_params - lm_head - dense_ffn - hc) * n  # dense_params holds no routed expert
     for i, r in enumerate(cfg.compress_ratios):
         rows = min(cfg.index_topk, n // max(r, 1)) if r else 0
         attn += 4 * n * cfg.num_attention_heads * cfg.head_dim * (cfg.sliding_window + rows)

@@ -30,6 +30,8 @@ import traceback
 
 import torch
 
+from bench.kernel_helpers import replay_ms
+
 
 def _sync() -> None:
     if torch.cuda.is_available():
@@ -243,14 +245,7 @@ def time_static(dec, batch: int, base, nxt, iters: int) -> tuple[float, float]:
         graph, _ = dec._graphs[bucket_for(batch, dec.buckets)]
         for i in range(batch):
             dec.load(i, base)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        t_replay = start.elapsed_time(end) / iters / 1e3
+        t_replay = replay_ms(graph, iters) / 1e3
     return t_step, t_replay
 
 

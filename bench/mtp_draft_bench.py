@@ -22,6 +22,7 @@ import json
 import torch
 
 from bench.gpu_slice_bench import _sync_time, random_slice, time_static
+from bench.kernel_helpers import replay_ms
 
 
 def random_mtp(model, device: str):
@@ -40,17 +41,6 @@ def random_mtp(model, device: str):
             else:
                 t.normal_(0.0, t.shape[-1] ** -0.5, generator=g)
     return layer
-
-
-def _replay_ms(graph, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def rows_for(model, layer, ks: list[int], batches: list[int], context: int, iters: int) -> list[dict]:
@@ -96,8 +86,8 @@ def rows_for(model, layer, ks: list[int], batches: list[int], context: int, iter
             t_draft = _sync_time(draft, 2, iters)
             t_spec = _sync_time(lambda verify=verify, draft=draft: (verify(), draft()), 2, iters)
             b = bucket_for(batch, dec.buckets)
-            v_replay = _replay_ms(dec._graphs[b, k + 1][0], iters) if dec.use_graphs else float("nan")
-            d_replay = _replay_ms(drafter._graphs[b][0], iters) if drafter.use_graphs else float("nan")
+            v_replay = replay_ms(dec._graphs[b, k + 1][0], iters) if dec.use_graphs else float("nan")
+            d_replay = replay_ms(drafter._graphs[b][0], iters) if drafter.use_graphs else float("nan")
             row[f"k{k}"] = {
                 "verify_step_ms": 1e3 * t_verify, "verify_replay_ms": v_replay, "draft_step_ms": 1e3 * t_draft,
                 "draft_replay_ms": d_replay, "spec_step_ms": 1e3 * t_spec, "spec_vs_plain": t_spec / t_step,

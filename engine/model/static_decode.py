@@ -67,6 +67,7 @@ from engine.model import slot_rewind
 from engine.model.attention import Attention, Compressor
 from engine.model.layers import HyperConnection, collapse, swiglu, unweighted_rms_norm
 from engine.model.moe import MoE
+from engine.model.slots.graphs import capture
 from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
 from engine.model.state import SequenceState
 from kernels import fused as fk
@@ -358,17 +359,7 @@ class StaticDecoder:
         init[2] = self.scratch
         self._derive(init, cols)
         self._inputs[:, :cols] = init.to(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(b, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._forward(b, width)
-        torch.cuda.synchronize(self.device)
-        self._graphs[b if width == 1 else (b, width)] = (graph, out)
+        self._graphs[b if width == 1 else (b, width)] = capture(lambda: self._forward(b, width), self.device)
 
     @torch.inference_mode()
     def _forward(self, b: int, width: int = 1):

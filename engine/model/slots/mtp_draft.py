@@ -35,6 +35,7 @@ import torch
 from engine.model import cpu_layer
 from engine.model.attention import Projected
 from engine.model.mtp import MTPLayer
+from engine.model.slots.graphs import capture
 from engine.model.slots.mtp_pool import MTPPool
 from kernels._common import use_triton
 from kernels.decode_attention import decode_attention
@@ -160,17 +161,7 @@ class SlotDrafter:
         self._host[_RING] = scratch * self.pool.window
         self._host[_IDS, self._feed + self._chain :] = torch.arange(self._host.shape[1] - self._feed - self._chain)
         self._inputs.copy_(self._host)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._forward(b)
-        torch.cuda.synchronize(self.device)
-        self._graphs[b] = (graph, out)
+        self._graphs[b] = capture(lambda: self._forward(b), self.device)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The fixed-shape step on the staged inputs (no host reads on CUDA) → drafts ``(b, k)``."""

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.static_decode import BUCKETS, bucket_for
+from engine.model.slots.graphs import capture
 from engine.model.v41.attention import candidate_blocks
 from engine.model.v41.layers import collapse, expand
 from engine.model.v41.model import DeepseekV41ForCausalLM
@@ -277,17 +278,7 @@ class V41SlotDecoder:
         init = torch.zeros(3, b, dtype=torch.long)
         init[2] = self.scratch
         self._inputs[:, :b] = init.to(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._forward(b)
-        torch.cuda.synchronize(self.device)
-        self._graphs[b] = (graph, out)
+        self._graphs[b] = capture(lambda: self._forward(b), self.device)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The step over the first ``b`` input columns → float32 logits ``(b, V)``."""

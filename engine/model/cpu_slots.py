@@ -28,15 +28,6 @@ from engine.model import cpu_fused
 from engine.model.cpu_fused import _dot, _exp, _max, _sum
 
 
-def _key_row(ring: np.ndarray, fresh: np.ndarray, rows: np.ndarray, key: np.ndarray, j: int, w: int, f: int) -> np.ndarray:
-    """Key ``j`` of a query's list: ring entry ``key[j]`` (``j < w``), fresh key (``j < w + f``), else pool row."""
-    if j < w:
-        return ring[key[j]]
-    if j < w + f:
-        return fresh[key[j]]
-    return rows[key[j]]
-
-
 def _gather_attend(
     q: np.ndarray, ring: np.ndarray, fresh: np.ndarray, cols: int, slots: np.ndarray, positions: np.ndarray, window: int,
     rows: np.ndarray, row_at: np.ndarray, row_bias: np.ndarray, sinks: np.ndarray, scaling: float,
@@ -61,7 +52,8 @@ def _gather_attend(
     has_fresh = fresh.shape[0] > 0
     depth = n // cols + 1 if has_fresh else 0
     logit = np.empty((nh, window + depth + e), np.float32)
-    key = np.empty(window + depth + e, np.int64)  # ring entry, fresh row or pool row of key j
+    key = np.empty(window, np.int64)  # ring entry of window key j
+    side = np.empty((depth + e, d), np.float32)  # the query's keys after the ring's: fresh ones, then its rows
     for t in range(n):
         base, p = slots[t] * window, positions[t]
         first = max(0, p - window + 1)
@@ -72,13 +64,13 @@ def _gather_attend(
             key[j] = at
             at = at + 1 if at + 1 < base + window else base
         for j in range(f):
-            key[w + j] = t - (f - 1 - j) * cols
+            side[j] = fresh[t - (f - 1 - j) * cols]
         for j in range(e):
-            key[w + f + j] = row_at[t, j]
+            side[f + j] = rows[row_at[t, j]]
         wf = w + f
         m_all = wf + e
         for j in range(m_all):
-            row = _key_row(ring, fresh, rows, key, j, w, f)
+            row = ring[key[j]] if j < w else side[j - w]
             b = row_bias[t, j - wf] if j >= wf and row_bias.shape[1] else zero
             for h in range(nh):
                 logit[h, j] = _dot(q[t, h], row) * sc + b
@@ -95,17 +87,17 @@ def _gather_attend(
         o = out[t]
         j = 0
         while j + 4 <= m_all:  # four keys per pass over the output: a quarter of its loads and stores
-            r0 = _key_row(ring, fresh, rows, key, j, w, f)
-            r1 = _key_row(ring, fresh, rows, key, j + 1, w, f)
-            r2 = _key_row(ring, fresh, rows, key, j + 2, w, f)
-            r3 = _key_row(ring, fresh, rows, key, j + 3, w, f)
+            r0 = ring[key[j]] if j < w else side[j - w]
+            r1 = ring[key[j + 1]] if j + 1 < w else side[j + 1 - w]
+            r2 = ring[key[j + 2]] if j + 2 < w else side[j + 2 - w]
+            r3 = ring[key[j + 3]] if j + 3 < w else side[j + 3 - w]
             for h in range(nh):
                 p0, p1, p2, p3 = logit[h, j], logit[h, j + 1], logit[h, j + 2], logit[h, j + 3]
                 for c in range(d):
                     o[h, c] += (p0 * r0[c] + p1 * r1[c]) + (p2 * r2[c] + p3 * r3[c])
             j += 4
         while j < m_all:
-            r0 = _key_row(ring, fresh, rows, key, j, w, f)
+            r0 = ring[key[j]] if j < w else side[j - w]
             for h in range(nh):
                 p0 = logit[h, j]
                 for c in range(d):
@@ -356,7 +348,6 @@ _NONE_I = np.zeros(0, np.int64)
 _NONE_B = np.zeros(0, np.bool_)
 
 
-_key_row = cpu_fused.numba.njit(cache=True, nogil=True, inline="always")(_key_row)
 _gather_attend = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_gather_attend)
 _compress_step = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_compress_step)
 _index_scores = cpu_fused.numba.njit(cache=True, nogil=True, error_model="numpy")(_index_scores)

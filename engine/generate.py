@@ -100,7 +100,9 @@ def generate(
         yield row
 
 
-def write_results(rows: Iterator[dict[str, Any]], out: TextIO = sys.stdout) -> None:
+def write_results(rows: Iterator[dict[str, Any]], out: TextIO | None = None) -> None:
+    """Each row as one JSON line on ``out`` (None: the current ``sys.stdout``, looked up at the call)."""
+    out = sys.stdout if out is None else out
     for row in rows:
         out.write(json.dumps(row) + "\n")
         out.flush()

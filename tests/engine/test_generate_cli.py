@@ -77,3 +77,16 @@ def test_generate_matches_transformers(seed: int, tmp_path: Path, capsys: pytest
         for token, lp in top:
             assert abs(lp - ref_lp[i][token].item()) <= 1e-3
         assert abs(row["logprobs"][i] - ref_lp[i][ref_tokens[i]].item()) <= 1e-3
+
+
+def test_results_go_to_the_stdout_of_the_call(monkeypatch) -> None:
+    """``write_results`` without ``out`` writes to ``sys.stdout`` as it is when called (a default
+    bound at import would write to a stream swapped out since, e.g. a closed capture)."""
+    import io
+
+    from engine.generate import write_results
+
+    buf = io.StringIO()
+    monkeypatch.setattr("sys.stdout", buf)
+    write_results(iter([{"a": 1}, {"b": [2]}]))
+    assert buf.getvalue() == '{"a": 1}\n{"b": [2]}\n'

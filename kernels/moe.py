@@ -128,9 +128,11 @@ def has_grouped_mm(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-def _grouped_linear(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows ``xs (M, K)`` sorted by group, group g = rows ``[offs[g-1], offs[g])`` times ``w[g]ᵀ``."""
-    if has_grouped_mm(xs.dtype):
+def grouped_linear(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows ``xs (M, K)`` sorted by group, group g = rows ``[offs[g-1], offs[g])`` times ``w[g]ᵀ``:
+    ``torch._grouped_mm`` on CUDA in bf16, else one ``F.linear`` per non-empty group (a host sync
+    for ``counts``)."""
+    if xs.is_cuda and has_grouped_mm(xs.dtype):
         return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)  # (M, out)
     out = xs.new_empty(xs.shape[0], w.shape[1])
     start = 0
@@ -164,8 +166,8 @@ def moe_experts(
         return moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, limit, add, grouped)
     return grouped_experts(
         x, weights, indices, gate_up.shape[0], gate_up.shape[1] // 2, limit,
-        lambda xs, offs, counts: _grouped_linear(xs, gate_up, offs, counts),
-        lambda act, offs, counts: _grouped_linear(act, down, offs, counts), add=add,
+        lambda xs, offs, counts: grouped_linear(xs, gate_up, offs, counts),
+        lambda act, offs, counts: grouped_linear(act, down, offs, counts), add=add,
     )  # fmt: skip
 
 

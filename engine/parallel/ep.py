@@ -71,7 +71,7 @@ def _local_experts(rows: torch.Tensor, eid: torch.Tensor, ex) -> torch.Tensor:
     fp8 = getattr(ex, "fp8", None)
     grouped = use_triton(rows) and rows.dtype in (torch.bfloat16, torch.float16)
     if grouped and (fp8 is not None or rows.dtype == torch.bfloat16):
-        from kernels.moe import _grouped_linear, swiglu_rows
+        from kernels.moe import grouped_linear, swiglu_rows
         from kernels.moe_fp8 import fp8_grouped_linear
 
         key = torch.where(eid < 0, n_loc, eid)
@@ -82,12 +82,12 @@ def _local_experts(rows: torch.Tensor, eid: torch.Tensor, ex) -> torch.Tensor:
         if fp8 is not None:
             h = fp8_grouped_linear(xs, fp8[0], fp8[1], offs)
         else:
-            h = _grouped_linear(xs, ex.gate_up_proj, offs, counts[:n_loc])
+            h = grouped_linear(xs, ex.gate_up_proj, offs, counts[:n_loc])
         act = swiglu_rows(h, ex.limit)
         if fp8 is not None:
             y = fp8_grouped_linear(act, fp8[2], fp8[3], offs)
         else:
-            y = _grouped_linear(act, ex.down_proj, offs, counts[:n_loc])
+            y = grouped_linear(act, ex.down_proj, offs, counts[:n_loc])
         return torch.empty_like(rows).index_copy_(0, order, y)
     # CPU / fp32: one F.linear pair per non-empty local expert (reads the ids on the host)
     if fp8 is not None:

@@ -46,7 +46,7 @@ from kernels import v41_mhc
 from kernels._common import use_triton
 from kernels.indexer import indexer_scores_prefill
 from kernels.mhc import hc_mix, hc_mix_parts
-from kernels.moe import has_grouped_mm
+from kernels.moe import grouped_linear, has_grouped_mm
 from kernels.v41_moe import combine_in_order, weighted_swiglu
 from kernels.prefill import hc_pre_block_parts, prefill_attention
 
@@ -118,36 +118,22 @@ def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
     act = _weighted_act(x.index_select(0, slots // k), weights.reshape(-1)[slots], gate_up, offs, counts, layer.shared_experts.limit)  # (N·k, I)
-    y = _grouped(act, down, offs, counts)  # (N·k, H)
+    y = grouped_linear(act, down, offs, counts)  # (N·k, H)
     row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=x.device))
     return combine_in_order(y, row_of_slot, k, layer.shared_experts(x))
-
-
-def _grouped(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows ``xs (M, K)`` sorted by expert times ``w[e]ᵀ`` (``w (E, out, K)``): ``torch._grouped_mm``
-    on CUDA in bf16, else one ``F.linear`` per non-empty expert (a host sync for the counts)."""
-    if xs.is_cuda and has_grouped_mm(xs.dtype):
-        return torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)
-    out = xs.new_empty(xs.shape[0], w.shape[1])
-    start = 0
-    for e, c in enumerate(counts.tolist()):
-        if c:
-            out[start : start + c] = F.linear(xs[start : start + c], w[e])
-        start += c
-    return out
 
 
 def _weighted_act(
     xs: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, limit: float
 ) -> torch.Tensor:  # fmt: skip
     """``w · silu(gate) · up`` of the sorted rows ``xs (M, H)`` → ``(M, I)`` (``kernels.v41_moe``):
-    one grouped GEMM for gate|up where ``_grouped`` takes ``torch._grouped_mm``, else the gate and
+    one grouped GEMM for gate|up where ``grouped_linear`` takes ``torch._grouped_mm``, else the gate and
     up halves as separate GEMMs per expert (``Expert``'s own ``w1`` and ``w3`` calls, their last
     bits included)."""
     if xs.is_cuda and has_grouped_mm(xs.dtype):
-        return weighted_swiglu(_grouped(xs, gate_up, offs, counts), w, limit)
+        return weighted_swiglu(grouped_linear(xs, gate_up, offs, counts), w, limit)
     inter = gate_up.shape[1] // 2
-    h = torch.cat([_grouped(xs, gate_up[:, :inter], offs, counts), _grouped(xs, gate_up[:, inter:], offs, counts)], dim=-1)  # (M, 2I)
+    h = torch.cat([grouped_linear(xs, gate_up[:, :inter], offs, counts), grouped_linear(xs, gate_up[:, inter:], offs, counts)], dim=-1)  # (M, 2I)
     return weighted_swiglu(h, w, limit)
 
 

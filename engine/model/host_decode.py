@@ -41,8 +41,7 @@ from engine.model.attention import Attention, Compressor, Indexer, Projected
 from engine.model.decode import pad_bias, pick_rows
 from engine.model.fp8 import keeps_native_weights
 from engine.model.rope import Rotary
-from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
-from engine.model.state import SequenceState
+from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, PooledDecoder, SlotPool
 
 
 @dataclass
@@ -71,7 +70,7 @@ class _Step:
     cols: int
 
 
-class HostDecoder:
+class HostDecoder(PooledDecoder):
     """A ``SlotPool`` stepped on the CPU (module docstring; ``slots.SlotDecoder``): ``step``
     returns final hidden states ``(n, H)`` for ``model.head`` (its exact int8-screened greedy
     argmax, or logits)."""
@@ -91,22 +90,6 @@ class HostDecoder:
         self.compiled = compiled  # the layers through cpu_layer (attention and compressors are always cpu_slots)
         self._packed: list[cpu_layer.LayerWeights | None] | None = None
         self._comp_arrays: dict[int, cpu_slots.CompressArrays] = {}  # by id of the CompPool
-
-    def nbytes(self) -> int:
-        """Bytes of the slot state (``SlotPool.nbytes``)."""
-        return self.slots.nbytes()
-
-    def load(self, slot: int, state: SequenceState) -> None:
-        """Copy a general-path state (after prefill) into ``slot`` (``SlotPool.load``)."""
-        self.slots.load(slot, state)
-
-    def export(self, slot: int) -> SequenceState:
-        """``slot``'s state as a general-path ``SequenceState`` (copies; ``SlotPool.export``)."""
-        return self.slots.export(slot)
-
-    def free(self, slot: int) -> None:
-        """Forget ``slot``'s sequence (``SlotPool.free``)."""
-        self.slots.free(slot)
 
     def accept(self, kept: Sequence[int]) -> None:
         """End the pending ``verify``: slot ``i`` keeps its first ``kept[i]`` tokens (``SlotPool.accept``)."""

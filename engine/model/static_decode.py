@@ -68,8 +68,7 @@ from engine.model.attention import Attention, Compressor
 from engine.model.layers import HyperConnection, collapse, swiglu, unweighted_rms_norm
 from engine.model.moe import MoE
 from engine.model.slots.graphs import capture
-from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, SlotPool
-from engine.model.state import SequenceState
+from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, PooledDecoder, SlotPool
 from kernels import fused as fk
 from kernels._common import use_triton
 from kernels.decode_attention import decode_attention
@@ -136,7 +135,7 @@ def bucket_for(n: int, buckets: Sequence[int] = BUCKETS) -> int:
     raise ValueError(f"batch {n} above the largest bucket {buckets[-1]}")
 
 
-class StaticDecoder:
+class StaticDecoder(PooledDecoder):
     """Slot pool + fixed-shape decode step of a ``DeepseekV4ForCausalLM`` (module docstring).
 
     ``max_slots`` sequences of up to ``max_tokens`` tokens each (prompt and decoded tokens).
@@ -241,22 +240,6 @@ class StaticDecoder:
                         self._hc32[id(hc)] = tuple(t.float().contiguous() for t in (hc.fn, hc.scale, hc.base))
                 head = model.model.hc_head
                 self._hc32[id(head)] = tuple(t.float().contiguous() for t in (head.hc_fn, head.hc_scale, head.hc_base))
-
-    def nbytes(self) -> int:
-        """Bytes of the slot state (``SlotPool.nbytes``)."""
-        return self.slots.nbytes()
-
-    def load(self, slot: int, state: SequenceState) -> None:
-        """Copy a general-path state (after prefill) into ``slot`` (``SlotPool.load``)."""
-        self.slots.load(slot, state)
-
-    def export(self, slot: int) -> SequenceState:
-        """``slot``'s state as a general-path ``SequenceState`` (copies; ``SlotPool.export``)."""
-        return self.slots.export(slot)
-
-    def free(self, slot: int) -> None:
-        """Forget ``slot``'s sequence (``SlotPool.free``)."""
-        self.slots.free(slot)
 
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -220,3 +220,26 @@ class SlotPool:
         for s, p, r, k in zip(slots, positions, rows, kept):
             self.num_tokens[s] = p + k
             self.token_ids[s].extend(r[:k])
+
+
+class PooledDecoder:
+    """The state half of the ``SlotDecoder`` protocol for a decoder that holds its slots in a
+    ``SlotPool`` as ``self.slots`` (``StaticDecoder``, ``HostDecoder``): each call is the pool's."""
+
+    slots: SlotPool
+
+    def nbytes(self) -> int:
+        """Bytes of the slot state (``SlotPool.nbytes``)."""
+        return self.slots.nbytes()
+
+    def load(self, slot: int, state: SequenceState) -> None:
+        """Copy a general-path state (after prefill) into ``slot`` (``SlotPool.load``)."""
+        self.slots.load(slot, state)
+
+    def export(self, slot: int) -> SequenceState:
+        """``slot``'s state as a general-path ``SequenceState`` (copies; ``SlotPool.export``)."""
+        return self.slots.export(slot)
+
+    def free(self, slot: int) -> None:
+        """Forget ``slot``'s sequence (``SlotPool.free``)."""
+        self.slots.free(slot)

@@ -38,14 +38,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from bench.gpu_slice_bench import _sync_time, copy_bandwidth, matmul_rate, touched_experts
-from bench.gpu_slice_bench import _sync
+from bench.gpu_slice_bench import _sync, _sync_time, copy_bandwidth, matmul_rate, profile_graph, touched_experts
 from engine.model.rope import Rotary
 from engine.model.v41 import prefill as fast_path
 from engine.model.v41.attention import V41_TUNING, V41Tuning
 from engine.model.v41.config import V41Config
 from engine.model.v41.model import DecoderLayer, DeepseekV41ForCausalLM
 from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, MXFP8_MAIN
+from engine.model.static_decode import bucket_for
 from engine.model.v41.slot_decode import V41SlotDecoder
 
 SLICE = dict(num_hidden_layers=4, compress_ratios=(0, 2, 2, 2), kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3), candidate_source_layer_id=1)
@@ -245,13 +245,14 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--general", action="store_true", help="also time the general path's prefill and compare its logits")
+    ap.add_argument("--profile", metavar="PREFIX", help="write each batch's graph replay, kernel by kernel, to PREFIX_b<B>_graph.txt")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.perf_counter()
     bw, mm = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()
-    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general)
+    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general, profile=args.profile)
     out["wall_s"] = time.perf_counter() - t0
     with open(args.output, "w") as f:
         json.dump(out, f, indent=2)
@@ -280,9 +281,10 @@ def summary(out: dict) -> str:
 
 def run(
     cfg: V41Config, device: str, batches: list[int], context: int, prefill: int, iters: int, bw: float, mm: float,
-    general: bool = False, tuning: V41Tuning = V41_TUNING,
+    general: bool = False, tuning: V41Tuning = V41_TUNING, profile: str | None = None,
 ) -> dict:  # fmt: skip
-    """The rows of one run (module docstring) of ``cfg``'s slice on ``device``, the model built with ``tuning``."""
+    """The rows of one run (module docstring) of ``cfg``'s slice on ``device``, the model built with ``tuning``;
+    ``profile``: a path prefix for each batch's graph replay, kernel by kernel (``gpu_slice_bench.profile_graph``)."""
     model, stacks = random_slice(cfg, device, torch.bfloat16, tuning)
     dense, expert = dense_bytes(model)
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else device, "copy_bw": bw, "matmul_flops": mm,
@@ -304,6 +306,8 @@ def run(
             floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context)
             out["rows"].append({"kind": "decode", "batch": b, "context": context, "step_ms": step * 1e3,
                                 "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "x_floor": step / (floor_bytes / bw)})  # fmt: skip
+            if profile and dec.use_graphs:
+                profile_graph(dec, bucket_for(b, dec.buckets), profile)
         # parity: the slot step against the model's forward on the same states and tokens
         n = min(4, dec.max_slots)
         states = [dec.export(s) for s in range(n)]

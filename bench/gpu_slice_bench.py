@@ -170,12 +170,14 @@ def profile_step(dec, batch: int, out_prefix: str) -> None:
         profile_graph(dec, b, out_prefix)
 
 
-def profile_graph(dec, b: int, out_prefix: str) -> None:
+def profile_graph(dec, key: int | tuple[int, int], out_prefix: str) -> None:
     """Kernels of one graph replay in start order (offset, duration, stream): the replay's span
-    against the sum of its kernels shows launch gaps and overlap."""
+    against the sum of its kernels shows launch gaps and overlap. ``key``: the decoder's graph key,
+    a bucket or a verify's (bucket, width)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph, _ = dec._graphs[b]
+    graph, _ = dec._graphs[key]
+    b = key if isinstance(key, int) else "{}_w{}".format(*key)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -278,12 +280,15 @@ def random_slice(preset: str, device: str, dtype: torch.dtype):
     return model
 
 
-def verify_rows(ours, ks: list[int], batches: list[int], context: int, iters: int, gen, rows: list) -> None:
+def verify_rows(
+    ours, ks: list[int], batches: list[int], context: int, iters: int, gen, rows: list, profile: str = ""
+) -> None:
     """Speculative verify against the plain decode step (issue 25), CUDA graphs: per batch the
     plain ``StaticDecoder.step`` and, per ``k``, ``StaticDecoder.verify`` of ``1 + k`` tokens per
     slot (bare graph replays; host-inclusive ``verify`` + ``accept`` with every draft rejected,
     so the rewind's copies count, and with every draft kept). Also the verify's offset-0 logits
-    against the plain step's on the same state and token (max error / max |logit|)."""
+    against the plain step's on the same state and token (max error / max |logit|). ``profile``: a
+    path prefix for each verify graph's replay, kernel by kernel (``profile_graph``)."""
     from engine.model.static_decode import StaticDecoder, bucket_for
 
     vocab = ours.config.vocab_size
@@ -310,6 +315,8 @@ def verify_rows(ours, ks: list[int], batches: list[int], context: int, iters: in
         slots = list(range(batch))
         nxt = torch.randint(2, vocab, (batch,), generator=gen).tolist()
         t_step, t_replay = time_static(plain, batch, base, nxt, iters)
+        if profile and plain.use_graphs:
+            profile_graph(plain, bucket_for(batch, plain.buckets), profile)
         for i in slots:
             plain.load(i, base)
         want = plain.step(slots, nxt).float().clone()
@@ -333,7 +340,10 @@ def verify_rows(ours, ks: list[int], batches: list[int], context: int, iters: in
             for i in slots:
                 dec.load(i, base)
             t_acc = _sync_time(lambda: once(k + 1), 2, iters)
-            r = replay(dec._graphs[bucket_for(batch, dec.buckets), k + 1][0]) if dec.use_graphs else float("nan")
+            key = bucket_for(batch, dec.buckets), k + 1
+            r = replay(dec._graphs[key][0]) if dec.use_graphs else float("nan")
+            if profile and dec.use_graphs:
+                profile_graph(dec, key, profile)
             row[f"k{k}"] = {
                 "verify_replay_ms": r * 1e3, "verify_reject_all_ms": t_rej * 1e3, "verify_accept_all_ms": t_acc * 1e3,
                 "replay_ratio": r / t_replay, "reject_all_ratio": t_rej / t_step, "offset0_rel_err": err,
@@ -666,7 +676,7 @@ def main() -> None:
         ours = random_slice("v4-flash-narrow" if args.small else "v4-flash", "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
         rows: list = []
         ks, batches = [int(k) for k in args.verify.split(",")], [int(b) for b in args.batches.split(",")]
-        verify_rows(ours, ks, batches, int(args.contexts.split(",")[0]), args.graph_iters, torch.Generator().manual_seed(1), rows)
+        verify_rows(ours, ks, batches, int(args.contexts.split(",")[0]), args.graph_iters, torch.Generator().manual_seed(1), rows, args.profile)
         write_json(args.output, rows, bw, mm)
         return
     if args.native:

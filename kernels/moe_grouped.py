@@ -108,18 +108,18 @@ def moe_experts_prefill(
 ) -> torch.Tensor:  # fmt: skip
     """``kernels.moe.moe_experts`` with this module's grouped GEMMs (``tuning.up``/``down``; a
     ``None`` config keeps ``torch._grouped_mm`` for that GEMM); ``add`` as there."""
-    from kernels.moe import _grouped_linear, grouped_experts, swiglu_rows
+    from kernels.moe import grouped_experts, grouped_linear, swiglu_rows
 
     n_exp = gate_up.shape[0]
 
     def up(xs, offs, counts):
         if tuning.up is None:
-            return swiglu_rows(_grouped_linear(xs, gate_up, offs, counts), limit)
+            return swiglu_rows(grouped_linear(xs, gate_up, offs, counts), limit)
         return grouped_mm(xs, gate_up, offs, swiglu_limit=limit, cfg=tuning.up)
 
     def dn(act, offs, counts):
         if tuning.down is None:
-            return _grouped_linear(act, down, offs, counts)
+            return grouped_linear(act, down, offs, counts)
         return grouped_mm(act, down, offs, cfg=tuning.down)
 
     return grouped_experts(x, weights, indices, n_exp, gate_up.shape[1] // 2, limit, up, dn, fused_act=True, add=add)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.model.v41.quant import fp4_compressed, fp8_window
-from kernels.v41_attention import v41_decode_attention, v41_decode_attention_reference
+from kernels.v41_attention import V41AttentionTuning, attention_splits, v41_decode_attention, v41_decode_attention_reference
 from kernels.v41_kv import pack_fp4_rows, pack_fp8_window
 from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 
@@ -60,6 +60,41 @@ def test_kernel_matches_the_reference(shape, rows: bool) -> None:
     args = (q, wq, we, win_len, slot, rq, rs, picks if rows else None, sinks, shape[2] ** -0.5)
     got, want = v41_decode_attention(*args), v41_decode_attention_reference(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_splits_fill_the_gpu_at_batch_1_and_not_at_batch_64() -> None:
+    """V4.1-Flash widths (64 heads in blocks of 16, W = 128 and 512 picks in 32-row tiles = 20
+    tiles) on 132 SMs: batch 1 splits its 4 programs into one per tile, batch 64's 256 programs
+    run the single pass; layer 0 (the window's 4 tiles only) splits at most 4 ways."""
+    assert attention_splits(1 * 4, 20, 132) == 20
+    assert attention_splits(16 * 4, 20, 132) == 3
+    assert attention_splits(64 * 4, 20, 132) == 1
+    assert attention_splits(1 * 4, 4, 132) == 4
+    assert attention_splits(1 * 4, 20, 132, V41AttentionTuning(max_splits=8)) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 3, 64])
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize(
+    "shape", [(3, 4, 64, 8, 10, 40), (1, 20, 32, 40, 70, 40)] if not ON_GPU else [(1, 64, 512, 128, 4096, 512), (64, 64, 512, 128, 512, 512), (5, 64, 512, 128, 700, 100)]
+)
+def test_split_kernel_matches_the_reference(shape, rows: bool, splits: int) -> None:
+    """The key range split ``splits`` ways (capped at one split per tile; a split whose tiles hold
+    no visible row contributes nothing), combined; on the GPU also cast to bf16 in the kernel."""
+    _gpu_or_interpreter()
+    q, win, rws, win_len, slot, picks, sinks = (t.to(DEV) for t in _case(*shape))
+    win_len[-1] = 1  # a row whose later window tiles are all empty
+    wq, we = pack_fp8_window(win)
+    rq, rs = pack_fp4_rows(rws) if rows else (None, None)
+    args = (q, wq, we, win_len, slot, rq, rs, picks if rows else None, sinks, shape[2] ** -0.5)
+    tuning = V41AttentionTuning(block_n=16 if not ON_GPU else 32, fill=1e9, max_splits=splits)
+    want = v41_decode_attention_reference(*args)
+    got = v41_decode_attention(*args, tuning=tuning)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if ON_GPU:  # the interpreter's bf16 casts truncate
+        half = v41_decode_attention(*args, out_dtype=torch.bfloat16, tuning=tuning)
+        assert torch.equal(half, got.to(torch.bfloat16))  # the same fp32 result, cast once
 
 
 def test_v41_attention_under_interpreter() -> None:

@@ -89,7 +89,13 @@ class V41Config:
     engram_head_dim: int = 256
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 99092
-    num_nextn_predict_layers: int = 3
+    num_nextn_predict_layers: int = 3  # DSpark draft layers (``dspark.py``), kept in ``model.mtp``
+    dspark_block_size: int = 5  # tokens drafted per block
+    dspark_noise_token_id: int = 128799  # fills the block's non-anchor positions
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)  # backbone layers whose attention input feeds the drafter
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
     rms_norm_eps: float = 1e-20
     hidden_act: str = "silu"
     bos_token_id: int | None = None
@@ -190,6 +196,9 @@ class V41Config:
         qc = raw.get("quantization_config") or text.get("quantization_config")
         engram_ids = tuple(int(i) for i in text.get("engram_layer_ids") or ())
         engram_rows = text.get("engram_num_embeddings")
+        taps = text.get("dspark_target_layer_ids")
+        if taps is None:  # transformers' default: the last three layers that are no KV source
+            taps = sorted(i for i in range(n) if i not in kv_sources)[-3:]
         return cls(
             vocab_size=get("vocab_size", int),
             hidden_size=get("hidden_size", int),
@@ -235,6 +244,12 @@ class V41Config:
             engram_pad_id=get("engram_pad_id", int),
             engram_compressed_vocab_size=get("engram_compressed_vocab_size", int),
             num_nextn_predict_layers=get("num_nextn_predict_layers", int),
+            dspark_block_size=get("dspark_block_size", int),
+            dspark_noise_token_id=get("dspark_noise_token_id", int),
+            dspark_target_layer_ids=tuple(int(i) for i in taps),
+            dspark_markov_rank=get("dspark_markov_rank", int),
+            dspark_n_routed_experts=get("dspark_n_routed_experts", int),
+            dspark_num_experts_per_tok=get("dspark_num_experts_per_tok", int),
             rms_norm_eps=get("rms_norm_eps", float),
             hidden_act=get("hidden_act", str),
             bos_token_id=text.get("bos_token_id"),

@@ -113,13 +113,16 @@ class DeepseekV41ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(
         self, chunks: Sequence[tuple[V41SequenceState, Sequence[int]]],
-        logits: Literal["last", "all", "hidden", "hidden_all"] = "last",
+        logits: Literal["last", "all", "hidden", "hidden_all", "taps"] = "last",
     ) -> torch.Tensor:  # fmt: skip
         """Run every chunk's new tokens through the model, updating each state.
 
         Returns float32 logits ``(B, V)`` of each chunk's last token, ``(N, V)`` of every token
         with ``logits="all"``, or the last tokens' final hidden states ``(B, H)`` with
         ``logits="hidden"`` (for ``self.head``), every token's ``(N, H)`` with ``"hidden_all"``.
+        ``"taps"`` (speculative verify, ``dspark.py``): ``(N, 1 + len(dspark_target_layer_ids), H)``,
+        every token's final hidden state then the mean over the hc streams of each target layer's
+        input; zeros for the rows a bounded replay does not compute past ``first_decoder_layer``.
         """
         cfg, device = self.config, self.device
         spans, n = [], 0
@@ -143,18 +146,23 @@ class DeepseekV41ForCausalLM(nn.Module):
         parts = [Chunk(st, a, b, Shared(), st.num_tokens) for (st, _), (a, b) in zip(chunks, spans)]
         ends = [b - 1 for _, b in spans]  # each chunk's last row in the current layout (None: none)
         encoder_out = None
+        taps = {layer: j for j, layer in enumerate(cfg.dspark_target_layer_ids)} if logits == "taps" else {}
+        out = torch.zeros(n, 1 + len(taps), cfg.hidden_size, dtype=embeds.dtype, device=device) if taps else None
+        idx = None  # the rows still computed (None: all)
         for i, layer in enumerate(self.model.layers):
             if i == cfg.first_decoder_layer and any(p.first_pos < p.state.decoder_from for p in parts):
                 if logits in ("all", "hidden_all"):
                     raise ValueError("a bounded replay computes no decoder rows before decoder_from: not every token has logits")
                 encoder_out = streams, pre
                 kept, parts, ends = decoder_rows(parts)
+                idx = torch.tensor(kept, dtype=torch.long, device=device)
                 if not kept:
                     break  # no chunk reaches decoder_from yet: the decoder layers have nothing to do
-                idx = torch.tensor(kept, dtype=torch.long, device=device)
                 streams, pre, positions = streams[idx], pre[idx], positions[idx]
                 hash_ids = None if hash_ids is None else hash_ids[idx]
                 ropes = {kind: (cos[idx], sin[idx]) for kind, (cos, sin) in ropes.items()}
+            if i in taps:
+                _put(out, taps[i] + 1, idx, streams.float().mean(dim=1).to(streams.dtype))  # type: ignore[arg-type]
             streams, pre = layer(streams, pre, hash_ids, positions, ropes, self.rotary["compress"], parts)
 
         for state, ids in chunks:
@@ -162,6 +170,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             state.token_ids.extend(ids)
             if self.hasher is not None:
                 state.engram = self.hasher.history(state.token_ids)
+        if out is not None:
+            if idx is None or idx.numel():
+                _put(out, 0, idx, self.model.norm(collapse(pre, streams)))
+            return out
         if logits not in ("all", "hidden_all"):
             if encoder_out is None:
                 last = torch.tensor(ends, device=device)
@@ -172,6 +184,14 @@ class DeepseekV41ForCausalLM(nn.Module):
                 pre = torch.stack([p[r] for _, p, r in pick])
         hidden = self.model.norm(collapse(pre, streams))  # (B or N, H)
         return hidden if logits in ("hidden", "hidden_all") else self.head.logits(hidden)
+
+
+def _put(out: torch.Tensor, col: int, rows: torch.Tensor | None, values: torch.Tensor) -> None:
+    """``out[rows, col] = values`` (``rows`` None: every row)."""
+    if rows is None:
+        out[:, col] = values
+    else:
+        out[rows, col] = values
 
 
 def decoder_rows(parts: list[Chunk]) -> tuple[list[int], list[Chunk], list[int | None]]:

@@ -50,10 +50,17 @@ class SourceState:
     buf_gate: torch.Tensor  # (< r, D) fp32
 
     def clone(self) -> SourceState:
-        return SourceState(self.rows.clone(), None if self.keys is None else self.keys.clone(), self.buf_kv.clone(), self.buf_gate.clone())
+        return self.to(None)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.rows, self.keys, self.buf_kv, self.buf_gate) if t is not None)
+
+    def to(self, device: torch.device | str | None) -> SourceState:
+        """A copy on ``device`` (``None``: where it is)."""
+        return SourceState(
+            self.rows.to(device, copy=True), None if self.keys is None else self.keys.to(device, copy=True),
+            self.buf_kv.to(device, copy=True), self.buf_gate.to(device, copy=True),
+        )  # fmt: skip
 
 
 @dataclass
@@ -71,7 +78,12 @@ class V41SequenceState:
         return sum(w.numel() * w.element_size() for w in self.windows) + sum(s.nbytes() for s in self.sources.values())
 
     def clone(self) -> V41SequenceState:
+        return self.to(None)
+
+    def to(self, device: torch.device | str | None) -> V41SequenceState:
+        """A copy with every tensor on ``device`` (``None``: where it is; a state moved between
+        the CPU and a GPU model)."""
         return V41SequenceState(
-            [w.clone() for w in self.windows], {i: s.clone() for i, s in self.sources.items()},
+            [w.to(device, copy=True) for w in self.windows], {i: s.to(device) for i, s in self.sources.items()},
             list(self.engram), self.num_tokens, list(self.token_ids), self.decoder_from,
         )  # fmt: skip

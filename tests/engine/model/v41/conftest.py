@@ -23,6 +23,26 @@ def cached_bar(case: str, index: int) -> float:
     return KNIFE_EDGE_BAR if (case, index) in KNIFE_EDGES else BAR
 
 
+def stepwise_diffs(lead, follow, prompts: list[dict], device: str) -> tuple[list[float], list[float]]:
+    """Two models over the reference's teacher-forced steps, ``follow`` restarted from a copy of
+    ``lead``'s state at every step (moved to ``device``), so no knife edge of an earlier step
+    carries over: (each prompt's prefill, every decode step) → the largest |Δ log-softmax| of the
+    step's logits."""
+    prefill, steps = [], []
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (torch.log_softmax(a.float().cpu(), -1) - torch.log_softmax(b.float().cpu(), -1)).abs().max().item()
+
+    for p in prompts:
+        st = lead.new_state()
+        want = lead([(st, p["prompt_ids"])])[0]
+        prefill.append(gap(want, follow([(follow.new_state(), p["prompt_ids"])])[0]))
+        for tok in p["greedy_tokens"][:-1]:
+            got = follow([(st.to(device), [tok])])[0]
+            steps.append(gap(lead([(st, [tok])])[0], got))
+    return prefill, steps
+
+
 def fixture_case(case: str) -> tuple[Path, dict]:
     """``(checkpoint dir, reference.json)`` of one case; skips when the fixtures are absent."""
     root = FIXTURES / case

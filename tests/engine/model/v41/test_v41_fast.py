@@ -13,7 +13,7 @@ import torch
 from engine.model.v41.attention import V41Tuning
 from engine.model.v41.loader import load_v41_model
 from engine.model.v41.prefill import use_fast
-from tests.engine.model.v41.conftest import BAR, CASES, cached_bar, fixture_case
+from tests.engine.model.v41.conftest import BAR, CASES, KNIFE_EDGE_BAR, cached_bar, fixture_case, stepwise_diffs
 from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -81,25 +81,18 @@ def test_fast_batch_of_chunks_matches_the_general_path() -> None:
 @pytest.mark.parametrize("case", CASES if ON_GPU else CASES[:1])
 def test_fast_kernels_match_the_general_path(case: str) -> None:
     """The fast path with its Triton kernels (CUDA, or the interpreter on the CPU) against the
-    general path on the same device, fp32: the prompt's logits within 1e-4 and, teacher-forced
-    through cached decode, the reference's greedy tokens (where its margin allows, as
-    ``test_v41_gpu``) with the general path's logprobs within 1e-4 at nearly every step."""
+    general path on the same device, fp32, forward by forward from the general path's state
+    (``stepwise_diffs``: a knife edge one path's summation order crosses stays in its step): each
+    prompt's logits within its cached bar, and the teacher-forced decode steps within 1e-4 at
+    nearly every step, never beyond ``KNIFE_EDGE_BAR``."""
     if not (ON_GPU or INTERPRETED):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     general, fast, ref = _models(case, DEVICE)
     prompts = ref["prompts"] if ON_GPU else ref["prompts"][:1]
-    diffs = []
-    for p in prompts:
-        sg, sf = general.new_state(), fast.new_state()
-        lg, lf = general([(sg, p["prompt_ids"])])[0], fast([(sf, p["prompt_ids"])])[0]
-        assert (lg - lf).abs().max().item() <= cached_bar(case, ref["prompts"].index(p)), case
-        for want, margin in zip(p["greedy_tokens"], p["top2_margin"]):
-            pg, pf = torch.log_softmax(lg.float(), -1), torch.log_softmax(lf.float(), -1)
-            diffs.append(abs(float(pg[want]) - float(pf[want])))
-            assert int(pf.argmax()) == want or margin <= 2e-2, (case, want, int(pf.argmax()), margin)
-            lg, lf = general([(sg, [want])])[0], fast([(sf, [want])])[0]
-    near = sum(d <= BAR for d in diffs) / len(diffs)
-    assert max(diffs) <= 1e-2 and near >= 0.9, (case, max(diffs), near)
+    prefill, steps = stepwise_diffs(general, fast, prompts, DEVICE)
+    assert all(d <= cached_bar(case, ref["prompts"].index(p)) for d, p in zip(prefill, prompts)), (case, prefill)
+    near = sum(d <= BAR for d in steps) / len(steps)
+    assert max(steps) <= KNIFE_EDGE_BAR and near >= 0.95, (case, max(steps), near)
 
 
 @pytest.mark.slow

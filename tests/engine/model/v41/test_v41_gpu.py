@@ -10,15 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.model.v41.conftest import CASES, fixture_case
+from tests.engine.model.v41.conftest import BAR, CASES, KNIFE_EDGE_BAR, cached_bar, fixture_case, stepwise_diffs
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from engine.model.v41.loader import load_v41_model  # noqa: E402
-
-BAR = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,27 +26,22 @@ def _no_tf32():
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_cuda_fp32_matches_the_reference(case: str) -> None:
-    """The reference's greedy tokens on the GPU (one prefill, then cached decode), and its
-    chosen-token logprobs within 1e-4 at nearly every step. A GPU reduction rounds the last bits
-    of an activation differently than the CPU, and where one sits on an FP8/FP4 rounding midpoint
-    (see ``test_v41_knife_edge``) the stored value moves by one grid step, which moves later
-    logprobs by up to ~1e-2 on these random models; such steps are bounded and counted, and a
-    greedy pick may differ only where the reference's top-2 margin is inside that bound."""
+def test_cuda_fp32_matches_the_cpu_step_by_step(case: str) -> None:
+    """Every forward on the GPU from the CPU path's state (the CPU path gives the reference's tokens
+    and logprobs: ``test_v41_parity``): each prompt's prefill, and each teacher-forced decode step
+    restarted from the CPU's state, within 1e-4 of the CPU's log-softmax at nearly every step.
+    A trajectory is not compared: these random models are chaotic at the FP8/FP4 rounding
+    midpoints (a 1e-7 relative change of every weight moves flash_shape's later logprobs by 3e-2
+    and flips a greedy pick with a 0.09 margin, on the CPU alone), so the GPU's other summation
+    order may move one stored value by a grid step in one forward (``test_v41_knife_edge``), never
+    by more than ``KNIFE_EDGE_BAR``, and that step does not carry into the next."""
     ckpt, ref = fixture_case(case)
-    model = load_v41_model(ckpt, dtype="float32", device="cuda")
-    diffs = []
-    for p in ref["prompts"]:
-        st = model.new_state()
-        logits = model([(st, p["prompt_ids"])])[0]
-        for want, want_lp, margin in zip(p["greedy_tokens"], p["greedy_logprobs"], p["top2_margin"]):
-            logp = torch.log_softmax(logits.float(), dim=-1).cpu()
-            diffs.append(abs(float(logp[want]) - want_lp))
-            # a different pick only where the reference's own runner-up is within that bound
-            assert int(logp.argmax()) == want or margin <= 2e-2, (case, want, int(logp.argmax()), margin)
-            logits = model([(st, [want])])[0]  # teacher-forced: later steps still compare
-    near = sum(d <= BAR for d in diffs) / len(diffs)
-    assert max(diffs) <= 1e-2 and near >= 0.9, (case, max(diffs), near)
+    cpu = load_v41_model(ckpt, dtype="float32")
+    gpu = load_v41_model(ckpt, dtype="float32", device="cuda")
+    prefill, steps = stepwise_diffs(cpu, gpu, ref["prompts"], "cuda")
+    assert all(d <= cached_bar(case, i) for i, d in enumerate(prefill)), (case, prefill)
+    near = sum(d <= BAR for d in steps) / len(steps)
+    assert max(steps) <= KNIFE_EDGE_BAR and near >= 0.95, (case, max(steps), near)
 
 
 @pytest.mark.parametrize("case", CASES)

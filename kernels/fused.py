@@ -11,8 +11,9 @@ reference (the general path's own ops) used off CUDA, so the CPU path is unchang
 - ``hc_merge``: ``post ⊗ out + combᵀ @ streams`` (``layers.hc_merge``);
 - ``norm_rope``: weighted RMSNorm / unweighted head norm / nothing, then partial interleaved RoPE
   from a per-position cos/sin table (``Rotary.cos_sin`` of every position, computed once);
-- ``compress_step``: a compressor's decode token: buffer write, and for the rows whose window
-  closes the gated pooling (softmax over slots), ``kv_norm``, RoPE, the row and overlap writes;
+- ``compress_step``: a compressor's tokens of a step (a verify's ``1 + k`` offsets in the same
+  launch, in order): buffer writes, and for the tokens whose window closes the gated pooling
+  (softmax over slots), ``kv_norm``, RoPE, the row and overlap writes;
 - ``swiglu``: the clamped SwiGLU of the shared expert.
 
 Roundings follow the general path (bf16 where it casts, fp32 math in between), so in fp32 the
@@ -92,29 +93,41 @@ def compress_step_reference(
     kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
     buf_kv: torch.Tensor, buf_gate: torch.Tensor, overlap_kv: torch.Tensor | None, overlap_gate: torch.Tensor | None,
     position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    cos_tab: torch.Tensor, sin_tab: torch.Tensor, rows: torch.Tensor,
+    cos_tab: torch.Tensor, sin_tab: torch.Tensor, rows: torch.Tensor, cols: int | None = None,
 ) -> None:  # fmt: skip
     """``compress_step`` with the general path's ops (``Compressor.update``'s pooling, ``kv_norm``,
-    RoPE); reads which rows close on the host (not capturable)."""
+    RoPE) in one pass over every column; reads which rows close on the host (not capturable).
+
+    A closing window pools the buffer as it was before the step with this step's earlier
+    columns of its slot laid over it (offsets ``0 .. j``: with ``width <= r`` all of them are in
+    the window), so the later offsets' entries, written into the buffer with the rest, do not
+    reach it: the result of taking the offsets one after another."""
+    n = kv.shape[0]
+    cols = n if cols is None else cols
     r, d = buf_kv.shape[1], rows.shape[2]
     j = pos % r
+    close = (j == r - 1).nonzero().squeeze(1)  # at most one per slot (width <= r)
+    if close.numel():
+        s, window = slots[close], torch.div(pos[close], r, rounding_mode="floor")
+        ckv, cgate = buf_kv[s], buf_gate[s]  # (m, r, P) copies of the buffers before the step
+        member = close[:, None] - cols * torch.arange(n // cols, device=pos.device)  # offsets o .. 0 of the closing slot
+        at, o = (member >= 0).nonzero(as_tuple=True)
+        col = member[at, o]
+        ckv[at, j[col]] = kv[col]
+        cgate[at, j[col]] = gate[col].to(buf_gate.dtype)
+        cgate = cgate + position_bias  # gates in fp32
+        if overlap_kv is not None:  # the previous window's Ca (none before the first), then this one's Cb
+            has_prev = (window >= 1)[:, None, None]
+            prev_kv = torch.where(has_prev, overlap_kv[s], 0).to(ckv.dtype)
+            prev_gate = torch.where(has_prev, overlap_gate[s], float("-inf"))
+            pool_kv, pool_gate = torch.cat([prev_kv, ckv[..., d:]], dim=1), torch.cat([prev_gate, cgate[..., d:]], dim=1)
+            overlap_kv[s], overlap_gate[s] = ckv[..., :d], cgate[..., :d].to(overlap_gate.dtype)
+        else:
+            pool_kv, pool_gate = ckv, cgate
+        pooled = (pool_kv * pool_gate.softmax(dim=1, dtype=torch.float32).to(pool_kv.dtype)).sum(dim=1)  # (m, d)
+        rows[s, window] = norm_rope_reference(pooled[:, None], norm_weight, 1, eps, cos_tab, sin_tab, window * r)[:, 0]
     buf_kv[slots, j] = kv
     buf_gate[slots, j] = gate.to(buf_gate.dtype)
-    close = (j == r - 1).nonzero().squeeze(1)
-    if not close.numel():
-        return
-    s, window = slots[close], torch.div(pos[close], r, rounding_mode="floor")
-    ckv, cgate = buf_kv[s], buf_gate[s] + position_bias  # (m, r, P), gates in fp32
-    if overlap_kv is not None:  # the previous window's Ca (none before the first), then this one's Cb
-        has_prev = (window >= 1)[:, None, None]
-        prev_kv = torch.where(has_prev, overlap_kv[s], 0).to(ckv.dtype)
-        prev_gate = torch.where(has_prev, overlap_gate[s], float("-inf"))
-        pool_kv, pool_gate = torch.cat([prev_kv, ckv[..., d:]], dim=1), torch.cat([prev_gate, cgate[..., d:]], dim=1)
-        overlap_kv[s], overlap_gate[s] = ckv[..., :d], cgate[..., :d].to(overlap_gate.dtype)
-    else:
-        pool_kv, pool_gate = ckv, cgate
-    pooled = (pool_kv * pool_gate.softmax(dim=1, dtype=torch.float32).to(pool_kv.dtype)).sum(dim=1)  # (m, d)
-    rows[s, window] = norm_rope_reference(pooled[:, None], norm_weight, 1, eps, cos_tab, sin_tab, window * r)[:, 0]
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -216,29 +229,35 @@ def compress_step(
     kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
     buf_kv: torch.Tensor, buf_gate: torch.Tensor, overlap_kv: torch.Tensor | None, overlap_gate: torch.Tensor | None,
     position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    cos_tab: torch.Tensor, sin_tab: torch.Tensor, rows: torch.Tensor,
+    cos_tab: torch.Tensor, sin_tab: torch.Tensor, rows: torch.Tensor, cols: int | None = None,
 ) -> None:  # fmt: skip
-    """One decode token of a compressor for every batch row (off Triton: ``compress_step_reference``).
-    ``kv, gate (b, P)`` this token's projections, ``pos, slots (b,)``; pools as
-    ``static_decode.CompPool`` (``rows (S+1, Tc+1, d)``). Writes ``buf[slot, pos % r]``; where
-    ``pos % r == r-1`` pools the window (CSA: the overlap's ``r`` slots, when there is a previous
-    window, and this window's second half), normalises, rotates at ``(pos // r)·r`` and writes
-    ``rows[slot, pos // r]`` and (CSA) the new overlap."""
+    """A step's tokens through a compressor in one launch (off Triton: ``compress_step_reference``).
+    ``kv, gate (n, P)`` the tokens' projections, ``pos, slots (n,)``, offset-major: ``cols``
+    columns per offset (default ``n``: a plain step; a verify's ``1 + k`` offsets, at most ``r``,
+    each slot's consecutive positions); pools as ``slots.pool.CompPool`` (``rows (S+1, Tc+1, d)``).
+    Column by column in offset order (one program per ``cols`` column, its slot's offsets in
+    turn): writes ``buf[slot, pos % r]``; where ``pos % r == r-1`` pools the window (CSA: the
+    overlap's ``r`` slots, when there is a previous window, and this window's second half),
+    normalises, rotates at ``(pos // r)·r`` and writes ``rows[slot, pos // r]`` and (CSA) the new
+    overlap, before a later offset's token overwrites a buffer entry."""
+    n = kv.shape[0]
+    cols = n if cols is None else cols
+    assert n == 0 or n % cols == 0, (n, cols)
     if not use_triton(kv):
         return compress_step_reference(
-            kv, gate, pos, slots, buf_kv, buf_gate, overlap_kv, overlap_gate, position_bias, norm_weight, eps, cos_tab, sin_tab, rows
+            kv, gate, pos, slots, buf_kv, buf_gate, overlap_kv, overlap_gate, position_bias, norm_weight, eps, cos_tab, sin_tab, rows, cols
         )  # fmt: skip
-    b, p = kv.shape
+    p = kv.shape[1]
     r = buf_kv.shape[1]
     d = rows.shape[2]
     overlap = overlap_kv is not None
     assert kv.stride(-1) == 1 and gate.stride(-1) == 1 and buf_kv.is_contiguous() and rows.is_contiguous()
-    if b:
-        _compress_kernel[(b,)](
+    if n:
+        _compress_kernel[(cols,)](
             kv, gate, pos, slots, buf_kv, buf_gate,
             overlap_kv if overlap else buf_kv, overlap_gate if overlap else buf_gate,
             position_bias, norm_weight, cos_tab, sin_tab, rows,
-            p, d, r, rows.shape[1], eps, kv.stride(0), gate.stride(0),
+            p, d, r, rows.shape[1], eps, kv.stride(0), gate.stride(0), cols, n // cols,
             OVERLAP=overlap, ROPE=2 * cos_tab.shape[1], BP=next_pow2(p), BD=next_pow2(d), num_warps=4,
         )  # fmt: skip
 
@@ -381,70 +400,83 @@ if HAS_TRITON:
     def _compress_kernel(
         kv_ptr, gate_ptr, pos_ptr, slot_ptr, bkv_ptr, bg_ptr, okv_ptr, og_ptr,
         bias_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr,
-        P, D, R, TC1, eps, stride_kv, stride_g,
+        P, D, R, TC1, eps, stride_kv, stride_g, COLS, WIDTH,
         OVERLAP: tl.constexpr, ROPE: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
         launch_dependents()
-        b = tl.program_id(0)
-        pos = tl.load(pos_ptr + b)
-        slot = tl.load(slot_ptr + b)
-        j = pos % R
         pp = tl.arange(0, BP)
         pok = pp < P
-        boff = (slot * R + j) * P
-        tl.store(bkv_ptr + boff + pp, tl.load(kv_ptr + b * stride_kv + pp, mask=pok), mask=pok)
-        tl.store(bg_ptr + boff + pp, tl.load(gate_ptr + b * stride_g + pp, mask=pok), mask=pok)
-        if j == R - 1:
-            tl.debug_barrier()  # this token's buffer row, written above, is read back below
-            window = pos // R
-            d = tl.arange(0, BD)
-            ok = d < D
-            ty = rows_ptr.dtype.element_ty
-            half = D if OVERLAP else 0  # this window's series: Cb = [D:2D] (CSA), all (HCA)
-            # pass 1: max and normaliser of the softmax over slots (online)
-            mx = tl.full((BD,), float("-inf"), tl.float32)
-            den = tl.zeros((BD,), tl.float32)
-            if OVERLAP:
-                if window >= 1:
-                    for s in range(R):
-                        g = tl.load(og_ptr + (slot * R + s) * D + d, mask=ok, other=0.0).to(tl.float32)
-                        m2 = tl.maximum(mx, g)
-                        den = den * tl.exp(mx - m2) + tl.exp(g - m2)
-                        mx = m2
-            for s in range(R):
-                g = tl.load(bg_ptr + (slot * R + s) * P + half + d, mask=ok, other=0.0).to(tl.float32)
-                g += tl.load(bias_ptr + s * P + half + d, mask=ok, other=0.0)
-                m2 = tl.maximum(mx, g)
-                den = den * tl.exp(mx - m2) + tl.exp(g - m2)
-                mx = m2
-            # pass 2: weights rounded to the kv dtype, products in it, fp32 sum (as the reference)
-            acc = tl.zeros((BD,), tl.float32)
-            if OVERLAP:
-                if window >= 1:
-                    for s in range(R):
-                        g = tl.load(og_ptr + (slot * R + s) * D + d, mask=ok, other=0.0).to(tl.float32)
-                        v = tl.load(okv_ptr + (slot * R + s) * D + d, mask=ok, other=0.0).to(tl.float32)
-                        wgt = (tl.exp(g - mx) / den).to(ty).to(tl.float32)
-                        acc += (v * wgt).to(ty).to(tl.float32)
-            for s in range(R):
-                g = tl.load(bg_ptr + (slot * R + s) * P + half + d, mask=ok, other=0.0).to(tl.float32)
-                g += tl.load(bias_ptr + s * P + half + d, mask=ok, other=0.0)
-                v = tl.load(bkv_ptr + (slot * R + s) * P + half + d, mask=ok, other=0.0).to(tl.float32)
-                wgt = (tl.exp(g - mx) / den).to(ty).to(tl.float32)
-                acc += (v * wgt).to(ty).to(tl.float32)
-            x = acc.to(ty).to(tl.float32)
-            y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
-            y = (tl.load(w_ptr + d, mask=ok, other=0.0) * y).to(ty).to(tl.float32)
-            y = _rope_row(y, cos_ptr, sin_ptr, window * R, D, 1.0, ROPE, BD)
-            tl.store(rows_ptr + (slot * TC1 + window) * D + d, y.to(ty), mask=ok)
-            if OVERLAP:  # the new overlap: this window's Ca series [:D], gates with the bias
-                tl.debug_barrier()
+        for o in range(WIDTH):  # this program's column of each offset, in order
+            c = o * COLS + tl.program_id(0)
+            pos = tl.load(pos_ptr + c)
+            slot = tl.load(slot_ptr + c)
+            j = pos % R
+            boff = (slot * R + j) * P
+            tl.store(bkv_ptr + boff + pp, tl.load(kv_ptr + c * stride_kv + pp, mask=pok), mask=pok)
+            tl.store(bg_ptr + boff + pp, tl.load(gate_ptr + c * stride_g + pp, mask=pok), mask=pok)
+            if j == R - 1:
+                tl.debug_barrier()  # this token's buffer row, written above, is read back below
+                _pool_window(
+                    bkv_ptr, bg_ptr, okv_ptr, og_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr,
+                    slot, pos // R, P, D, R, TC1, eps, OVERLAP, ROPE, BD,
+                )  # fmt: skip
+                tl.debug_barrier()  # the window is read before a later offset's token replaces an entry
+
+    @triton.jit
+    def _pool_window(
+        bkv_ptr, bg_ptr, okv_ptr, og_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr, rows_ptr,
+        slot, window, P, D, R, TC1, eps,
+        OVERLAP: tl.constexpr, ROPE: tl.constexpr, BD: tl.constexpr,
+    ):  # fmt: skip
+        """Pool ``slot``'s buffered window ``window`` into its row (and, CSA, the new overlap)."""
+        d = tl.arange(0, BD)
+        ok = d < D
+        ty = rows_ptr.dtype.element_ty
+        half = D if OVERLAP else 0  # this window's series: Cb = [D:2D] (CSA), all (HCA)
+        # pass 1: max and normaliser of the softmax over slots (online)
+        mx = tl.full((BD,), float("-inf"), tl.float32)
+        den = tl.zeros((BD,), tl.float32)
+        if OVERLAP:
+            if window >= 1:
                 for s in range(R):
-                    v = tl.load(bkv_ptr + (slot * R + s) * P + d, mask=ok, other=0.0)
-                    g = tl.load(bg_ptr + (slot * R + s) * P + d, mask=ok, other=0.0).to(tl.float32)
-                    g += tl.load(bias_ptr + s * P + d, mask=ok, other=0.0)
-                    tl.store(okv_ptr + (slot * R + s) * D + d, v, mask=ok)
-                    tl.store(og_ptr + (slot * R + s) * D + d, g.to(og_ptr.dtype.element_ty), mask=ok)
+                    g = tl.load(og_ptr + (slot * R + s) * D + d, mask=ok, other=0.0).to(tl.float32)
+                    m2 = tl.maximum(mx, g)
+                    den = den * tl.exp(mx - m2) + tl.exp(g - m2)
+                    mx = m2
+        for s in range(R):
+            g = tl.load(bg_ptr + (slot * R + s) * P + half + d, mask=ok, other=0.0).to(tl.float32)
+            g += tl.load(bias_ptr + s * P + half + d, mask=ok, other=0.0)
+            m2 = tl.maximum(mx, g)
+            den = den * tl.exp(mx - m2) + tl.exp(g - m2)
+            mx = m2
+        # pass 2: weights rounded to the kv dtype, products in it, fp32 sum (as the reference)
+        acc = tl.zeros((BD,), tl.float32)
+        if OVERLAP:
+            if window >= 1:
+                for s in range(R):
+                    g = tl.load(og_ptr + (slot * R + s) * D + d, mask=ok, other=0.0).to(tl.float32)
+                    v = tl.load(okv_ptr + (slot * R + s) * D + d, mask=ok, other=0.0).to(tl.float32)
+                    wgt = (tl.exp(g - mx) / den).to(ty).to(tl.float32)
+                    acc += (v * wgt).to(ty).to(tl.float32)
+        for s in range(R):
+            g = tl.load(bg_ptr + (slot * R + s) * P + half + d, mask=ok, other=0.0).to(tl.float32)
+            g += tl.load(bias_ptr + s * P + half + d, mask=ok, other=0.0)
+            v = tl.load(bkv_ptr + (slot * R + s) * P + half + d, mask=ok, other=0.0).to(tl.float32)
+            wgt = (tl.exp(g - mx) / den).to(ty).to(tl.float32)
+            acc += (v * wgt).to(ty).to(tl.float32)
+        x = acc.to(ty).to(tl.float32)
+        y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps))
+        y = (tl.load(w_ptr + d, mask=ok, other=0.0) * y).to(ty).to(tl.float32)
+        y = _rope_row(y, cos_ptr, sin_ptr, window * R, D, 1.0, ROPE, BD)
+        tl.store(rows_ptr + (slot * TC1 + window) * D + d, y.to(ty), mask=ok)
+        if OVERLAP:  # the new overlap: this window's Ca series [:D], gates with the bias
+            tl.debug_barrier()
+            for s in range(R):
+                v = tl.load(bkv_ptr + (slot * R + s) * P + d, mask=ok, other=0.0)
+                g = tl.load(bg_ptr + (slot * R + s) * P + d, mask=ok, other=0.0).to(tl.float32)
+                g += tl.load(bias_ptr + s * P + d, mask=ok, other=0.0)
+                tl.store(okv_ptr + (slot * R + s) * D + d, v, mask=ok)
+                tl.store(og_ptr + (slot * R + s) * D + d, g.to(og_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _swiglu2_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, limit, BLOCK: tl.constexpr):

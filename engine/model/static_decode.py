@@ -38,9 +38,10 @@ mode, not a replay) into a slot, ``export(slot)`` gives it back. ``step(slots, t
 runs one decode token for each listed slot and returns the float32 logits ``(n, V)``; with
 CUDA graphs the returned tensor is the graph's output buffer, valid until the next step.
 ``verify(slots, token_rows)`` (speculative decoding) feeds ``1 + k`` tokens per slot in one step
-of offset-major columns: the compressors take the offsets in order, then one multi-query
-attention launch serves every offset (each reads the ring as it was before the step plus its
-slot's new keys up to its own offset), and the new keys go into the ring after it.
+of offset-major columns: each compressor takes the offsets in order in one launch
+(``fused.compress_step``), then one multi-query attention launch serves every offset (each
+reads the ring as it was before the step plus its slot's new keys up to its own offset), and
+the new keys go into the ring after it.
 
 Where Triton does not run (CPU without the interpreter) the same step body runs each kernel
 function's PyTorch reference and the general path's mHC modules (tests and the expert-parallel
@@ -424,8 +425,9 @@ class StaticDecoder(PooledDecoder):
         stream next to the q projection. A verify (``1 + k`` offsets): the new keys stay apart
         (``fresh``) and each column reads the ring as it was before the step plus its slot's new
         keys up to its own offset, and rows up to its own count (``decode_attention``'s multi-query
-        form); the compressors take the offsets in order (a window one closes pools the buffer
-        entries of the ones before); the new keys go into the ring after the attention; no side stream."""
+        form); each compressor takes the offsets in order in one launch (a window one closes pools
+        the buffer entries of the ones before, not yet those of the ones after); the new keys go
+        into the ring after the attention; no side stream."""
         n = x.shape[0]
         verify = n > b
         cos, sin = self._rope_tab[attn.rope_kind]
@@ -447,8 +449,7 @@ class StaticDecoder(PooledDecoder):
         new_kv: list[torch.Tensor] = []  # a verify's new keys (n, D)
 
         def compress(c: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor) -> None:
-            for at in (slice(o, o + b) for o in range(0, n, b)):  # offset by offset
-                self._compress(c, cp, kv[at], gate[at], pos[at], slots[at], ccos, csin)
+            self._compress(c, cp, kv, gate, pos, slots, ccos, csin, b)  # every offset, in order, one pass
 
         def kv_path() -> None:  # the new keys (into the ring, or apart for a verify); the compressor
             kv = parts[1][:, None]
@@ -507,12 +508,15 @@ class StaticDecoder(PooledDecoder):
         with torch.cuda.stream(self._side):
             yield lambda: main.wait_stream(self._side)
 
-    def _compress(self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """This token's projections into the buffers; the window it closes pooled into its row
-        (``kernels.fused.compress_step``)."""
+    def _compress(
+        self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, b: int,
+    ) -> None:  # fmt: skip
+        """The step's tokens (``b`` columns per offset) into the buffers, offset after offset; each
+        window one closes pooled into its row (``kernels.fused.compress_step``: one launch)."""
         fk.compress_step(
             kv, gate, pos, slots, cp.buf_kv, cp.buf_gate, cp.overlap_kv, cp.overlap_gate,
-            comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, cos, sin, cp.rows,
+            comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, cos, sin, cp.rows, cols=b,
         )  # fmt: skip
 
     def _moe_fused(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

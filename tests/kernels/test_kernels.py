@@ -352,6 +352,58 @@ def test_fused_compress_step(dtype, overlap) -> None:
 
 
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)
+@pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
+@pytest.mark.parametrize("width", [2, 4])
+def test_fused_compress_step_verify_in_one_pass(dtype, overlap, width) -> None:
+    """A verify's ``width`` offsets in one ``compress_step`` launch (``cols`` per offset) against
+    the same kernel offset by offset and against the reference's one pass: slots whose window
+    closes at the first, a middle and the last offset (later offsets then write the next window's
+    first entries, which the pooled window must not see), a first window (no overlap yet), and
+    one that closes nothing; every pool compared after the call."""
+    from kernels import fused as fk
+
+    r, d = 4, (64 if SMALL else 512)
+    p = 2 * d if overlap else d
+    g = torch.Generator().manual_seed(37)
+    s1, tc = 9, 20
+    # the window closes at offset: 0 (window 1); 1 (window 0, the first); the last; 3 / none;
+    # 2 / none; 2 / 0 (window 0) for width 4 / 2
+    first = torch.tensor([7, 2, 8 + 4 - width, 0, 13, 4 - width + 1])
+    slots = torch.tensor([4, 0, 8, 2, 6, 1])
+    b = first.shape[0]
+    pos = torch.cat([first + o for o in range(width)]).to(DEV)  # offset-major columns
+    cols = slots.repeat(width).to(DEV)
+    kv = torch.randn(b * width, p, generator=g).to(DEV, dtype)
+    gate = (2 * torch.randn(b * width, p, generator=g)).to(DEV, dtype)
+    gate_dt = torch.promote_types(dtype, torch.float32)
+    pools = {
+        "buf_kv": torch.randn(s1, r, p, generator=g).to(DEV, dtype), "buf_gate": torch.randn(s1, r, p, generator=g).to(DEV, dtype),
+        "overlap_kv": torch.randn(s1, r, d, generator=g).to(DEV, dtype) if overlap else None,
+        "overlap_gate": torch.randn(s1, r, d, generator=g).to(DEV, gate_dt) if overlap else None,
+        "rows": torch.randn(s1, tc + 1, d, generator=g).to(DEV, dtype),
+    }  # fmt: skip
+    bias = torch.randn(r, p, generator=g).to(DEV)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEV)
+    ang = torch.rand(200, 8, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    copy = lambda: {k: None if v is None else v.clone() for k, v in pools.items()}  # noqa: E731
+    one, steps, ref = copy(), copy(), copy()
+
+    def call(fn, st, at: slice, **kw) -> None:
+        fn(kv[at], gate[at], pos[at], cols[at], st["buf_kv"], st["buf_gate"], st["overlap_kv"], st["overlap_gate"], bias, w, 1e-6, cos, sin, st["rows"], **kw)
+
+    call(fk.compress_step, one, slice(None), cols=b)
+    for o in range(width):
+        call(fk.compress_step, steps, slice(o * b, (o + 1) * b))
+    call(fk.compress_step_reference, ref, slice(None), cols=b)
+    for k, v in pools.items():
+        if v is not None:
+            assert torch.equal(one[k], steps[k]), k  # the same kernel's math, offset after offset
+            _check(one[k], ref[k], dtype)
+    assert not torch.equal(one["rows"], pools["rows"])  # windows did close
+
+
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("n", [1, 5])
 def test_fused_hyper_connection(dtype, n) -> None:
     from engine.model.layers import collapse, unweighted_rms_norm

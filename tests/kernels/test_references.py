@@ -203,10 +203,12 @@ def _compress_case(cfg, layer_type, seed: int):
 
 
 @pytest.mark.parametrize("layer_type", [CSA, HCA])
-def test_compress_step_reference_matches_compressor(cfg, layer_type) -> None:
-    """``kernels.fused.compress_step_reference`` (the static step's compressor token off Triton, and
-    the kernel's reference) fed token by token into slot pools gives ``Compressor.update``'s rows,
-    buffer and overlap for each sequence."""
+@pytest.mark.parametrize("width", [1, 3])
+def test_compress_step_reference_matches_compressor(cfg, layer_type, width: int) -> None:
+    """``kernels.fused.compress_step_reference`` (the static step's compressors off Triton, and
+    the kernel's reference) fed token by token (``width`` 1), or ``width`` tokens per call as a
+    verify's offset-major columns (windows then close inside a call, at every offset), into slot
+    pools gives ``Compressor.update``'s rows, buffer and overlap for each sequence."""
     from kernels.fused import compress_step_reference
 
     comp, rotary, kv, gate = _compress_case(cfg, layer_type, 4)
@@ -219,10 +221,13 @@ def test_compress_step_reference_matches_compressor(cfg, layer_type) -> None:
     ov_gate = torch.full((5, r, d), 7.0) if comp.overlap else None
     every = torch.arange(n + 1)
     cos_tab, sin_tab = rotary.cos_sin(every, torch.float32)
-    for t in range(n):
+    for t in range(0, n, width):
+        at = slice(t, min(t + width, n))  # offsets of this call: columns offset-major
+        w = at.stop - t
         compress_step_reference(
-            kv[:, t], gate[:, t], torch.full((3,), t), slots, buf_kv, buf_gate, ov_kv, ov_gate,
-            comp.position_bias.detach(), comp.kv_norm.weight.detach(), comp.kv_norm.eps, cos_tab, sin_tab, rows,
+            kv[:, at].transpose(0, 1).reshape(3 * w, p), gate[:, at].transpose(0, 1).reshape(3 * w, p),
+            torch.arange(t, t + w).repeat_interleave(3), slots.repeat(w), buf_kv, buf_gate, ov_kv, ov_gate,
+            comp.position_bias.detach(), comp.kv_norm.weight.detach(), comp.kv_norm.eps, cos_tab, sin_tab, rows, cols=3,
         )  # fmt: skip
     for i, s in enumerate(slots.tolist()):
         st = comp.empty_state(torch.float32, torch.device("cpu"))

@@ -6,7 +6,8 @@ same random bf16 weights (shared tensors), one run.
     python -m bench.gpu_slice_bench --verify 1,2,3 --batches 1,4,16 --contexts 1024 --output FILE.json
 
 ``--verify``: only issue 25's speculative verify step against the plain step (``verify_rows``),
-on our own model at the release's shape with random weights (no transformers).
+on our own model at the release's shape with random weights (no transformers); each replay beside
+its byte floor, and the verify floor / plain floor ratio a verify cannot beat (``floor_ratio``).
 
 Per context one sequence is prefilled by the general path (in 8K chunks) and its state cloned
 into every batch row (the next tokens differ per row, so routing does too; attention reads the
@@ -93,14 +94,16 @@ def touched_experts(cfg, batch: int) -> float:
     return e * (1 - (1 - cfg.num_experts_per_tok / e) ** batch)
 
 
-def decode_floor_bytes(cfg, batch: int, context: int) -> float:
-    """Bytes a decode step must read: each layer's weights, the routed experts the batch touches
-    (expected distinct count), lm_head, and each sequence's attended state (window + compressed
-    rows: CSA top-k rows + indexer rows, HCA all rows)."""
+def decode_floor_bytes(cfg, batch: int, context: int, width: int = 1, head: bool = True) -> float:
+    """Bytes a decode step must read: each layer's weights, the routed experts its
+    ``batch · width`` tokens touch (expected distinct count; ``width`` tokens per sequence: a
+    verify step's ``1 + k``), lm_head (``head``), and each sequence's attended state once (window +
+    compressed rows: CSA top-k rows + indexer rows, HCA all rows; a verify's offsets read their
+    sequence's state, so at least once)."""
     dense, expert = layer_weight_params(cfg)
     weights = (
-        cfg.num_hidden_layers * (dense + expert * touched_experts(cfg, batch))
-        + cfg.vocab_size * cfg.hidden_size
+        cfg.num_hidden_layers * (dense + expert * touched_experts(cfg, batch * width))
+        + (cfg.vocab_size * cfg.hidden_size if head else 0)
     )
     return 2 * weights + state_read_bytes(cfg, batch, context)
 
@@ -281,14 +284,24 @@ def random_slice(preset: str, device: str, dtype: torch.dtype):
 
 
 def verify_rows(
-    ours, ks: list[int], batches: list[int], context: int, iters: int, gen, rows: list, profile: str = ""
-) -> None:
+    ours, ks: list[int], batches: list[int], context: int, iters: int, gen, rows: list, bw: float,
+    profile: str = "", full_cfg=None,
+) -> None:  # fmt: skip
     """Speculative verify against the plain decode step (issue 25), CUDA graphs: per batch the
     plain ``StaticDecoder.step`` and, per ``k``, ``StaticDecoder.verify`` of ``1 + k`` tokens per
     slot (bare graph replays; host-inclusive ``verify`` + ``accept`` with every draft rejected,
     so the rewind's copies count, and with every draft kept). Also the verify's offset-0 logits
     against the plain step's on the same state and token (max error / max |logit|). ``profile``: a
-    path prefix for each verify graph's replay, kernel by kernel (``profile_graph``)."""
+    path prefix for each verify graph's replay, kernel by kernel (``profile_graph``).
+
+    Each replay beside its byte floor at the copy bandwidth ``bw`` (``decode_floor_bytes``): the
+    plain step's (lm_head included: its graph ends in the logits) and each verify's (the experts
+    of ``b·(1+k)`` tokens, no lm_head: its graph ends in the hidden states, the runtime's head runs
+    after it). ``floor_ratio`` = verify floor / plain floor is the ratio the replays cannot beat
+    (random routing: ``1 + k`` tokens touch up to ``(1 + k)x`` the experts), so a ``replay_ratio``
+    target below it is out of reach; ``floor_ratio_head`` adds the head's bytes to the verify's
+    (a speculative round's read), ``floor_ratio_full`` is ``floor_ratio`` at ``full_cfg``'s depth
+    (the release's layer count: the 4-layer slice weighs lm_head far more than the model does)."""
     from engine.model.static_decode import StaticDecoder, bucket_for
 
     vocab = ours.config.vocab_size
@@ -320,7 +333,13 @@ def verify_rows(
         for i in slots:
             plain.load(i, base)
         want = plain.step(slots, nxt).float().clone()
-        row = {"what": f"verify b={batch} ctx={context}", "batch": batch, "context": context, "plain_step_ms": t_step * 1e3, "plain_replay_ms": t_replay * 1e3}
+        cfg = ours.config
+        plain_floor = decode_floor_bytes(cfg, batch, context) / bw
+        row = {
+            "what": f"verify b={batch} ctx={context}", "batch": batch, "context": context, "plain_step_ms": t_step * 1e3,
+            "plain_replay_ms": t_replay * 1e3, "plain_floor_ms": plain_floor * 1e3, "plain_replay_over_floor": t_replay / plain_floor,
+            "plain_experts_touched": touched_experts(cfg, batch),
+        }  # fmt: skip
         for k, dec in decs.items():
             for i in slots:
                 dec.load(i, base)
@@ -344,18 +363,29 @@ def verify_rows(
             r = replay(dec._graphs[key][0]) if dec.use_graphs else float("nan")
             if profile and dec.use_graphs:
                 profile_graph(dec, key, profile)
+            floor = decode_floor_bytes(cfg, batch, context, k + 1, head=False) / bw
+            head = 2 * cfg.vocab_size * cfg.hidden_size / bw
+            full = None
+            if full_cfg is not None:
+                full = decode_floor_bytes(full_cfg, batch, context, k + 1, head=False) / decode_floor_bytes(full_cfg, batch, context)
             row[f"k{k}"] = {
                 "verify_replay_ms": r * 1e3, "verify_reject_all_ms": t_rej * 1e3, "verify_accept_all_ms": t_acc * 1e3,
                 "replay_ratio": r / t_replay, "reject_all_ratio": t_rej / t_step, "offset0_rel_err": err,
+                "floor_ms": floor * 1e3, "replay_over_floor": r / floor, "experts_touched": touched_experts(cfg, batch * (k + 1)),
+                "floor_ratio": floor / plain_floor, "floor_ratio_head": (floor + head) / plain_floor, "floor_ratio_full": full,
             }  # fmt: skip
             print(f"b={batch} k={k}: plain replay {t_replay * 1e3:.3f} ms / step {t_step * 1e3:.3f} ms; verify replay {r * 1e3:.3f} ms "
-                  f"({r / t_replay:.2f}x), reject-all step {t_rej * 1e3:.3f} ms ({t_rej / t_step:.2f}x), accept-all {t_acc * 1e3:.3f} ms, err {err:.1e}", flush=True)  # fmt: skip
+                  f"({r / t_replay:.2f}x), reject-all step {t_rej * 1e3:.3f} ms ({t_rej / t_step:.2f}x), accept-all {t_acc * 1e3:.3f} ms, err {err:.1e}; "
+                  f"floors plain {plain_floor * 1e3:.3f} / verify {floor * 1e3:.3f} ms ({floor / plain_floor:.2f}x)", flush=True)  # fmt: skip
         rows.append(row)
-    print("verify(1+k) / plain step, graph replays (target <= 1.3x):", flush=True)
+    print("verify(1+k) / plain step, graph replays (target <= 1.3x), [floor ratio: verify floor / plain floor], "
+          "replay / its floor for plain and each verify:", flush=True)  # fmt: skip
     for row in rows:
         if "plain_replay_ms" in row:
-            cells = "  ".join(f"k={k} {row[f'k{k}']['replay_ratio']:.2f}x" for k in ks)
-            print(f"  b={row['batch']:3d}  {cells}", flush=True)
+            cells = "  ".join(
+                f"k={k} {row[f'k{k}']['replay_ratio']:.2f}x [{row[f'k{k}']['floor_ratio']:.2f}x] {row[f'k{k}']['replay_over_floor']:.2f}/floor" for k in ks
+            )  # fmt: skip
+            print(f"  b={row['batch']:3d}  plain {row['plain_replay_over_floor']:.2f}/floor  {cells}", flush=True)
     del plain, decs
     torch.cuda.empty_cache()
 
@@ -673,10 +703,17 @@ def main() -> None:
         torch.manual_seed(0)
         cuda = torch.cuda.is_available()
         bw, mm = (copy_bandwidth(), matmul_rate()) if cuda else (1e10, 1e11)
-        ours = random_slice("v4-flash-narrow" if args.small else "v4-flash", "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+        from engine.model.config import ModelConfig
+        from engine.model.random_checkpoint import config_dict
+
+        preset = "v4-flash-narrow" if args.small else "v4-flash"
+        ours = random_slice(preset, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
         rows: list = []
         ks, batches = [int(k) for k in args.verify.split(",")], [int(b) for b in args.batches.split(",")]
-        verify_rows(ours, ks, batches, int(args.contexts.split(",")[0]), args.graph_iters, torch.Generator().manual_seed(1), rows, args.profile)
+        verify_rows(
+            ours, ks, batches, int(args.contexts.split(",")[0]), args.graph_iters, torch.Generator().manual_seed(1), rows, bw,
+            args.profile, ModelConfig.from_dict(config_dict(preset)),
+        )  # fmt: skip
         write_json(args.output, rows, bw, mm)
         return
     if args.native:

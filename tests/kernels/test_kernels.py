@@ -354,7 +354,8 @@ def test_fused_compress_step(dtype, overlap) -> None:
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
 @pytest.mark.parametrize("width", [2, 4])
-def test_fused_compress_step_verify_in_one_pass(dtype, overlap, width) -> None:
+@pytest.mark.parametrize("r", [4, 128])
+def test_fused_compress_step_verify_in_one_pass(dtype, overlap, width, r) -> None:
     """A verify's ``width`` offsets in one ``compress_step`` launch (``cols`` per offset) against
     the same kernel offset by offset and against the reference's one pass: slots whose window
     closes at the first, a middle and the last offset (later offsets then write the next window's
@@ -362,13 +363,13 @@ def test_fused_compress_step_verify_in_one_pass(dtype, overlap, width) -> None:
     one that closes nothing; every pool compared after the call."""
     from kernels import fused as fk
 
-    r, d = 4, (64 if SMALL else 512)
+    d = 64 if SMALL else 512
     p = 2 * d if overlap else d
     g = torch.Generator().manual_seed(37)
     s1, tc = 9, 20
-    # the window closes at offset: 0 (window 1); 1 (window 0, the first); the last; 3 / none;
-    # 2 / none; 2 / 0 (window 0) for width 4 / 2
-    first = torch.tensor([7, 2, 8 + 4 - width, 0, 13, 4 - width + 1])
+    # the window closes at offset: 0 (window 1); 1 (window 0, the first); the last (window 2);
+    # 3 for r 4 and width 4, else none; 2 for r 4 and width 4, else none; 2 / 0 for width 4 / 2 (window 0)
+    first = torch.tensor([2 * r - 1, r - 2, 3 * r - width, 0, 3 * r + 1, r - width + 1])
     slots = torch.tensor([4, 0, 8, 2, 6, 1])
     b = first.shape[0]
     pos = torch.cat([first + o for o in range(width)]).to(DEV)  # offset-major columns
@@ -384,7 +385,7 @@ def test_fused_compress_step_verify_in_one_pass(dtype, overlap, width) -> None:
     }  # fmt: skip
     bias = torch.randn(r, p, generator=g).to(DEV)
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEV)
-    ang = torch.rand(200, 8, generator=g) * 6.28
+    ang = torch.rand(4 * r + 8, 8, generator=g) * 6.28
     cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
     copy = lambda: {k: None if v is None else v.clone() for k, v in pools.items()}  # noqa: E731
     one, steps, ref = copy(), copy(), copy()

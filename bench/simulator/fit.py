@@ -15,9 +15,12 @@ Two sources:
   context. Gateway and network time end up in the fixed terms, which is what a simulation of that
   deployment should add.
 
-Coefficients are least squares constrained to be non-negative (all subsets of the columns are
-tried, the best feasible one kept: exact for these 2-3 columns). Fields not fitted (caches, tiers,
-batch limits, transfer) come from ``--base`` (default: the shipped default model).
+Coefficients are non-negative least absolute deviations, each subset of the 2-3 columns fitted
+and the one with the best BIC kept (``fit_columns``). A loaded machine delays some requests by
+tens of ms; least squares followed those rows, and with the attention column (nearly collinear
+with the linear one over a few hundred prompt tokens) it traded most of the per-token slope for
+that column. Fields not fitted (caches, tiers, batch limits, transfer) come from ``--base``
+(default: the shipped default model).
 
 Run: ``python -m bench.simulator.fit --measure-engine /tmp/tiny --output cost.json``.
 """
@@ -37,19 +40,38 @@ import numpy as np
 from bench.simulator.cost_model import CostModel
 
 
-def nnls(columns: list[np.ndarray], y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares over a handful of columns, by trying every subset."""
-    k = len(columns)
-    best, best_err = np.zeros(k), float(np.sum(y * y))
+def _lad(a: np.ndarray, y: np.ndarray, floor: float, iterations: int) -> np.ndarray:
+    """Least absolute deviations of ``a @ coef ~ y`` by iteratively reweighted least squares
+    (residuals below ``floor`` weigh as ``floor``: exact data stay a plain least-squares fit)."""
+    w = np.ones_like(y)
+    coef = np.zeros(a.shape[1])
+    for _ in range(iterations):
+        s = np.sqrt(w)
+        coef, *_ = np.linalg.lstsq(a * s[:, None], y * s, rcond=None)
+        w = 1.0 / np.maximum(np.abs(y - a @ coef), floor)
+    return coef
+
+
+def fit_columns(columns: list[np.ndarray], y: np.ndarray, iterations: int = 40) -> np.ndarray:
+    """Non-negative coefficients of ``y ~ sum(coef[i] * columns[i])``, robust to delayed rows.
+
+    Every subset of the columns gets its least-absolute-deviations fit; subsets with a negative
+    coefficient are infeasible, and of the rest the one with the lowest Laplace BIC
+    (``N ln(sum |residual| / N) + size ln N``) wins: a column is kept only when it pays for
+    itself, so one the data do not determine stays at zero instead of fitting the noise.
+    """
+    n, k = len(y), len(columns)
+    floor = 1e-12 * float(np.mean(np.abs(y)) or 1.0)
+    best, best_score = np.zeros(k), n * np.log(max(float(np.mean(np.abs(y))), floor))
     for r in range(1, k + 1):
         for subset in itertools.combinations(range(k), r):
             a = np.stack([columns[i] for i in subset], axis=1)  # (N, r)
-            coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+            coef = _lad(a, y, floor, iterations)
             if np.any(coef < 0):
                 continue
-            err = float(np.sum((a @ coef - y) ** 2))
-            if err < best_err - 1e-18:
-                best_err = err
+            score = n * np.log(max(float(np.mean(np.abs(a @ coef - y))), floor)) + r * np.log(n)
+            if score < best_score:
+                best_score = score
                 best = np.zeros(k)
                 best[list(subset)] = coef
     return best
@@ -59,7 +81,7 @@ def fit_prefill(rows: list[dict]) -> dict:
     n = np.array([r["new_tokens"] for r in rows], dtype=np.float64)
     past = np.array([r.get("past_tokens", 0) for r in rows], dtype=np.float64)
     y = np.array([r["time_s"] for r in rows], dtype=np.float64)
-    fixed, per_tok, per_ctx = nnls([np.ones_like(n), n, n * (past + n / 2)], y)
+    fixed, per_tok, per_ctx = fit_columns([np.ones_like(n), n, n * (past + n / 2)], y)
     return {"fixed_s": float(fixed), "per_token_s": float(per_tok), "per_token_ctx_s": float(per_ctx)}
 
 
@@ -67,7 +89,7 @@ def fit_decode(rows: list[dict]) -> dict:
     b = np.array([r["batch"] for r in rows], dtype=np.float64)
     c = np.array([r["context_tokens"] for r in rows], dtype=np.float64)
     y = np.array([r["time_s"] for r in rows], dtype=np.float64)
-    fixed, per_seq, per_ctx = nnls([np.ones_like(b), b, c], y)
+    fixed, per_seq, per_ctx = fit_columns([np.ones_like(b), b, c], y)
     return {"fixed_s": float(fixed), "per_seq_s": float(per_seq), "per_ctx_token_s": float(per_ctx)}
 
 

@@ -29,16 +29,28 @@ projections, engram, mHC and MoE on the ``b`` rows; a source's group closing at 
 count of complete rows on), level one (candidate blocks) and level two (top ``index_topk``) with
 fixed ``k``; attention is one masked softmax with the sinks over [the window, the chosen rows].
 What the general path's ``Shared`` hands from layer to layer (the group's picks and candidate
-blocks) is reset at every KV source, as there. Where Triton runs (CUDA) the indexer scores and
-the attention are ``kernels.v41_indexer`` / ``kernels.v41_attention`` over the codes, dequantised
-in registers (fp32 accumulation), and each mHC site's gates ``kernels.mhc.hc_mix``; elsewhere the codes are unpacked and the step runs the general
-path's PyTorch ops on the same values.
+blocks) is reset at every KV source, as there. Where Triton runs (CUDA; ``kernels``) the step's
+glue is a few kernels instead of the general path's ~250 small PyTorch launches a layer (batch 1
+is launch-bound):
 
-Routed experts: on CUDA in bf16 ``kernels.moe.moe_experts`` (grouped, no host sync; the routing
-weight is applied after the down projection instead of before it), else one gathered matmul per
-(token, pick), summed in expert order as ``MoE.forward`` does. The experts' weights are stacked
-once (``(E, 2I, H)`` gate|up and ``(E, H, I)`` down) and the model's expert parameters become views
-of the stacks, so the weights are held once.
+- the indexer scores and the attention: ``kernels.v41_indexer`` / ``kernels.v41_attention`` over
+  the codes, dequantised in registers (fp32 accumulation; the attention's key range split across
+  programs at small batches, ``V41SlotTuning.attention``), the output cast in the kernel;
+- each mHC site: the input norm and dot as split-K partials (``kernels.fused.hc_pre_parts``), the
+  gates and Sinkhorn (``kernels.mhc.hc_mix_parts``), collapse + the block's norm and expand
+  (``kernels.v41_mhc``; a lone ``RMSNorm`` is ``collapse_norm`` of one stream with weight 1);
+- RoPE (and its inverse on the attention output): ``kernels.fused.norm_rope`` from the rotaries'
+  position tables (``Rotary.table``), the compressor's group start as ``pos // r · r``;
+- routed + shared experts of at most ``V41SlotTuning.moe_gemv.max_slots`` (token, pick) pairs:
+  ``kernels.moe_gemv`` (two weight-streaming GEMV kernels that read only the picked experts'
+  rows); above, in bf16, ``kernels.moe.moe_experts`` (grouped, no host sync). Both apply the
+  routing weight after the down projection instead of before it and add the picks in routing
+  order (fp32 sums; other last bits than ``MoE.forward``).
+
+Elsewhere the codes are unpacked and the step runs the general path's PyTorch ops on the same
+values: one gathered matmul per (token, pick) for the experts, summed in expert order as
+``MoE.forward`` does. The experts' weights are stacked once (``(E, 2I, H)`` gate|up and ``(E, H,
+I)`` down) and the model's expert parameters become views of the stacks, so the weights are held once.
 
 Same numbers as the general path in fp32 (tests: same greedy tokens, logprobs within 1e-4 on the
 fixtures). Known difference, as in V4's static decoder: ``topk`` over ``Tc`` columns may break exact
@@ -48,7 +60,7 @@ score ties at the cut differently from the general path's over the rows so far.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,20 +68,36 @@ import torch.nn.functional as F
 from engine.model.static_decode import BUCKETS, bucket_for
 from engine.model.slots.graphs import capture
 from engine.model.v41.attention import candidate_blocks
-from engine.model.v41.layers import collapse, expand
+from engine.model.v41.layers import RMSNorm, collapse, expand
 from engine.model.v41.model import DeepseekV41ForCausalLM
 from engine.model.v41.quant import fp4_indexer
 from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, encode_rows
 from engine.model.v41.state import SourceState, V41SequenceState
+from kernels import v41_mhc
 from kernels._common import use_triton
-from kernels.mhc import hc_mix
+from kernels.fused import hc_pre_parts, norm_rope
+from kernels.mhc import hc_mix_parts
 from kernels.moe import has_grouped_mm, moe_experts
+from kernels.moe_gemv import MoEGemvTuning, moe_gemv, use_gemv
 from kernels.reference import apply_rope_eager as apply_rope
-from kernels.v41_attention import v41_decode_attention
+from kernels.v41_attention import V41AttentionTuning, v41_decode_attention
 from kernels.v41_indexer import v41_indexer_scores
 from kernels.v41_kv import pack_fp4_keys, pack_fp4_rows, pack_fp8_window, unpack_fp4_keys, unpack_fp4_rows, unpack_fp8_window
 
 E4M3 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class V41SlotTuning:
+    """The kernel path's settings (module docstring), given where the decoder is built.
+    ``attention``: the decode attention's tiles and key-range splits (from the batch);
+    ``moe_gemv``: when (``max_slots`` routed pairs at most) and how the experts take the GEMV
+    kernels; ``hc_splits``: split-K ways of each mHC site's input dot at most (as V4's
+    ``DecodeTuning.hc_splits``)."""
+
+    attention: V41AttentionTuning = field(default_factory=V41AttentionTuning)
+    moe_gemv: MoEGemvTuning = field(default_factory=MoEGemvTuning)
+    hc_splits: int = 64
 
 
 @dataclass
@@ -112,10 +140,11 @@ class V41SlotDecoder:
         self, model: DeepseekV41ForCausalLM, max_slots: int, max_tokens: int,
         use_graphs: bool | None = None, buckets: Sequence[int] = BUCKETS,
         experts: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, kernels: bool | None = None,
+        tuning: V41SlotTuning = V41SlotTuning(),
     ) -> None:  # fmt: skip
         """``experts``: per layer the ``(gate_up, down)`` stacks the model's expert parameters
         already are views of (a builder that made them so); None: stacked here. ``kernels``: the
-        attention and indexer scores through the Triton kernels (None: where Triton runs)."""
+        step's Triton kernels (module docstring; None: where Triton runs), set by ``tuning``."""
         self.model, self.cfg = model, model.config
         self.device, self.dtype = model.device, model.dtype
         self.max_slots, self.max_tokens, self.scratch = max_slots, max_tokens, max_slots
@@ -141,8 +170,13 @@ class V41SlotDecoder:
             self._hash = None if h is None else tuple(t.to(dev) for t in (h.token_map, h.multipliers, h.primes, h.offsets))
             self._inputs = torch.zeros(3, self.buckets[-1], dtype=torch.long, device=dev)  # ids, positions, slots
         self._experts = list(experts) if experts is not None else self._stack_experts()
+        self.tuning = tuning
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
-        self.kernels = use_triton(self._inputs) if kernels is None else kernels  # attention and indexer scores over the codes in Triton
+        self.kernels = use_triton(self._inputs) if kernels is None else kernels  # the step's glue in Triton (module docstring)
+        if self.kernels:
+            with torch.inference_mode():  # the rotaries' tables and a column of ones, built before any capture
+                self._tables = {kind: rot.table(max_tokens, dt, dev) for kind, rot in model.rotary.items()}
+                self._ones = torch.ones(self.buckets[-1], 1, dtype=torch.float32, device=dev)  # (b, 1): one stream, weight 1
         self.num_tokens = [0] * max_slots
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -289,27 +323,57 @@ class V41SlotDecoder:
         streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
         pre = torch.zeros(b, cfg.hc_mult, dtype=torch.float32, device=ids.device)  # (b, hc): one-hot first mix
         pre[:, 0] = 1.0
-        ropes = {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
+        ropes = None if self.kernels else {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
         group: dict = {}  # the KV group: its source layer, its rows (unpacked when asked), picks, candidates
         for i, layer in enumerate(model.model.layers):
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, layer.engram.slot])
             attn_pre, post, comb = self._gates(layer.hc_attn, streams)
-            x = layer.attn_norm(collapse(pre, streams))  # (b, H)
-            streams = expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb)
+            x = self._collapse_norm(layer.attn_norm, pre, streams)  # (b, H)
+            streams = self._expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb)
             ffn_pre, post, comb = self._gates(layer.hc_ffn, streams)
-            x = layer.ffn_norm(collapse(attn_pre, streams))
-            streams, pre = expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
-        return model.head.logits(model.model.norm(collapse(pre, streams)))  # (b, V)
+            x = self._collapse_norm(layer.ffn_norm, attn_pre, streams)
+            streams, pre = self._expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
+        return model.head.logits(self._collapse_norm(model.model.norm, pre, streams))  # (b, V)
+
+    def _collapse_norm(self, norm: RMSNorm, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """``norm(collapse(pre, streams))`` → ``(b, H)``: one kernel with the kernels."""
+        if not self.kernels:
+            return norm(collapse(pre, streams))
+        return v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps)
+
+    def _expand(self, x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """``layers.expand``: one kernel with the kernels."""
+        return v41_mhc.expand(x, streams, post, comb) if self.kernels else expand(x, streams, post, comb)
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)`` of ``x (b, n)``; with the kernels ``collapse_norm`` of the one stream ``x``
+        with weight 1 (the collapse is then exact: its one product is by 1, its cast a no-op)."""
+        if not self.kernels:
+            return norm(x)
+        return v41_mhc.collapse_norm(self._ones[: x.shape[0]], x.unsqueeze(1), norm.weight, norm.eps)
+
+    def _rope(
+        self, x: torch.Tensor, kind: str, pos: torch.Tensor, ropes: dict | None, group_of: int = 1, inverse: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """``apply_rope`` of ``x (b, ..., D)`` at each row's ``(pos // group_of) · group_of`` by the
+        ``kind`` rotary (``inverse``: by ``-sin``); with the kernels ``norm_rope`` from its table, else
+        the step's ``ropes`` (``cos_sin`` of ``pos``; of the group starts when ``group_of > 1``)."""
+        if self.kernels:
+            cos, sin = self._tables[kind]
+            flat = x.reshape(x.shape[0], -1, x.shape[-1])  # (b, G, D)
+            return norm_rope(flat, None, 0, 0.0, cos, sin, pos, group_of, -1.0 if inverse else 1.0).view(x.shape)
+        cos, sin = ropes[kind] if group_of == 1 else self.model.rotary[kind].cos_sin(pos - pos % group_of, x.dtype)
+        return apply_rope(x, cos, -sin if inverse else sin)
 
     def _gates(self, site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``HyperSite.gates``; with the kernels, the gates and Sinkhorn in one Triton kernel
-        (``kernels.mhc.hc_mix``, the same math as ``mix_gates``) instead of ~100 small ops."""
+        """``HyperSite.gates``; with the kernels two Triton kernels (split-K norm and dot, then the
+        gates and Sinkhorn: ``mix_gates``' math) instead of ~100 small ops."""
         if not self.kernels:
             return site.gates(streams)
-        flat = streams.flatten(1).float()  # (b, hc·H), normalised as one vector per token
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + site.norm_eps)
-        return hc_mix(F.linear(flat, site.fn), site.scale, site.base, site.hc, site.iters, site.hc_eps)
+        parts = hc_pre_parts(streams, site.fn, max_splits=self.tuning.hc_splits)  # (b, S, MP): dots with the raw streams, Σx²
+        k = streams.shape[1] * streams.shape[2]  # the norm's scale applied to the dots (same math, other last bits)
+        return hc_mix_parts(parts, k, site.norm_eps, site.scale, site.base, site.hc, site.iters, site.hc_eps)
 
     def _engram_hashes(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``NgramHasher.hash_ids`` of one new token per row → ``(b, L, cols)``; advances each
@@ -326,21 +390,22 @@ class V41SlotDecoder:
 
     def _attention(
         self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]], group: dict,
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, group: dict,
     ) -> torch.Tensor:  # fmt: skip
-        """``Attention.forward`` of one token per row: ``x (b, H)`` → ``(b, H)``."""
+        """``Attention.forward`` of one token per row: ``x (b, H)`` → ``(b, H)``; ``ropes``: the
+        step's ``cos_sin`` per rotary (None with the kernels)."""
         b, nh, d, w = x.shape[0], attn.n_heads, attn.head_dim, attn.window
-        cos, sin = ropes[attn.rope_kind]
-        q_res = attn.q_norm(attn.wq_a(x))  # (b, qr)
-        q = apply_rope(attn.wq_b(q_res).view(b, nh, d), cos, sin)  # (b, nh, D)
-        codes, exps = pack_fp8_window(apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin))  # (b, D), (b, D/32)
+        kind = attn.rope_kind
+        q_res = self._norm(attn.q_norm, attn.wq_a(x))  # (b, qr)
+        q = self._rope(attn.wq_b(q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
+        codes, exps = pack_fp8_window(self._rope(self._norm(attn.kv_norm, attn.wkv(x)), kind, pos, ropes))  # (b, D), (b, D/32)
         win_q, win_e = self.win_q[i], self.win_e[i]
         at = slots * w + pos % w
         win_q.view(-1, d).index_copy_(0, at, codes.view(torch.uint8))
         win_e.view(-1, d // 32).index_copy_(0, at, exps)
         picks = None
         if attn.ratio:
-            self._compressed(i, attn, x, q_res, pos, slots, ropes["compress"], group)
+            self._compressed(i, attn, x, q_res, pos, slots, ropes, group)
             if group.get("top") is not None:  # a pick that is not a complete row: -1
                 top, valid = group["top"]
                 picks = torch.where(valid, top, -1)  # (b, k)
@@ -349,11 +414,11 @@ class V41SlotDecoder:
             out = v41_decode_attention(
                 q, win_q.view(E4M3), win_e, torch.clamp(pos + 1, max=w), slots,
                 None if sp is None else sp.rows_q[:, :-1], None if sp is None else sp.rows_s[:, :-1].view(E4M3),
-                picks, attn.attn_sink, attn.scaling,
-            ).to(q.dtype)  # fmt: skip
+                picks, attn.attn_sink, attn.scaling, q.dtype, self.tuning.attention,
+            )  # fmt: skip
         else:
             out = self._attend(attn, q, pos, slots, win_q, win_e, group, picks)
-        out = apply_rope(out, cos, -sin)  # (b, nh, D)
+        out = self._rope(out, kind, pos, ropes, inverse=True)  # (b, nh, D)
         return attn.wo_b(attn.wo_a(out.view(b, attn.o_groups, -1)).flatten(1))
 
     def _attend(
@@ -381,53 +446,52 @@ class V41SlotDecoder:
 
     def _compressed(
         self, i: int, attn, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        comp_rope: tuple[torch.Tensor, torch.Tensor], group: dict,
+        ropes: dict | None, group: dict,
     ) -> None:  # fmt: skip
         """A KV source adds the group closing now and starts a new ``group`` (its rows, unpacked
         when asked); an index source publishes its picks ``group["top"]``."""
         if attn.compressor is not None:
-            self._compress(i, attn, x, pos, slots)
+            self._compress(i, attn, x, pos, slots, ropes)
             sp = self.sources[i]
             group.clear()
             group["source"] = i
             group["rows"] = lambda sp=sp: sp.rows(slots, x.dtype)
         sp = self.sources[group["source"]]
         if attn.indexer is not None and sp.keys_q is not None:
-            group["top"] = self._select(attn.indexer, sp, x, q_res, pos, slots, comp_rope, group)
+            group["top"] = self._select(attn.indexer, sp, x, q_res, pos, slots, ropes, group)
 
-    def _compress(self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+    def _compress(self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ropes: dict | None) -> None:
         """``Compressor.update`` for one token per row: the group closing at ``pos`` (every row
         at ratio 1) rotated, packed and written to its row (the scratch row for open groups)."""
         comp, sp, r = attn.compressor, self.sources[i], self.sources[i].ratio
         if r == 1:
-            latents, done = comp.norm(comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
+            latents, done = self._norm(comp.norm, comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
         else:
             at = slots * r + pos % r
             sp.buf_kv.view(-1, sp.buf_kv.shape[-1]).index_copy_(0, at, F.linear(x.float(), comp.wkv.weight.float()))
             sp.buf_gate.view(-1, sp.buf_gate.shape[-1]).index_copy_(0, at, F.linear(x.float(), comp.wgate.weight.float()))
             weights = sp.buf_gate[slots].softmax(dim=1)  # (b, r, D) over the group's tokens
-            latents = comp.norm((sp.buf_kv[slots] * weights).sum(dim=1).to(x.dtype))  # (b, D)
+            latents = self._norm(comp.norm, (sp.buf_kv[slots] * weights).sum(dim=1).to(x.dtype))  # (b, D)
             done = pos % r == r - 1
         tc = sp.rows_q.shape[1] - 1
         flat = slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc)  # (b,)
-        rope = self.model.rotary["compress"].cos_sin(pos - pos % r, latents.dtype)  # the group's first position
-        if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated
+        if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated at the group's first position
             idx = attn.indexer
-            kq, ke = pack_fp4_keys(apply_rope(idx.k_norm(idx.wk(latents)), *rope))
+            kq, ke = pack_fp4_keys(self._rope(self._norm(idx.k_norm, idx.wk(latents)), "compress", pos, ropes, r))
             sp.keys_q.view(-1, kq.shape[-1]).index_copy_(0, flat, kq)
             sp.keys_e.view(-1, ke.shape[-1]).index_copy_(0, flat, ke)
-        rq, rs = pack_fp4_rows(apply_rope(latents, *rope))
+        rq, rs = pack_fp4_rows(self._rope(latents, "compress", pos, ropes, r))
         sp.rows_q.view(-1, rq.shape[-1]).index_copy_(0, flat, rq)
         sp.rows_s.view(-1, rs.shape[-1]).index_copy_(0, flat, rs.view(torch.uint8))
 
     def _select(
         self, idx, sp: SourcePool, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor], group: dict,
+        ropes: dict | None, group: dict,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``Indexer.select`` over all ``Tc`` columns: chosen rows ``(b, k)`` and ``(b, k)`` True
         where the choice is a complete row; the candidate source publishes ``group["candidates"]``."""
         b, tc = x.shape[0], sp.keys_q.shape[1] - 1
-        q = fp4_indexer(apply_rope(idx.wq_b(q_res).view(b, idx.n_heads, idx.head_dim), *rope))  # (b, Hi, Di)
+        q = fp4_indexer(self._rope(idx.wq_b(q_res).view(b, idx.n_heads, idx.head_dim), "compress", pos, ropes))  # (b, Hi, Di)
         weights = idx.weights_proj(x).float() * idx.heads_scaling  # (b, Hi)
         complete = torch.div(pos + 1, idx.ratio, rounding_mode="floor")  # (b,) rows < this are complete
         if self.kernels:
@@ -448,7 +512,11 @@ class V41SlotDecoder:
         """``MoE.forward`` of ``x (b, H)`` without host syncs (module docstring)."""
         weights, indices = moe.gate(x)  # (b, k) each
         gate_up, down = self._experts[i]
-        shared = moe.shared_experts(x).float()  # (b, H)
+        se = moe.shared_experts
+        if self.kernels and se.limit > 0 and use_gemv(x, indices.numel(), self.tuning.moe_gemv):
+            shared_w = (se.w1.weight, se.w3.weight, se.w2.weight)  # gate (I, H), up (I, H), down (H, I)
+            return moe_gemv(x, weights, indices, gate_up, down, se.limit, shared_w, tuning=self.tuning.moe_gemv)
+        shared = se(x).float()  # (b, H)
         if self.grouped_moe:
             return moe_experts(x, weights, indices, gate_up, down, moe.shared_experts.limit, add=shared.to(x.dtype))
         order = indices.argsort(dim=-1)  # summed in expert order, as MoE.forward

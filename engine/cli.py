@@ -122,7 +122,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default="tiny", help="tiny | tiny-small-windows | tiny-v41")
     p.add_argument("--train-mtp", action="store_true",
-                   help="fit the lm_head and the MTP layer to a synthetic language (5-10 s on a CPU core), so MTP drafts get accepted")  # fmt: skip
+                   help="fit the lm_head and the MTP layer (tiny-v41: the DSpark draft layers) to a synthetic language (5-10 s on a CPU core), so drafts get accepted")  # fmt: skip
     p.set_defaults(func=_make_tiny)
 
     g = sub.add_parser("generate", help="offline generation, one JSON object per prompt")

@@ -187,12 +187,13 @@ def copy_tokenizer(out: Path) -> None:
 
 def make_tiny_model(out_dir: str | Path, seed: int = 0, preset: str = "tiny", train_mtp: TrainConfig | None = None) -> Path:
     """Write a tiny random checkpoint to ``out_dir`` and return its path (``tiny-v41``: V4.1).
-    ``train_mtp``: then fit its lm_head and MTP layer to a synthetic language (``tiny_mtp.py``),
-    so that speculative decoding has drafts worth accepting."""
+    ``train_mtp``: then fit its lm_head and MTP layer to a synthetic language (``tiny_mtp.py``;
+    ``tiny-v41``: its DSpark draft layers, ``v41/tiny_dspark.py``), so that speculative decoding
+    has drafts worth accepting."""
     if preset == "tiny-v41":
         from engine.model.v41.tiny import make_tiny_v41
 
-        return make_tiny_v41(Path(out_dir), seed, default_tokenizer_path())
+        return make_tiny_v41(Path(out_dir), seed, default_tokenizer_path(), train=train_mtp)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS) + ['tiny-v41']}")
     out = Path(out_dir)

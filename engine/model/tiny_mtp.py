@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.model.model import DeepseekV4ForCausalLM
 from engine.model.mtp import Entry, MTPLayer
@@ -75,7 +76,8 @@ def sentence(cfg: TrainConfig, start: int, n: int) -> list[int]:
     return out
 
 
-def _rest_logit(model: DeepseekV4ForCausalLM, vocab: int) -> float:
+def rest_logit(model: nn.Module, vocab: int) -> float:
+    """The constant logit standing for the vocabulary outside the language (module docstring)."""
     return math.log(model.config.vocab_size - vocab) + 1.0
 
 
@@ -91,27 +93,28 @@ def train_tiny_mtp(model: DeepseekV4ForCausalLM, mtp: MTPLayer, cfg: TrainConfig
         hidden = torch.cat([model.final_hidden(s[:-1]) for s in streams])  # (sentences·(T-1), H)
     streams = [s.clone() for s in streams]  # ordinary tensors, usable in autograd
     lang = torch.arange(cfg.first_id, cfg.first_id + cfg.vocab)  # (L,)
-    rest = _rest_logit(model, cfg.vocab)
+    rest = rest_logit(model, cfg.vocab)
     head_targets = torch.tensor([t - cfg.first_id for ids in data for t in ids[1:]])  # (N,)
-    _fit_head(model, hidden.clone(), head_targets, lang, rest, cfg)
+    fit_head(model, hidden.clone(), head_targets, lang, rest, cfg)
     _fit_mtp(model, mtp, streams, data, lang, rest, cfg, gen)
     return _report(model, mtp, streams, data, time.perf_counter() - t0)
 
 
-def _language_loss(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, rest: float) -> torch.Tensor:
+def language_loss(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, rest: float) -> torch.Tensor:
     """Cross entropy over the language's logits ``hidden @ rowsᵀ`` plus one constant ``rest``."""
     logits = hidden @ rows.t()  # (N, L)
     logits = torch.cat([logits, logits.new_full((logits.shape[0], 1), rest)], dim=1)  # (N, L+1)
     return F.cross_entropy(logits, targets)
 
 
-def _fit_head(model: DeepseekV4ForCausalLM, hidden: torch.Tensor, targets: torch.Tensor, lang: torch.Tensor, rest: float, cfg: TrainConfig) -> None:
+def fit_head(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, lang: torch.Tensor, rest: float, cfg: TrainConfig) -> None:
+    """Fit ``model.lm_head``'s rows of the language (``lang``) to predict ``targets`` from ``hidden (N, H)``."""
     weight = model.lm_head.weight  # (V, H) view
     rows = weight.detach()[lang].clone().requires_grad_(True)  # (L, H)
     opt = torch.optim.Adam([rows], lr=10 * cfg.lr)
     for _ in range(cfg.head_steps):
         opt.zero_grad()
-        _language_loss(hidden, rows, targets, rest).backward()
+        language_loss(hidden, rows, targets, rest).backward()
         opt.step()
     with torch.no_grad():
         weight[lang] = rows.detach()
@@ -131,7 +134,7 @@ def _fit_mtp(
         entries = [Entry(mtp.new_state(), 0, streams[i][:-2], data[i][1:-1]) for i in pick]
         targets = torch.tensor([t - cfg.first_id for i in pick for t in data[i][2:]])
         opt.zero_grad()
-        loss = _language_loss(mtp.hidden(mtp(model, entries)), rows, targets, rest)
+        loss = language_loss(mtp.hidden(mtp(model, entries)), rows, targets, rest)
         loss.backward()
         opt.step()
     for block in (mtp.block.attn_hc, mtp.block.ffn_hc, mtp.block.mlp):

@@ -19,7 +19,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from torch import nn
+
+from engine.model.tiny_mtp import TrainConfig
 from engine.model.v41.config import V41Config
+from engine.model.v41.dspark import DSpark
 from engine.model.v41.model import DeepseekV41ForCausalLM
 from engine.model.v41.tokenizer import write_v41_tokenizer
 
@@ -72,12 +76,25 @@ TINY_V41: dict[str, Any] = {
 }
 
 
+# ``tiny-v41`` with two DSpark draft layers (``make-tiny-model --preset tiny-v41 --train-mtp``)
+TINY_V41_DSPARK: dict[str, Any] = {
+    **TINY_V41,
+    "num_nextn_predict_layers": 2,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [2, 3, 5],
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+}
+
+
 def checkpoint_name(name: str) -> str:
     """``save_pretrained``'s name of one of our parameters (the loader's inverse)."""
     return re.sub(r"\.hc_(attn|ffn)\.(fn|base|scale)$", r".hc_\1_\2", name)
 
 
-def random_v41_state_dict(model: DeepseekV41ForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+def random_v41_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic random values for every parameter, under checkpoint names."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -99,13 +116,45 @@ def random_v41_state_dict(model: DeepseekV41ForCausalLM, seed: int) -> dict[str,
     return out
 
 
-def make_tiny_v41(out: Path, seed: int, v4_tokenizer_json: Path) -> Path:
+def random_dspark_tensors(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random DSpark draft layers under release names (``mtp.{i}.*``)."""
+    dspark = DSpark(cfg, torch.float32)
+    return {"mtp." + name.removeprefix("layers."): t for name, t in random_v41_state_dict(dspark, seed).items()}
+
+
+def make_tiny_v41(out: Path, seed: int, v4_tokenizer_json: Path, train: TrainConfig | None = None) -> Path:
     """Write the ``tiny-v41`` checkpoint to ``out`` (its tokenizer derived from the V4
-    ``v4_tokenizer_json``) and return its path."""
+    ``v4_tokenizer_json``) and return its path. ``train``: with DSpark draft layers
+    (``TINY_V41_DSPARK``), the lm_head and the draft layers fitted to ``tiny_mtp``'s synthetic
+    language (``tiny_dspark.py``), so speculative decoding has drafts worth accepting."""
     out.mkdir(parents=True, exist_ok=True)
-    model = DeepseekV41ForCausalLM(V41Config.from_dict(TINY_V41), torch.float32)
-    save_file(random_v41_state_dict(model, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(TINY_V41, indent=2))
+    raw = TINY_V41 if train is None else TINY_V41_DSPARK
+    cfg = V41Config.from_dict(raw)
+    model = DeepseekV41ForCausalLM(cfg, torch.float32)
+    tensors = random_v41_state_dict(model, seed)
+    if train is not None:
+        tensors = _trained(model, tensors, random_dspark_tensors(cfg, seed + 1), train)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
     write_v41_tokenizer(v4_tokenizer_json, out / "tokenizer.json")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
     return out
+
+
+def _trained(model: DeepseekV41ForCausalLM, tensors: dict[str, torch.Tensor], draft: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """Backbone and draft tensors after ``train_tiny_dspark`` (one thread: the same seed, the same bytes)."""
+    from engine.model.v41.loader import to_internal_name
+    from engine.model.v41.tiny_dspark import train_tiny_dspark
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        names = {k: to_internal_name(k) for k in tensors}
+        model.load_state_dict({names[k]: v for k, v in tensors.items()})
+        dspark = DSpark(model.config, torch.float32)
+        dspark.load_release(draft)
+        train_tiny_dspark(model, dspark, cfg)
+    finally:
+        torch.set_num_threads(threads)
+    state = model.state_dict()
+    return {**{k: state[names[k]].detach().contiguous() for k in tensors}, **dspark.release_tensors()}

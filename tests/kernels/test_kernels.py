@@ -315,6 +315,17 @@ def test_hc_mix(n) -> None:
 FUSED_DTYPES = DTYPES if DEV == "cuda" else [torch.float32]  # the interpreter's bf16 casts truncate
 
 
+def _compressor_pools(g: torch.Generator, s1: int, r: int, p: int, d: int, tc: int, dtype, overlap: bool) -> dict:
+    """Random slot pools of one compressor (``compress_step``'s buffers, overlap and rows)."""
+    gate_dt = torch.promote_types(dtype, torch.float32)
+    return {
+        "buf_kv": torch.randn(s1, r, p, generator=g).to(DEV, dtype), "buf_gate": torch.randn(s1, r, p, generator=g).to(DEV, dtype),
+        "overlap_kv": torch.randn(s1, r, d, generator=g).to(DEV, dtype) if overlap else None,
+        "overlap_gate": torch.randn(s1, r, d, generator=g).to(DEV, gate_dt) if overlap else None,
+        "rows": torch.randn(s1, tc + 1, d, generator=g).to(DEV, dtype),
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
 def test_fused_compress_step(dtype, overlap) -> None:
@@ -331,13 +342,7 @@ def test_fused_compress_step(dtype, overlap) -> None:
     slots = torch.tensor([4, 0, 8, 2, 6, 1], device=DEV)
     kv = torch.randn(b, p, generator=g).to(DEV, dtype)
     gate = (2 * torch.randn(b, p, generator=g)).to(DEV, dtype)
-    gate_dt = torch.promote_types(dtype, torch.float32)
-    pools = {
-        "buf_kv": torch.randn(s1, r, p, generator=g).to(DEV, dtype), "buf_gate": torch.randn(s1, r, p, generator=g).to(DEV, dtype),
-        "overlap_kv": torch.randn(s1, r, d, generator=g).to(DEV, dtype) if overlap else None,
-        "overlap_gate": torch.randn(s1, r, d, generator=g).to(DEV, gate_dt) if overlap else None,
-        "rows": torch.randn(s1, tc + 1, d, generator=g).to(DEV, dtype),
-    }  # fmt: skip
+    pools = _compressor_pools(g, s1, r, p, d, tc, dtype, overlap)
     bias = torch.randn(r, p, generator=g).to(DEV)
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEV)
     ang = torch.rand(200, 8, generator=g) * 6.28
@@ -376,13 +381,7 @@ def test_fused_compress_step_verify_in_one_pass(dtype, overlap, width, r) -> Non
     cols = slots.repeat(width).to(DEV)
     kv = torch.randn(b * width, p, generator=g).to(DEV, dtype)
     gate = (2 * torch.randn(b * width, p, generator=g)).to(DEV, dtype)
-    gate_dt = torch.promote_types(dtype, torch.float32)
-    pools = {
-        "buf_kv": torch.randn(s1, r, p, generator=g).to(DEV, dtype), "buf_gate": torch.randn(s1, r, p, generator=g).to(DEV, dtype),
-        "overlap_kv": torch.randn(s1, r, d, generator=g).to(DEV, dtype) if overlap else None,
-        "overlap_gate": torch.randn(s1, r, d, generator=g).to(DEV, gate_dt) if overlap else None,
-        "rows": torch.randn(s1, tc + 1, d, generator=g).to(DEV, dtype),
-    }  # fmt: skip
+    pools = _compressor_pools(g, s1, r, p, d, tc, dtype, overlap)
     bias = torch.randn(r, p, generator=g).to(DEV)
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEV)
     ang = torch.rand(4 * r + 8, 8, generator=g) * 6.28

@@ -203,30 +203,38 @@ def profile_graph(dec, key: int | tuple[int, int], out_prefix: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def decode_tuning(kv: dict[str, str]):
+    """A ``DecodeTuning`` from variant options (``decode_variants``' keys; those left out take
+    the defaults)."""
+    from engine.model import static_decode as sd
+    from kernels.moe_gemv import MoEGemvTuning
+
+    dflt = sd.DECODE
+
+    def flag(key: str, default: bool) -> bool:
+        return kv[key] == "1" if key in kv else default
+
+    def ints(key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(int(v) for v in kv[key].split(".")) if key in kv else default
+
+    moe = MoEGemvTuning(max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)), up=ints("up", dflt.moe_gemv.up), down=ints("down", dflt.moe_gemv.down))
+    return sd.DecodeTuning(
+        side_stream=flag("side", dflt.side_stream), hc_splits=dflt.hc_splits, attn_rope_out=flag("undo", dflt.attn_rope_out),
+        dense_gemv=flag("dgemv", dflt.dense_gemv), gemv_pdl=flag("pdl", dflt.gemv_pdl), moe_gemv=moe,
+    )  # fmt: skip
+
+
 def decode_variants(spec: str, ours, base, context: int, extra: int, batches: list[int], iters: int, rows: list) -> None:
     """Static-step variants 'name:side=0|1,gemv=SLOTS,up=BI.BK.W,down=BH.BK.W,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...'
     (``DecodeTuning``: ``side_stream``, ``moe_gemv`` max_slots / up / down, ``attn_rope_out``,
     ``dense_gemv``, ``gemv_pdl``; flags left out take their defaults), each a fresh decoder,
     graph step and replay per batch (``b``: these batches only)."""
     from engine.model import static_decode as sd
-    from kernels.moe_gemv import MoEGemvTuning
 
-    dflt = sd.DECODE
     for item in spec.split(";"):
         name, _, opts = item.partition(":")
         kv = dict(o.split("=") for o in opts.split(",") if o)
-
-        def flag(key: str, default: bool) -> bool:
-            return kv[key] == "1" if key in kv else default
-
-        def ints(key: str, default: tuple[int, ...]) -> tuple[int, ...]:
-            return tuple(int(v) for v in kv[key].split(".")) if key in kv else default
-
-        moe = MoEGemvTuning(max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)), up=ints("up", dflt.moe_gemv.up), down=ints("down", dflt.moe_gemv.down))
-        tuning = sd.DecodeTuning(
-            side_stream=flag("side", dflt.side_stream), hc_splits=dflt.hc_splits, attn_rope_out=flag("undo", dflt.attn_rope_out),
-            dense_gemv=flag("dgemv", dflt.dense_gemv), gemv_pdl=flag("pdl", dflt.gemv_pdl), moe_gemv=moe,
-        )  # fmt: skip
+        tuning = decode_tuning(kv)
         dec = sd.StaticDecoder(ours, max_slots=max(batches), max_tokens=context + extra, tuning=tuning)
         for batch in [int(v) for v in kv["b"].split(".")] if "b" in kv else batches:
             nxt = torch.randint(2, ours.config.vocab_size, (batch,)).tolist()
@@ -285,7 +293,7 @@ def random_slice(preset: str, device: str, dtype: torch.dtype):
 
 def verify_rows(
     ours, ks: list[int], batches: list[int], context: int, iters: int, gen, rows: list, bw: float,
-    profile: str = "", full_cfg=None,
+    profile: str = "", full_cfg=None, tuning=None,
 ) -> None:  # fmt: skip
     """Speculative verify against the plain decode step (issue 25), CUDA graphs: per batch the
     plain ``StaticDecoder.step`` and, per ``k``, ``StaticDecoder.verify`` of ``1 + k`` tokens per
@@ -312,7 +320,8 @@ def verify_rows(
     _sync()
     room = context + (iters + 4) * (max(ks) + 1) + 8
     plain = StaticDecoder(ours, max_slots=max(batches), max_tokens=room)
-    decs = {k: StaticDecoder(ours, max_slots=max(batches), max_tokens=room, verify_width=k + 1) for k in ks}
+    extra = {} if tuning is None else {"tuning": tuning}
+    decs = {k: StaticDecoder(ours, max_slots=max(batches), max_tokens=room, verify_width=k + 1, **extra) for k in ks}
 
     def replay(graph) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -692,6 +701,7 @@ def main() -> None:
     ap.add_argument("--native-layers", type=int, default=4)
     ap.add_argument("--native-dir", default="", help="where the native checkpoint is written (a temporary directory under it)")
     ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...' (first context)")
+    ap.add_argument("--verify-tuning", default="", help="the verify decoders' DecodeTuning, --decode-variants' options (e.g. 'gemv=32')")
     ap.add_argument("--verify", default="", help="only the speculative verify rows for these k (comma list; first context, --batches)")
     ap.add_argument(
         "--small",
@@ -713,6 +723,7 @@ def main() -> None:
         verify_rows(
             ours, ks, batches, int(args.contexts.split(",")[0]), args.graph_iters, torch.Generator().manual_seed(1), rows, bw,
             args.profile, ModelConfig.from_dict(config_dict(preset)),
+            decode_tuning(dict(o.split("=") for o in args.verify_tuning.split(",") if o)) if args.verify_tuning else None,
         )  # fmt: skip
         write_json(args.output, rows, bw, mm)
         return

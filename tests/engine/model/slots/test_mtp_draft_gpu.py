@@ -43,9 +43,10 @@ def test_graph_replay_gives_the_eager_steps_drafts(trained_mtp_model_dir, k: int
     w, d = layer.block.self_attn.window, model.config.head_dim
     same = total = 0
     for n in (1, 3, 16):
-        for dr in drafters:
-            for s in range(n):
-                dr.pool.load(s, DraftState(LayerState(swa=torch.randn(w - 1 - s, d, generator=g).to("cuda", torch.bfloat16)), 200 + s))
+        windows = [torch.randn(w - 1 - s, d, generator=g).to("cuda", torch.bfloat16) for s in range(n)]
+        for dr in drafters:  # the very same windows in both pools
+            for s, swa in enumerate(windows):
+                dr.pool.load(s, DraftState(LayerState(swa=swa.clone()), 200 + s))
         rng = torch.Generator().manual_seed(n)
         for _ in range(3):
             streams = torch.randn(n, k + 1, model.config.hc_mult, model.config.hidden_size, generator=rng).to("cuda", torch.bfloat16)

@@ -9,30 +9,53 @@ from typing import Literal
 from deepserve.protocol import Role
 
 
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "confidence_threshold")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``--speculative-config`` keys): ``method`` "mtp" drafts with the
-    checkpoint's own MTP layer, ``num_speculative_tokens`` drafts per step, verified in one forward."""
+    """Speculative decoding (vLLM's ``--speculative-config`` keys): ``method`` "mtp" drafts with a
+    DeepSeek-V4 checkpoint's MTP layer, "dspark" with a DeepSeek-V4.1 checkpoint's DSpark draft
+    layers; ``num_speculative_tokens`` drafts per step, verified in one forward;
+    ``confidence_threshold`` (dspark only): cut each block before the first draft whose running
+    product of confidences falls below it (variable-length verification; None: every draft)."""
 
-    method: Literal["mtp"] = "mtp"
+    method: Literal["mtp", "dspark"] = "mtp"
     num_speculative_tokens: int = 1
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "mtp":
-            raise ValueError(f"speculative method {self.method!r} is not supported (only 'mtp')")
+        if self.method not in ("mtp", "dspark"):
+            raise ValueError(f"speculative method {self.method!r} is not supported (only 'mtp' or 'dspark')")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.confidence_threshold is not None:
+            if self.method != "dspark":
+                raise ValueError("confidence_threshold is a DSpark setting (method 'dspark'), not one of 'mtp'")
+            if not 0 < self.confidence_threshold < 1:
+                raise ValueError(f"confidence_threshold must be in (0, 1), got {self.confidence_threshold}")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
-        """From the flag's JSON object, e.g. ``{"method": "mtp", "num_speculative_tokens": 3}``."""
+        """From the flag's JSON object, e.g. ``{"method": "mtp", "num_speculative_tokens": 3}`` or
+        ``{"method": "dspark", "num_speculative_tokens": 5, "confidence_threshold": 0.5}``."""
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
-        if not isinstance(raw, dict) or set(raw) - {"method", "num_speculative_tokens"}:
-            raise ValueError("--speculative-config takes an object with 'method' and 'num_speculative_tokens'")
-        return cls(str(raw.get("method", "mtp")), int(raw.get("num_speculative_tokens", 1)))  # type: ignore[arg-type]
+        if not isinstance(raw, dict):
+            raise ValueError(f"--speculative-config takes a JSON object with {', '.join(map(repr, _SPECULATIVE_KEYS))}")
+        unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(map(repr, unknown))} (it takes {', '.join(map(repr, _SPECULATIVE_KEYS))})")
+        threshold = raw.get("confidence_threshold")
+        try:
+            return cls(
+                str(raw.get("method", "mtp")), int(raw.get("num_speculative_tokens", 1)),  # type: ignore[arg-type]
+                None if threshold is None else float(threshold),
+            )  # fmt: skip
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--speculative-config: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -49,8 +72,8 @@ class EngineConfig:
     ``grammar_timeout_s``: how long a request waits for its output constraint to compile (off the
     engine thread; the start-up of a compile process is not counted); past it the request fails
     as invalid.
-    ``speculative``: speculative decoding with the MTP layer (``engine/runtime/speculative.py``);
-    None = off.
+    ``speculative``: speculative decoding with the checkpoint's draft layers (V4's MTP, V4.1's
+    DSpark: ``engine/runtime/speculative.py``); None = off.
     ``long_prefill_token_threshold``: the largest prefill chunk while other sequences share the
     step (vLLM's name; fair prefill); None = half of ``max_num_batched_tokens``.
     ``weights``: how a checkpoint's FP8 linears and FP4 experts are held: ``native`` as stored

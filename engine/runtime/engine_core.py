@@ -93,7 +93,7 @@ class EngineCore:
             if config.speculative is not None:
                 raise EngineError("speculative decoding is not supported with expert parallelism (--ep)")
             ep.attach(model)
-        if config.speculative is not None:  # raises CheckpointError when the checkpoint has no MTP layer
+        if config.speculative is not None:  # CheckpointError: the method is not the family's, or no draft layers
             self.spec = SpecDecoder(model, sampler, config.speculative)
         self.static: StaticRunner | None = None
         if config.static_decode is not False:  # None (default): on, CUDA graphs on GPU, host slots on CPU

@@ -1,4 +1,9 @@
-"""Speculative decoding with the checkpoint's MTP layer: draft ``k``, verify in one forward, rewind.
+"""Speculative decoding with the checkpoint's own draft layers: draft ``k``, verify in one forward, rewind.
+
+Two families, one accept/sample logic: the family's target (``engine/runtime/spec_targets.py``)
+runs the verify forward, gives the head rows, rewinds and drafts — DeepSeek-V4 with its MTP layer
+(``method="mtp"``), DeepSeek-V4.1 with its DSpark draft layers (``method="dspark"``: a block of up
+to ``dspark_block_size`` drafts, optionally cut by the confidence head, ``confidence_threshold``).
 
 Which requests: all but prefill-only ones, those asking for prompt logprobs, and those opted out
 (``SamplingParams.speculative``). Their tokens are exactly the tokens the non-speculative engine
@@ -8,12 +13,14 @@ Every step of a speculative sequence:
 
 1. its chunk: prefill tokens, or the next token ``t`` plus the drafts ``d_1..d_m`` (``m ≤ k``, as the
    scheduler's budget allows);
-2. a decoding sequence with a slot in the engine's slot decoder (``StaticRunner.takes_verify``; on
-   CPU the host slots, on GPU the CUDA-graph step) verifies there: ``1 + k`` tokens per slot (the
-   drafts padded) in one fixed-shape step (``StaticDecoder.verify``), the rejected offsets undone
-   by ``accept`` (``engine/model/slot_rewind.py``). Every other chunk runs in one general-path
-   forward, its state marked before a verify (``engine/model/rewind.py``). Both give every fed
-   token's final streams;
+2. V4: a decoding sequence with a slot in the engine's slot decoder (``StaticRunner.takes_verify``;
+   on CPU the host slots, on GPU the CUDA-graph step) verifies there: ``1 + k`` tokens per slot
+   (the drafts padded) in one fixed-shape step (``StaticDecoder.verify``), the rejected offsets
+   undone by ``accept`` (``engine/model/slot_rewind.py``). Every other chunk — every V4.1 chunk:
+   V4.1's slot decoder has no verify, so its speculative sequences never take a slot — runs in
+   one general-path forward, its state marked before a verify (``engine/model/rewind.py``,
+   ``engine/model/v41/rewind.py``). Both give every fed token's verify rows (V4: final streams;
+   V4.1: ``forward(logits="taps")``'s head input and DSpark target features);
 3. a sequence at its end picks row ``j``'s token ``g_j`` (from ``t`` on) as a plain step would:
    plain greedy rows take the exact argmax (all rows of all such sequences in one head call);
    any other row goes through ``Sampler.sample`` alone, with the request's state advanced by
@@ -25,33 +32,33 @@ Every step of a speculative sequence:
    with a deterministic draft: ``d`` survives with probability ``p(d)``, and a rejected position
    keeps the token drawn from ``p`` itself, so the output distribution is the target's (and, per
    seed, the very tokens of the plain sampler);
-4. the MTP layer is fed the consumed rows (streams of row ``p``, token ``p + 1``) and proposes the
-   next ``k`` greedy drafts from the last one. A sequence that verified in a slot drafts there too
+4. the drafter is fed the consumed rows (row ``p``, token ``p + 1``) and proposes the next ``k``
+   greedy drafts from the last one. A V4 sequence that verified in a slot drafts there too
    (``engine/model/slots/mtp_draft.py``: its MTP window in the same slot of an ``MTPPool``, one
    fixed-shape step per batch, a CUDA graph per bucket on GPU), so its step never leaves the
    slots; its window moves back into ``seq.draft`` (``MTPPool.export``) when the sequence leaves
    its slot for the general path, and into the slot (``load``) when it moves in. The others feed
-   and draft on the general path (``mtp.Drafter``).
+   and draft on the general path (``mtp.Drafter``, ``DSparkDrafter``).
 
-With a KV store, drafts never reach past the next 128-token unit boundary, so a sequence always
-lands exactly on it once and the boundary snapshot is taken there, after acceptance.
+With a KV store, drafts never reach past the next unit boundary (``unit_tokens``: 128 for the
+released shapes), so a sequence always lands exactly on it once and the boundary snapshot is
+taken there, after acceptance.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from deepserve.protocol import FinishReason, TokenLogprob
-from engine.errors import CheckpointError
 from engine.model.lm_head import HeadRows
 from engine.model.model import DeepseekV4ForCausalLM
-from engine.model.mtp import Drafter, DraftState, MTPLayer
+from engine.model.mtp import DraftState
 from engine.model.slots.mtp_draft import SlotDrafter
-from engine.model.rewind import Mark, mark, rewind
 from engine.runtime.config import SpeculativeConfig
+from engine.runtime.spec_targets import target_for
 from engine.runtime.sequence import Sequence
 from engine.runtime.static_runner import StaticRunner
 from engine.sampling import Sampler
@@ -70,11 +77,11 @@ class SpecResult:
 
 
 class Feed(NamedTuple):
-    """A sequence's rows for its MTP window after a step: ``streams[i]`` at ``first_pos + i``,
+    """A sequence's rows for its draft window after a step: ``rows[i]`` at ``first_pos + i``,
     followed by ``next_ids[i]``; ``propose``: it is at its end and running, so it wants drafts."""
 
     seq: Sequence
-    streams: torch.Tensor  # (S, hc, H)
+    rows: torch.Tensor  # (S, ...): the target's verify rows (V4: final streams (S, hc, H); V4.1: taps (S, 1 + taps, H))
     next_ids: list[int]
     first_pos: int
     propose: bool
@@ -85,13 +92,14 @@ class SpecDecoder:
     """Drafts and verifies for the engine core (module docstring)."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, sampler: Sampler, config: SpeculativeConfig, slot_drafts: bool = True) -> None:
-        """``slot_drafts``: sequences that verify in a slot draft there too (module docstring);
-        False drafts every sequence on the general path (benchmarks compare the two)."""
-        if not isinstance(model, DeepseekV4ForCausalLM):
-            raise CheckpointError("speculative decoding drafts with DeepSeek-V4's MTP layer; this model family has none yet")
+        """``model``: a V4 or V4.1 model (``spec_targets.target_for``: ``CheckpointError`` when
+        ``config.method`` is not its family's or it has no draft layers); ``slot_drafts``:
+        sequences that verify in a slot draft there too (module docstring); False drafts every
+        sequence on the general path (benchmarks compare the two)."""
         self.model, self.sampler, self.config = model, sampler, config
         self.k = config.num_speculative_tokens
-        self.drafter = Drafter(model, MTPLayer.from_model(model))
+        self.target = target_for(model, config)
+        self.drafter = self.target.drafter
         self.slot_drafts = slot_drafts
         self.slot_drafter: SlotDrafter | None = None  # made on the first slot verify (it takes the slot decoder's sizes)
         self.unit = model.config.unit_tokens  # a KV store saves at these boundaries
@@ -108,7 +116,9 @@ class SpecDecoder:
     def step(self, batch: list[tuple[Sequence, int]], units: bool = False, static: StaticRunner | None = None) -> list[SpecResult]:
         """Run ``batch`` (each sequence with its scheduled token count) through steps 1-4;
         ``units``: a KV store saves unit boundaries, so no verify reaches past the next one;
-        ``static``: the engine's slot decoder, where decoding sequences verify (module docstring)."""
+        ``static``: the engine's slot decoder, where decoding sequences verify (module docstring;
+        not for a family without slot verify: its speculative sequences stay on the general path)."""
+        static = static if self.target.slots else None
         fed, slotted = [], []
         for seq, n in batch:
             held = static is not None and static.holds(seq)
@@ -122,7 +132,7 @@ class SpecDecoder:
         if static is not None and self.slot_drafts:
             self._place_windows([seq for seq, _ in batch], slotted, static)
         rows: list[torch.Tensor | None] = [None] * len(batch)  # head inputs (1 + m, H) of each sequence at its end
-        streams: list[torch.Tensor] = [torch.empty(0)] * len(batch)  # final streams of every fed token
+        streams: list[torch.Tensor] = [torch.empty(0)] * len(batch)  # verify rows of every fed token
         marks = self._general(batch, fed, slotted, rows, streams)
         at = [i for i, s in enumerate(slotted) if s]
         every = None
@@ -141,7 +151,7 @@ class SpecDecoder:
             (real, drafts), hidden_i = fed[i], rows[i]
             res = self._accept(seq, real, drafts, marks[i], hidden_i, greedy[i])
             first = seq.num_computed
-            consumed = streams[i][: res.consumed]  # (consumed, hc, H): the rows now in the state
+            consumed = streams[i][: res.consumed]  # (consumed, ...): the rows now in the state
             feeds.append(Feed(seq, consumed, seq.tokens[first + 1 : first + res.consumed + 1], first, hidden_i is not None and res.finish_reason is None, verified.get(i)))
             if slotted[i]:
                 kept.append(res.consumed)
@@ -176,19 +186,19 @@ class SpecDecoder:
     def _general(
         self, batch: list[tuple[Sequence, int]], fed: list[tuple[int, list[int]]], slotted: list[bool],
         rows: list[torch.Tensor | None], streams: list[torch.Tensor],
-    ) -> list[Mark | None]:  # fmt: skip
+    ) -> list[Any]:  # fmt: skip
         """One general-path forward of the sequences not in a slot: fills their ``streams`` and, at
         their end, ``rows``; the rewind marks of those that verify drafts."""
-        marks: list[Mark | None] = [None] * len(batch)
+        marks: list[Any] = [None] * len(batch)
         at = [i for i, s in enumerate(slotted) if not s]
         if not at:
             return marks
         chunks = []
         for i in at:
             seq, (real, drafts) = batch[i][0], fed[i]
-            marks[i] = mark(seq.state) if drafts else None
+            marks[i] = self.target.mark(seq.state) if drafts else None
             chunks.append((seq.state, seq.tokens[seq.num_computed : seq.num_computed + real] + drafts))
-        every = self.model(chunks, logits="streams")  # (N, hc, H)
+        every = self.target.forward(chunks)  # (N, ...): the target's verify rows
         heads = self._verify_rows([batch[i] for i in at], [fed[i] for i in at], every)
         start = 0
         for i, h in zip(at, heads):
@@ -224,7 +234,7 @@ class SpecDecoder:
             start += real + len(drafts)
         if not rows:
             return [None] * len(batch)
-        hidden = self.model.final_hidden(streams.index_select(0, torch.tensor(rows, device=streams.device)))  # (R, H)
+        hidden = self.target.head_input(streams.index_select(0, torch.tensor(rows, device=streams.device)))  # (R, H)
         return [None if s is None else hidden[s[0] : s[1]] for s in spans]
 
     def _greedy_targets(self, batch: list[tuple[Sequence, int]], rows: list[torch.Tensor | None]) -> list[list[int] | None]:
@@ -240,7 +250,7 @@ class SpecDecoder:
         return out
 
     def _accept(
-        self, seq: Sequence, real: int, drafts: list[int], m: Mark | None, hidden: torch.Tensor | None, greedy: list[int] | None
+        self, seq: Sequence, real: int, drafts: list[int], m: Any, hidden: torch.Tensor | None, greedy: list[int] | None
     ) -> SpecResult:
         """Step 3 for one sequence; appends its new tokens to ``seq.tokens``. Row ``j``'s token is
         the one the non-speculative sampler picks there: the exact greedy token (``greedy``), or
@@ -268,7 +278,7 @@ class SpecDecoder:
         res.consumed += len(res.tokens) - 1  # the accepted drafts before the last new token
         if m is not None:
             assert seq.state is not None
-            rewind(self.model, seq.state, m, res.consumed)
+            self.target.rewind(seq.state, m, res.consumed)
         return res
 
     def _draft(self, feeds: list[Feed], every: torch.Tensor | None, static: StaticRunner | None) -> None:
@@ -277,7 +287,7 @@ class SpecDecoder:
         streams ``every``), the others on the general path."""
         for f in feeds:
             f.seq.draft_ids = []
-        live = [f for f in feeds if len(f.next_ids) == f.streams.shape[0]]  # a finished run lacks its last next token
+        live = [f for f in feeds if len(f.next_ids) == f.rows.shape[0]]  # a finished run lacks its last next token
         slotted = [f for f in live if f.verified is not None and f.propose]  # a finished one is not fed: it leaves its slot
         if slotted:
             assert every is not None and static is not None and self.slot_drafter is not None
@@ -294,7 +304,7 @@ class SpecDecoder:
             if f.seq.draft is None:
                 f.seq.draft = self.drafter.new_state()
         states = [f.seq.draft for f in live]
-        last = self.drafter.feed(states, [f.streams for f in live], [f.next_ids for f in live], [f.first_pos for f in live])  # type: ignore[misc]
+        last = self.drafter.feed(states, [f.rows for f in live], [f.next_ids for f in live], [f.first_pos for f in live])
         pick = [j for j, f in enumerate(live) if f.propose]
         if not pick:
             return

@@ -1,6 +1,6 @@
 """Routed experts (and the shared expert) for a few tokens: two weight-streaming GEMV kernels.
 
-At decode batch 1-2 the routed experts are ``n·k <= 16`` rows against ~``n·k`` different experts:
+At decode batch 1-10 the routed experts are ``n·k <= 64`` rows against ~``n·k`` different experts:
 ``kernels.moe.moe_experts`` (sort, gather, ``torch._grouped_mm`` on tiny groups, SwiGLU, combine:
 ~15 launches) reads their weights at ~53% of the copy bandwidth (NOTES run 2). Here::
 
@@ -38,11 +38,13 @@ class MoEGemvTuning:
     """When static decode takes this path, and its launch configs.
 
     ``max_slots``: at most this many routed slots (n·k) take it; more rows re-read fewer distinct
-    experts per row and the grouped GEMM path wins. ``up``/``down``: ``GemvConfig`` of the gate/up
+    experts per row and the grouped GEMM path wins. 64 (NOTES run 34, H200, V4 slice, 6 picks):
+    plain decode b=3/4/5/8 2.87/2.82/3.57/4.28 → 2.14/2.12/3.04/3.26 ms against 16, the b=1 verify
+    of k=2/3 2.32/2.60 → 1.71/2.00 ms, b=1 unchanged. ``up``/``down``: ``GemvConfig`` of the gate/up
     and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them.
     """
 
-    max_slots: int = 16
+    max_slots: int = 64
     up: GemvConfig = (4, 1024, 4)
     down: GemvConfig = (4, 1024, 4)
 

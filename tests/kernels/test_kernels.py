@@ -237,7 +237,7 @@ def test_moe_experts(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-@pytest.mark.parametrize("n,shared", [(1, True), (2, False), (3, True)])
+@pytest.mark.parametrize("n,shared", [(1, True), (2, False), (3, True), (10, True)])
 def test_moe_gemv(dtype, n, shared) -> None:
     """Few-token experts (GEMV kernels, shared expert as slot k) against the fp32 reference."""
     from kernels.moe_gemv import moe_gemv, moe_gemv_reference, shared_act

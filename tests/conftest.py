@@ -59,3 +59,17 @@ def trained_mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory, "tiny-mtp",
         lambda d: make_tiny_model(d / "model", seed=0, preset="tiny", train_mtp=TrainConfig(seed=0)),
     )
+
+
+@pytest.fixture(scope="session")
+def trained_dspark_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``tiny-v41`` checkpoint with its lm_head and DSpark draft layers fitted to the synthetic
+    language of ``engine/model/tiny_mtp.py`` (``make-tiny-model --preset tiny-v41 --train-mtp``;
+    built once per session)."""
+    from engine.model.tiny import make_tiny_model
+    from engine.model.tiny_mtp import TrainConfig
+
+    return built_once(
+        tmp_path_factory, "tiny-v41-dspark",
+        lambda d: make_tiny_model(d / "model", seed=0, preset="tiny-v41", train_mtp=TrainConfig(seed=0)),
+    )

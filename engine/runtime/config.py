@@ -48,14 +48,12 @@ class SpeculativeConfig:
         unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
         if unknown:
             raise ValueError(f"--speculative-config: unknown key(s) {', '.join(map(repr, unknown))} (it takes {', '.join(map(repr, _SPECULATIVE_KEYS))})")
-        threshold = raw.get("confidence_threshold")
-        try:
-            return cls(
-                str(raw.get("method", "mtp")), int(raw.get("num_speculative_tokens", 1)),  # type: ignore[arg-type]
-                None if threshold is None else float(threshold),
-            )  # fmt: skip
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"--speculative-config: {exc}") from exc
+        kinds = {"method": (str,), "num_speculative_tokens": (int,), "confidence_threshold": (int, float)}
+        for key, value in raw.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds[key])):
+                raise ValueError(f"--speculative-config: {key} must be {' or '.join(t.__name__ for t in kinds[key])}, got {value!r}")
+        method, n, threshold = (raw.get(key) for key in _SPECULATIVE_KEYS)
+        return cls("mtp" if method is None else method, 1 if n is None else n, None if threshold is None else float(threshold))
 
 
 @dataclass(frozen=True)

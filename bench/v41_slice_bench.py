@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -46,7 +46,7 @@ from engine.model.v41.config import V41Config
 from engine.model.v41.model import DecoderLayer, DeepseekV41ForCausalLM
 from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, MXFP8_MAIN
 from engine.model.static_decode import bucket_for
-from engine.model.v41.slot_decode import V41SlotDecoder
+from engine.model.v41.slot_decode import V41SlotDecoder, V41SlotTuning
 
 SLICE = dict(num_hidden_layers=4, compress_ratios=(0, 2, 2, 2), kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3), candidate_source_layer_id=1)
 
@@ -237,6 +237,24 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
         layer.attn.indexer.tuning = tuning
 
 
+def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
+    """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
+    (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``); those left out take the defaults."""
+    dflt = V41SlotTuning()
+    moe = replace(dflt.moe_gemv, max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)))
+    return replace(dflt, moe_gemv=moe, dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
+                   gemv_pdl=kv.get("pdl", "1" if dflt.gemv_pdl else "0") == "1")  # fmt: skip
+
+
+def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """'name:key=v,key=v;name2:...' → [(name, {key: v})]."""
+    out = []
+    for part in filter(None, spec.split(";")):
+        name, _, opts = part.partition(":")
+        out.append((name, dict(o.split("=", 1) for o in filter(None, opts.split(",")))))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output", required=True)
@@ -246,13 +264,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--general", action="store_true", help="also time the general path's prefill and compare its logits")
     ap.add_argument("--profile", metavar="PREFIX", help="write each batch's graph replay, kernel by kernel, to PREFIX_b<B>_graph.txt")
+    ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N;...", help="also time the decode batches with these slot tunings (slot_tuning)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.perf_counter()
     bw, mm = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()
-    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general, profile=args.profile)
+    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general, profile=args.profile, variants=parse_variants(args.variants))
     out["wall_s"] = time.perf_counter() - t0
     with open(args.output, "w") as f:
         json.dump(out, f, indent=2)
@@ -265,7 +284,7 @@ def summary(out: dict) -> str:
     lines = [f"bf16 matmul rate {out['matmul_flops'] / 1e12:.0f} TFLOP/s, copy {out['copy_bw'] / 1e12:.2f} TB/s"]
     for r in out["rows"]:
         if r["kind"] == "decode":
-            lines.append(f"decode b={r['batch']}: {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms ({r['x_floor']:.2f}x)")
+            lines.append(f"decode{' ' + r['variant'] if r.get('variant') else ''} b={r['batch']}: {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms ({r['x_floor']:.2f}x)")
         else:
             lines.append(f"prefill {r['tokens']} tokens: {r['seconds'] * 1e3:.1f} ms, {r['tflops']:.0f} TFLOP/s = {100 * r['of_matmul_rate']:.1f}% of the bf16 matmul rate")
             for key in ("attention", "experts", "rest"):
@@ -282,9 +301,11 @@ def summary(out: dict) -> str:
 def run(
     cfg: V41Config, device: str, batches: list[int], context: int, prefill: int, iters: int, bw: float, mm: float,
     general: bool = False, tuning: V41Tuning = V41_TUNING, profile: str | None = None,
+    variants: Sequence[tuple[str, dict[str, str]]] = (),
 ) -> dict:  # fmt: skip
     """The rows of one run (module docstring) of ``cfg``'s slice on ``device``, the model built with ``tuning``;
-    ``profile``: a path prefix for each batch's graph replay, kernel by kernel (``gpu_slice_bench.profile_graph``)."""
+    ``profile``: a path prefix for each batch's graph replay, kernel by kernel (``gpu_slice_bench.profile_graph``);
+    ``variants``: (name, options) of more decoders timed at the same batches (``slot_tuning``)."""
     model, stacks = random_slice(cfg, device, torch.bfloat16, tuning)
     dense, expert = dense_bytes(model)
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else device, "copy_bw": bw, "matmul_flops": mm,
@@ -294,31 +315,34 @@ def run(
         ctx = torch.randint(2, cfg.vocab_size, (context,), generator=gen).tolist()
         state = model.new_state()
         model([(state, ctx)])
-        dec = V41SlotDecoder(model, max(batches), context + (len(batches) + 1) * (iters + 4) + 8, experts=stacks)
-        for s in range(dec.max_slots):
-            dec.load(s, state)
-        if dec.use_graphs:
-            dec.capture_graphs()
-        out["slot_pool_bytes"] = dec.nbytes()
-        for b in batches:
-            toks = torch.randint(2, cfg.vocab_size, (b,), generator=gen).tolist()
-            step = _sync_time(lambda b=b, toks=toks: dec.step(list(range(b)), toks), 2, iters)
-            floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context)
-            out["rows"].append({"kind": "decode", "batch": b, "context": context, "step_ms": step * 1e3,
-                                "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "x_floor": step / (floor_bytes / bw)})  # fmt: skip
-            if profile and dec.use_graphs:
-                profile_graph(dec, bucket_for(b, dec.buckets), profile)
-        # parity: the slot step against the model's forward on the same states and tokens
-        n = min(4, dec.max_slots)
-        states = [dec.export(s) for s in range(n)]
-        toks = torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()
-        want = model([(st, [t]) for st, t in zip(states, toks)]).float()
-        got = dec.step(list(range(n)), toks).float()
-        out["parity"] = {"rows": n, "max_err_over_max_logit": float((got - want).abs().max() / want.abs().max()),
-                         "same_argmax": float((got.argmax(-1) == want.argmax(-1)).float().mean())}  # fmt: skip
-        del dec, states
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        max_tokens = context + (len(batches) + 1) * (iters + 4) * (1 + len(variants)) + 8
+        for name, tuning_kv in [("", {}), *variants]:
+            dec = V41SlotDecoder(model, max(batches), max_tokens, experts=stacks, tuning=slot_tuning(tuning_kv))
+            for s in range(dec.max_slots):
+                dec.load(s, state)
+            if dec.use_graphs:
+                dec.capture_graphs()
+            out["slot_pool_bytes"] = dec.nbytes()
+            for b in batches:
+                toks = torch.randint(2, cfg.vocab_size, (b,), generator=gen).tolist()
+                step = _sync_time(lambda b=b, toks=toks: dec.step(list(range(b)), toks), 2, iters)
+                floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context)
+                out["rows"].append({"kind": "decode", "variant": name, "batch": b, "context": context, "step_ms": step * 1e3,
+                                    "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "x_floor": step / (floor_bytes / bw)})  # fmt: skip
+                if profile and dec.use_graphs and not name:
+                    profile_graph(dec, bucket_for(b, dec.buckets), profile)
+            # parity: the slot step against the model's forward on the same states and tokens, at
+            # batch 1 (the dense projections through kernels.gemv) and at 4
+            for n in sorted({1, min(4, dec.max_slots)}):
+                states = [dec.export(s) for s in range(n)]
+                toks = torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()
+                want = model([(st, [t]) for st, t in zip(states, toks)]).float()
+                got = dec.step(list(range(n)), toks).float()
+                out.setdefault("parity", []).append({"variant": name, "rows": n, "max_err_over_max_logit": float((got - want).abs().max() / want.abs().max()),
+                                                     "same_argmax": float((got.argmax(-1) == want.argmax(-1)).float().mean())})  # fmt: skip
+            del dec, states
+            if device == "cuda":
+                torch.cuda.empty_cache()
         ids = torch.randint(2, cfg.vocab_size, (prefill,), generator=gen).tolist()
         out["rows"].append(prefill_rows(model, ids, prefill_flops(cfg, dense / 2, prefill), mm, general))
     return out

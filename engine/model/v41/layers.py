@@ -94,7 +94,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x (N, H)`` → weights ``(N, k)`` and expert indices ``(N, k)``."""
-        scores = score(F.linear(x.float(), self.weight.float()) / self.temp, self.scoring_func)  # (N, E)
+        return self.route(F.linear(x.float(), self.weight.float()))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` from the fp32 router logits ``(N, E)`` (``x · weightᵀ``)."""
+        scores = score(logits / self.temp, self.scoring_func)  # (N, E)
         indices = (scores + self.bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.normalize:

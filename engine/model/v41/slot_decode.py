@@ -45,7 +45,11 @@ is launch-bound):
   ``kernels.moe_gemv`` (two weight-streaming GEMV kernels that read only the picked experts'
   rows); above, in bf16, ``kernels.moe.moe_experts`` (grouped, no host sync). Both apply the
   routing weight after the down projection instead of before it and add the picks in routing
-  order (fp32 sums; other last bits than ``MoE.forward``).
+  order (fp32 sums; other last bits than ``MoE.forward``);
+- at batch 1 (``V41SlotTuning.dense_gemv``) the dense projections (the attention's, the
+  grouped ``o_a`` as gemv's groups, the compressors', the indexer's, the router's fp32 logits)
+  and the lm_head through ``kernels.gemv`` (one weight stream, no split-K reduce) instead of
+  cuBLAS: H200 4-layer Flash-width slice, b=1 2.32 → 2.22 ms (NOTES run 36).
 
 Elsewhere the codes are unpacked and the step runs the general path's PyTorch ops on the same
 values: one gathered matmul per (token, pick) for the experts, summed in expert order as
@@ -76,6 +80,7 @@ from engine.model.v41.state import SourceState, V41SequenceState
 from kernels import v41_mhc
 from kernels._common import use_triton
 from kernels.fused import hc_pre_parts, norm_rope
+from kernels.gemv import gemv
 from kernels.mhc import hc_mix_parts
 from kernels.moe import has_grouped_mm, moe_experts
 from kernels.moe_gemv import MoEGemvTuning, moe_gemv, use_gemv
@@ -93,11 +98,15 @@ class V41SlotTuning:
     ``attention``: the decode attention's tiles and key-range splits (from the batch);
     ``moe_gemv``: when (``max_slots`` routed pairs at most) and how the experts take the GEMV
     kernels; ``hc_splits``: split-K ways of each mHC site's input dot at most (as V4's
-    ``DecodeTuning.hc_splits``)."""
+    ``DecodeTuning.hc_splits``); ``dense_gemv``: the dense projections at batch 1 through
+    ``kernels.gemv`` (a programmatic dependent launch with ``gemv_pdl``) instead of cuBLAS, as
+    V4's ``DecodeTuning.dense_gemv``."""
 
     attention: V41AttentionTuning = field(default_factory=V41AttentionTuning)
     moe_gemv: MoEGemvTuning = field(default_factory=MoEGemvTuning)
     hc_splits: int = 64
+    dense_gemv: bool = True
+    gemv_pdl: bool = True
 
 
 @dataclass
@@ -173,6 +182,7 @@ class V41SlotDecoder:
         self.tuning = tuning
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
         self.kernels = use_triton(self._inputs) if kernels is None else kernels  # the step's glue in Triton (module docstring)
+        self.dense_gemv = self.kernels and tuning.dense_gemv
         if self.kernels:
             with torch.inference_mode():  # the rotaries' tables and a column of ones, built before any capture
                 self._tables = {kind: rot.table(max_tokens, dt, dev) for kind, rot in model.rotary.items()}
@@ -334,7 +344,23 @@ class V41SlotDecoder:
             ffn_pre, post, comb = self._gates(layer.hc_ffn, streams)
             x = self._collapse_norm(layer.ffn_norm, attn_pre, streams)
             streams, pre = self._expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
-        return model.head.logits(self._collapse_norm(model.model.norm, pre, streams))  # (b, V)
+        hidden = self._collapse_norm(model.model.norm, pre, streams)
+        if self._gemv(hidden):  # LMHead.logits: F.linear, then fp32
+            return gemv(hidden, model.lm_head.weight, out_dtype=torch.float32, pdl=self.tuning.gemv_pdl)
+        return model.head.logits(hidden)  # (b, V)
+
+    def _gemv(self, x: torch.Tensor) -> bool:
+        """Whether a dense projection of ``x (b, ·)`` runs through ``kernels.gemv`` (one token)."""
+        return self.dense_gemv and x.shape[0] == 1
+
+    def _linear(self, lin: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``lin(x)`` (no bias); at one token ``kernels.gemv`` (one rounding to ``x``'s dtype)."""
+        return gemv(x, lin.weight, pdl=self.tuning.gemv_pdl) if self._gemv(x) else lin(x)
+
+    def _linear32(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x.float(), w.float())`` (fp32); at one token ``kernels.gemv`` over ``w`` as
+        stored (the same products, no fp32 copy of ``w``; other summation order)."""
+        return gemv(x.float(), w, pdl=self.tuning.gemv_pdl) if self._gemv(x) else F.linear(x.float(), w.float())
 
     def _collapse_norm(self, norm: RMSNorm, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """``norm(collapse(pre, streams))`` → ``(b, H)``: one kernel with the kernels."""
@@ -396,9 +422,9 @@ class V41SlotDecoder:
         step's ``cos_sin`` per rotary (None with the kernels)."""
         b, nh, d, w = x.shape[0], attn.n_heads, attn.head_dim, attn.window
         kind = attn.rope_kind
-        q_res = self._norm(attn.q_norm, attn.wq_a(x))  # (b, qr)
-        q = self._rope(attn.wq_b(q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
-        codes, exps = pack_fp8_window(self._rope(self._norm(attn.kv_norm, attn.wkv(x)), kind, pos, ropes))  # (b, D), (b, D/32)
+        q_res = self._norm(attn.q_norm, self._linear(attn.wq_a, x))  # (b, qr)
+        q = self._rope(self._linear(attn.wq_b, q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
+        codes, exps = pack_fp8_window(self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes))  # (b, D), (b, D/32)
         win_q, win_e = self.win_q[i], self.win_e[i]
         at = slots * w + pos % w
         win_q.view(-1, d).index_copy_(0, at, codes.view(torch.uint8))
@@ -419,6 +445,8 @@ class V41SlotDecoder:
         else:
             out = self._attend(attn, q, pos, slots, win_q, win_e, group, picks)
         out = self._rope(out, kind, pos, ropes, inverse=True)  # (b, nh, D)
+        if self._gemv(out):  # the grouped o_a as gemv's groups: (1, o_groups · o_lora_rank) flat
+            return self._linear(attn.wo_b, gemv(out.view(b, -1), attn.wo_a.weight, attn.o_groups, pdl=self.tuning.gemv_pdl))
         return attn.wo_b(attn.wo_a(out.view(b, attn.o_groups, -1)).flatten(1))
 
     def _attend(
@@ -465,11 +493,11 @@ class V41SlotDecoder:
         at ratio 1) rotated, packed and written to its row (the scratch row for open groups)."""
         comp, sp, r = attn.compressor, self.sources[i], self.sources[i].ratio
         if r == 1:
-            latents, done = self._norm(comp.norm, comp.wkv(x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
+            latents, done = self._norm(comp.norm, self._linear(comp.wkv, x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
         else:
             at = slots * r + pos % r
-            sp.buf_kv.view(-1, sp.buf_kv.shape[-1]).index_copy_(0, at, F.linear(x.float(), comp.wkv.weight.float()))
-            sp.buf_gate.view(-1, sp.buf_gate.shape[-1]).index_copy_(0, at, F.linear(x.float(), comp.wgate.weight.float()))
+            sp.buf_kv.view(-1, sp.buf_kv.shape[-1]).index_copy_(0, at, self._linear32(comp.wkv.weight, x))
+            sp.buf_gate.view(-1, sp.buf_gate.shape[-1]).index_copy_(0, at, self._linear32(comp.wgate.weight, x))
             weights = sp.buf_gate[slots].softmax(dim=1)  # (b, r, D) over the group's tokens
             latents = self._norm(comp.norm, (sp.buf_kv[slots] * weights).sum(dim=1).to(x.dtype))  # (b, D)
             done = pos % r == r - 1
@@ -477,7 +505,7 @@ class V41SlotDecoder:
         flat = slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc)  # (b,)
         if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated at the group's first position
             idx = attn.indexer
-            kq, ke = pack_fp4_keys(self._rope(self._norm(idx.k_norm, idx.wk(latents)), "compress", pos, ropes, r))
+            kq, ke = pack_fp4_keys(self._rope(self._norm(idx.k_norm, self._linear(idx.wk, latents)), "compress", pos, ropes, r))
             sp.keys_q.view(-1, kq.shape[-1]).index_copy_(0, flat, kq)
             sp.keys_e.view(-1, ke.shape[-1]).index_copy_(0, flat, ke)
         rq, rs = pack_fp4_rows(self._rope(latents, "compress", pos, ropes, r))
@@ -491,8 +519,8 @@ class V41SlotDecoder:
         """``Indexer.select`` over all ``Tc`` columns: chosen rows ``(b, k)`` and ``(b, k)`` True
         where the choice is a complete row; the candidate source publishes ``group["candidates"]``."""
         b, tc = x.shape[0], sp.keys_q.shape[1] - 1
-        q = fp4_indexer(self._rope(idx.wq_b(q_res).view(b, idx.n_heads, idx.head_dim), "compress", pos, ropes))  # (b, Hi, Di)
-        weights = idx.weights_proj(x).float() * idx.heads_scaling  # (b, Hi)
+        q = fp4_indexer(self._rope(self._linear(idx.wq_b, q_res).view(b, idx.n_heads, idx.head_dim), "compress", pos, ropes))  # (b, Hi, Di)
+        weights = self._linear(idx.weights_proj, x).float() * idx.heads_scaling  # (b, Hi)
         complete = torch.div(pos + 1, idx.ratio, rounding_mode="floor")  # (b,) rows < this are complete
         if self.kernels:
             scores = v41_indexer_scores(q, weights, sp.keys_q[:, :-1], sp.keys_e[:, :-1], slots, complete, idx.softmax_scale)  # (b, Tc)
@@ -510,7 +538,8 @@ class V41SlotDecoder:
 
     def _moe(self, i: int, moe, x: torch.Tensor) -> torch.Tensor:
         """``MoE.forward`` of ``x (b, H)`` without host syncs (module docstring)."""
-        weights, indices = moe.gate(x)  # (b, k) each
+        gate = moe.gate  # the router's fp32 logits through gemv at one token
+        weights, indices = gate.route(self._linear32(gate.weight, x)) if self._gemv(x) else gate(x)  # (b, k) each
         gate_up, down = self._experts[i]
         se = moe.shared_experts
         if self.kernels and se.limit > 0 and use_gemv(x, indices.numel(), self.tuning.moe_gemv):

@@ -239,7 +239,8 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
 
 def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
-    (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``); those left out take the defaults."""
+    (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``); those left out take the defaults
+    (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
     dflt = V41SlotTuning()
     moe = replace(dflt.moe_gemv, max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)))
     return replace(dflt, moe_gemv=moe, dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
@@ -264,7 +265,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--general", action="store_true", help="also time the general path's prefill and compare its logits")
     ap.add_argument("--profile", metavar="PREFIX", help="write each batch's graph replay, kernel by kernel, to PREFIX_b<B>_graph.txt")
-    ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N;...", help="also time the decode batches with these slot tunings (slot_tuning)")
+    ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N,kern=0;...", help="also time the decode batches with these slot tunings (slot_tuning)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -317,7 +318,8 @@ def run(
         model([(state, ctx)])
         max_tokens = context + (len(batches) + 1) * (iters + 4) * (1 + len(variants)) + 8
         for name, tuning_kv in [("", {}), *variants]:
-            dec = V41SlotDecoder(model, max(batches), max_tokens, experts=stacks, tuning=slot_tuning(tuning_kv))
+            kernels = None if "kern" not in tuning_kv else tuning_kv["kern"] == "1"
+            dec = V41SlotDecoder(model, max(batches), max_tokens, experts=stacks, kernels=kernels, tuning=slot_tuning(tuning_kv))
             for s in range(dec.max_slots):
                 dec.load(s, state)
             if dec.use_graphs:

@@ -1,6 +1,6 @@
 """Routed experts (and the shared expert) for a few tokens: two weight-streaming GEMV kernels.
 
-At decode batch 1-26 the routed experts are ``n·k <= 160`` rows against up to ``n·k`` different experts:
+At decode batch 1-32 the routed experts are ``n·k <= 192`` rows against up to ``n·k`` different experts:
 ``kernels.moe.moe_experts`` (sort, gather, ``torch._grouped_mm`` on tiny groups, SwiGLU, combine:
 ~15 launches) reads their weights at ~53% of the copy bandwidth (NOTES run 2). Here::
 
@@ -38,15 +38,16 @@ class MoEGemvTuning:
     """When static decode takes this path, and its launch configs.
 
     ``max_slots``: at most this many routed slots (n·k) take it; more rows re-read fewer distinct
-    experts per row and the grouped GEMM path wins. 160 (NOTES runs 34-36, H200, V4 slice, 6
+    experts per row and the grouped GEMM path wins. 192 (NOTES runs 34-37, H200, V4 slice, 6
     picks): against 16, plain decode b=3/4/5/8 2.87/2.82/3.57/4.28 → 2.14/2.12/3.04/3.26 ms and
     the b=1 verify of k=2/3 2.32/2.60 → 1.71/2.00 ms; against 64, b=12/16 5.78/6.49 → 5.14/5.32
-    ms; a 24-slot bucket (144 pairs) 7.92 → 7.03 ms against 128; b=1 unchanged. Above 144 pairs
-    (a 32-slot bucket) not measured yet. ``up``/``down``: ``GemvConfig`` of the gate/up
+    ms; a 24-slot bucket (144 pairs) 7.92 → 7.03 ms against 128, b=32 (192 pairs) 9.81 → 9.15 ms
+    against 160, the b=16 k=1 verify (192 pairs) 10.28 → 9.37 ms; 288 pairs tie (the b=16 k=2
+    verify 12.61 / 12.75 ms), 384 lose (k=3 14.34 → 16.54 ms); b=1 unchanged. ``up``/``down``: ``GemvConfig`` of the gate/up
     and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them.
     """
 
-    max_slots: int = 160
+    max_slots: int = 192
     up: GemvConfig = (4, 1024, 4)
     down: GemvConfig = (4, 1024, 4)
 

@@ -15,7 +15,7 @@ is ``kernels.decode_attention`` over (ring, row pool); CSA's rows come from
 ``kernels.indexer.indexer_scores`` over the fixed ``Tc`` columns (``-inf`` past each sequence's
 complete rows) and ``torch.topk`` with a fixed ``k`` (``-1`` for missing rows). The MoE runs the
 Triton grouped kernel (``Experts`` on CUDA bf16), whose expert counts stay on the device; a step
-of at most ``MoEGemvTuning.max_slots`` routed slots (batch 1-26 at six picks) runs the routed and the shared
+of at most ``MoEGemvTuning.max_slots`` routed slots (batch 1-32 at six picks) runs the routed and the shared
 expert as two weight-streaming GEMV kernels instead (``kernels.moe_gemv``); at batch 1 the dense
 projections (x projections, q_b, o_a, o_b, router, lm_head) are weight-streaming GEMV kernels too
 (``kernels.gemv``, programmatic dependent launches in the graph). The fused step runs

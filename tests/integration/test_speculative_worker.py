@@ -1,4 +1,6 @@
-"""Speculative decoding in a real ``deepserve engine`` process over HTTP (trained tiny MTP model).
+"""Speculative decoding in a real ``deepserve engine`` process over HTTP, for each family: the
+trained tiny V4 model drafting with its MTP layer, the trained tiny V4.1 model with its DSpark
+draft layers.
 
 Two workers, one with ``--speculative-config`` and one without, give the same greedy tokens for
 batched requests of mixed lengths that cross 128-token units (their KV store on, so drafts stop at
@@ -24,6 +26,21 @@ from router.worker_client import WorkerClient
 from tests.integration.workers import AUTH, start_workers
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+# method → (checkpoint fixture, acceptance bar: accepted / drafted tokens, well above zero; the
+# DSpark layers accept less on these prompts' random-token stretches: 0.39 in the engine tests)
+FAMILIES = {"mtp": ("trained_mtp_model_dir", 0.5), "dspark": ("trained_dspark_model_dir", 0.3)}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest):
+    """(checkpoint dir, method, acceptance bar) of one drafting family."""
+    fixture, bar = FAMILIES[request.param]
+    return request.getfixturevalue(fixture), request.param, bar
+
+
+def _spec(method: str, k: int) -> tuple[str, str]:
+    return "--speculative-config", f'{{"method": "{method}", "num_speculative_tokens": {k}}}'
 
 
 def _requests(max_tokens: int = 48, lengths: tuple[int, ...] = (3, 120, 200, 60)) -> list[GenerateRequest]:
@@ -55,18 +72,18 @@ def _metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def test_speculative_worker_gives_the_plain_workers_tokens(trained_mtp_model_dir, tmp_path_factory) -> None:
+def test_speculative_worker_gives_the_plain_workers_tokens(family, tmp_path_factory) -> None:
+    ckpt, method, bar = family
     logs = tmp_path_factory.mktemp("logs")
-    spec = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-spec"), ["mixed"], logs,
-                         extra=("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'))[0]  # fmt: skip
-    plain = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-plain"), ["mixed"], logs)[0]
+    spec = start_workers(ckpt, tmp_path_factory.mktemp("kv-spec"), ["mixed"], logs, extra=_spec(method, 3))[0]
+    plain = start_workers(ckpt, tmp_path_factory.mktemp("kv-plain"), ["mixed"], logs)[0]
     try:
         want = asyncio.run(_generate(plain.url))
         got = asyncio.run(_generate(spec.url))
         assert got == want and all(len(t) == 48 for t in got.values())
         drafts = _metric(spec.url, "vllm:spec_decode_num_draft_tokens_total")
         accepted = _metric(spec.url, "vllm:spec_decode_num_accepted_tokens_total")
-        assert accepted > 0.5 * drafts > 0
+        assert accepted > bar * drafts > 0, (accepted, drafts)
         assert _metric(spec.url, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
         assert _metric(plain.url, "vllm:spec_decode_num_drafts_total") == 0
     finally:
@@ -95,11 +112,11 @@ async def _through_router(prefill: str, decode: str) -> dict[str, list[int]]:
         await router.stop()
 
 
-def test_prefill_handoff_to_a_speculative_decode_worker(trained_mtp_model_dir, tmp_path_factory) -> None:
+def test_prefill_handoff_to_a_speculative_decode_worker(family, tmp_path_factory) -> None:
+    ckpt, method, _ = family
     logs, kv = tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("kv-pd")
-    spec = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
-    prefill, decode = start_workers(trained_mtp_model_dir, kv, ["prefill", "decode"], logs, extra=spec)
-    plain = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-plain2"), ["mixed"], logs)[0]
+    prefill, decode = start_workers(ckpt, kv, ["prefill", "decode"], logs, extra=_spec(method, 2))
+    plain = start_workers(ckpt, tmp_path_factory.mktemp("kv-plain2"), ["mixed"], logs)[0]
     try:
         want = asyncio.run(_generate(plain.url))
         assert asyncio.run(_through_router(prefill.url, decode.url)) == want
@@ -109,12 +126,12 @@ def test_prefill_handoff_to_a_speculative_decode_worker(trained_mtp_model_dir, t
             w.terminate()
 
 
-def test_speculative_decode_worker_killed_mid_stream_migrates(trained_mtp_model_dir, tmp_path_factory) -> None:
+def test_speculative_decode_worker_killed_mid_stream_migrates(family, tmp_path_factory) -> None:
+    ckpt, method, _ = family
     logs, kv = tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("kv-mig")
-    spec = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}')
-    prefill = start_workers(trained_mtp_model_dir, kv, ["prefill"], logs)[0]
-    victim, survivor = start_workers(trained_mtp_model_dir, kv, ["decode", "decode"], logs, extra=spec)
-    plain = start_workers(trained_mtp_model_dir, tmp_path_factory.mktemp("kv-plain3"), ["mixed"], logs)[0]
+    prefill = start_workers(ckpt, kv, ["prefill"], logs)[0]
+    victim, survivor = start_workers(ckpt, kv, ["decode", "decode"], logs, extra=_spec(method, 3))
+    plain = start_workers(ckpt, tmp_path_factory.mktemp("kv-plain3"), ["mixed"], logs)[0]
     reqs = lambda: _requests(max_tokens=200, lengths=(3, 120, 200, 60, 90, 150))  # noqa: E731
     config = RouterConfig(policy="round_robin", load_interval_s=0.1, health_interval_s=0.2, kv_events_interval_s=0.2, backoff_base_s=0.01,
                           pd_min_prompt_tokens=0, prefill=(prefill.url,), decode=(victim.url, survivor.url))  # fmt: skip

@@ -492,7 +492,7 @@ def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
 def fp8_rows(args, ours, cfg, bases, batches, vocab, gen, bw, rows) -> None:
     """Static graph step with the routed experts in FP8 (``engine.model.fp8``), first context."""
     from engine.model.fp8 import attach_fp8_experts
-    from engine.model.static_decode import StaticDecoder
+    from engine.model.static_decode import StaticDecoder, bucket_for
 
     context = int(args.contexts.split(",")[0])
     base, extra = bases[context]
@@ -564,7 +564,7 @@ def native_rows(args, bw: float, mm: float, rows: list) -> None:
 
     from engine.model.loader import load_model
     from engine.model.random_checkpoint import make_random_checkpoint
-    from engine.model.static_decode import StaticDecoder
+    from engine.model.static_decode import StaticDecoder, bucket_for
     from kernels.fp8_gemm import Fp8GemmConfig
 
     fp8_mm = fp8_matmul_rate()
@@ -596,6 +596,8 @@ def native_rows(args, bw: float, mm: float, rows: list) -> None:
         rel_err = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
         argmax_agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
         t_step, t_replay = time_static(dec, batch, base, nxt, args.graph_iters)
+        if args.profile:
+            profile_graph(dec, bucket_for(batch, dec.buckets), args.profile + "_native")
         floor_bytes = dense + cfg.num_hidden_layers * expert * touched_experts(cfg, batch) + state_read_bytes(cfg, batch, context)
         row = {
             "what": f"decode native b={batch} ctx={context}", "graph_ms": t_step * 1e3, "replay_ms": t_replay * 1e3,

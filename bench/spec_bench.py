@@ -1,10 +1,13 @@
-"""Speculative decoding with the MTP layer on CPU: tokens per step and inter-token latency.
+"""Speculative decoding with the checkpoint's own draft layers on CPU: tokens per step and
+inter-token latency.
 
-    python -m bench.spec_bench --output FILE.json [--model DIR] [--k 1,2,3] [--concurrency 1,8]
-        [--prompt-len 256] [--new-tokens 128] [--repeats 2] [--drafts slots,general] [--serve]
+    python -m bench.spec_bench --output FILE.json [--model DIR] [--preset tiny|tiny-v41] [--k 1,2,3]
+        [--concurrency 1,8] [--prompt-len 256] [--new-tokens 128] [--repeats 2] [--drafts slots,general] [--serve]
 
-The model is the tiny checkpoint trained by ``make-tiny-model --train-mtp`` (made in a temporary
-directory unless ``--model`` names one). For each concurrency B, B requests arrive at once: a
+The model is the tiny checkpoint trained by ``make-tiny-model --preset PRESET --train-mtp`` (made
+in a temporary directory unless ``--model`` names one): ``tiny`` (DeepSeek-V4, drafting with its
+MTP layer, ``method="mtp"``) or ``tiny-v41`` (DeepSeek-V4.1, its DSpark draft layers,
+``method="dspark"``; V4.1 verifies on the general path, so ``--drafts`` does not apply). For each concurrency B, B requests arrive at once: a
 prompt of ``--prompt-len - 8`` random token ids then 8 tokens of the synthetic language
 (``engine/model/tiny_mtp.py``), greedy, ``ignore_eos``, exactly N output tokens each, through one
 in-process ``EngineCore`` — without speculation (decode in the host slot pools) and with
@@ -41,10 +44,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from deepserve.protocol import GenerateRequest, SamplingParams
-from engine.model.loader import load_model
 from engine.model.tiny import make_tiny_model
 from engine.model.tiny_mtp import TrainConfig, sentence
-from engine.runtime.builder import build_engine
+from engine.runtime.builder import build_engine, load_any_model
 from engine.runtime.config import EngineConfig, SpeculativeConfig
 from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
 
@@ -60,18 +62,21 @@ def requests(b: int, prompt_len: int, new_tokens: int, seed: int) -> list[Genera
     return out
 
 
-def run_point(ckpt: Path, model: Any, k: int | None, reqs: list[GenerateRequest], where: str = "slots") -> dict[str, Any]:
-    """One run of ``reqs`` through a fresh engine (drafting where ``where`` says): timings,
-    tokens, the spec counters and the time spent drafting."""
+METHODS = {"tiny": "mtp", "tiny-v41": "dspark"}  # make-tiny-model preset → its drafting method
+
+
+def run_point(ckpt: Path, model: Any, k: int | None, reqs: list[GenerateRequest], where: str = "slots", method: str = "mtp") -> dict[str, Any]:
+    """One run of ``reqs`` through a fresh engine (``method``'s drafts; V4 drafting where ``where``
+    says): timings, tokens, the spec counters and the time spent drafting."""
     reg = CollectorRegistry()
-    spec = None if k is None else SpeculativeConfig("mtp", k)
+    spec = None if k is None else SpeculativeConfig(method, k)
     engine = build_engine(ckpt, EngineConfig(max_num_seqs=max(8, len(reqs)), speculative=spec), model=model,
                           metrics=EngineMetrics(EngineMetricFamilies(reg), "bench", 0))  # fmt: skip
     if engine.static is not None:
         engine.static.warm_up()
     draft_s = [0.0]
     if engine.spec is not None:
-        engine.spec.slot_drafts = where == "slots"
+        engine.spec.slot_drafts = where == "slots" and engine.spec.target.slots
         inner = engine.spec._draft
 
         def timed(*a, inner=inner):
@@ -100,7 +105,7 @@ def run_point(ckpt: Path, model: Any, k: int | None, reqs: list[GenerateRequest]
     verifies, drafts = value("num_drafts"), value("num_draft_tokens")
     per_pos = [value("num_accepted_tokens_per_pos", position=str(p)) / verifies if verifies else 0.0 for p in range(k or 0)]
     return {
-        "k": k, "drafts": where if k else None, "draft_s": draft_s[0], "tok_s": len(reqs) * n / wall, "itl_ms": 1e3 * itl, "wall_s": wall, "tokens": tokens,
+        "k": k, "drafts": ("slots" if engine.spec.slot_drafts else "general") if engine.spec is not None else None, "draft_s": draft_s[0], "tok_s": len(reqs) * n / wall, "itl_ms": 1e3 * itl, "wall_s": wall, "tokens": tokens,
         "verifies": verifies, "draft_tokens": drafts, "accepted": value("num_accepted_tokens"),
         "tokens_per_step": 1 + value("num_accepted_tokens") / verifies if verifies else 1.0, "acceptance_per_position": per_pos,
     }  # fmt: skip
@@ -133,7 +138,7 @@ def serve_points(ckpt: Path, args: argparse.Namespace, work: Path) -> list[dict[
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "deepserve.cli", "up", "--model", str(ckpt), "--port", str(port), "--max-num-seqs", "16"]
         if k is not None:
-            cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+            cmd += ["--speculative-config", json.dumps({"method": METHODS[args.preset], "num_speculative_tokens": k})]
         log = work / f"up-{k}.log"
         try:
             proc = start(cmd, url + "/health", log=log, timeout=300, env={"DEEPSERVE_CPU_THREADS": "1"})
@@ -171,6 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--output", required=True)
     ap.add_argument("--model", default=None, help="a --train-mtp checkpoint (default: made in a temporary directory)")
+    ap.add_argument("--preset", default="tiny", choices=sorted(METHODS), help="the checkpoint's family when --model is not given (module docstring)")
     ap.add_argument("--k", default="1,2,3")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -182,12 +188,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
-    ckpt = Path(args.model) if args.model else make_tiny_model(Path(tmp.name) / "model", seed=0, train_mtp=TrainConfig())
+    ckpt = Path(args.model) if args.model else make_tiny_model(Path(tmp.name) / "model", seed=0, preset=args.preset, train_mtp=TrainConfig())
     if args.serve:
         meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1, **vars(args)}
         Path(args.output).write_text(json.dumps({"meta": meta, "points": serve_points(ckpt, args, Path(tmp.name))}, indent=2))
         return
-    model = load_model(ckpt, dtype="float32", progress=False)
+    model = load_any_model(ckpt, dtype="float32")
     points = []
     for b in (int(x) for x in args.concurrency.split(",")):
         reqs = requests(b, args.prompt_len, args.new_tokens, seed=b)
@@ -195,7 +201,7 @@ def main() -> None:
         settings = [(None, "-")] + [(int(x), d) for x in args.k.split(",") for d in args.drafts.split(",")]
         for _ in range(args.repeats):  # rounds interleave the settings
             for k, d in settings:
-                r = run_point(ckpt, model, k, [GenerateRequest.from_dict(q.to_dict()) for q in reqs], d)
+                r = run_point(ckpt, model, k, [GenerateRequest.from_dict(q.to_dict()) for q in reqs], d, METHODS[args.preset])
                 if (k, d) not in runs or r["tok_s"] > runs[k, d]["tok_s"]:
                     runs[k, d] = r
         base = runs[None, "-"]["tokens"]

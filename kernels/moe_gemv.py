@@ -43,11 +43,16 @@ class MoEGemvTuning:
     the b=1 verify of k=2/3 2.32/2.60 → 1.71/2.00 ms; against 64, b=12/16 5.78/6.49 → 5.14/5.32
     ms; a 24-slot bucket (144 pairs) 7.92 → 7.03 ms against 128, b=32 (192 pairs) 9.81 → 9.15 ms
     against 160, the b=16 k=1 verify (192 pairs) 10.28 → 9.37 ms; 288 pairs tie (the b=16 k=2
-    verify 12.61 / 12.75 ms), 384 lose (k=3 14.34 → 16.54 ms); b=1 unchanged. ``up``/``down``: ``GemvConfig`` of the gate/up
+    verify 12.61 / 12.75 ms), 384 lose (k=3 14.34 → 16.54 ms); b=1 unchanged. ``fp4_max_slots``:
+    the same limit for the checkpoint's FP4 experts (``kernels.moe_fp4_gemv``), whose GEMV reads
+    every slot's expert whole and decodes it in registers at ~0.45 TB/s, so it gains nothing from
+    more slots: 16 (NOTES run 38, native V4 slice: at 192, b=16 took 11.07 ms against 8.38 on the
+    grouped kernel in run 24, b=32 21.20 ms; the FP4 GEMVs were 10.1 / 20.0 ms of it). ``up``/``down``: ``GemvConfig`` of the gate/up
     and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them.
     """
 
     max_slots: int = 192
+    fp4_max_slots: int = 16
     up: GemvConfig = (4, 1024, 4)
     down: GemvConfig = (4, 1024, 4)
 

@@ -29,7 +29,7 @@ experts kept as stored): an ``Fp8Linear`` runs through ``kernels.fp8_gemm`` (act
 per 1×128 group) and at batch 1 through ``kernels.fp8_gemv`` (the same function, dequantised in
 registers); the merged x projection becomes one GEMM per run of same-kind weights
 (``fp8.merge_weights``: the FP8 q_a + kv, the bf16 compressor and indexer projections); FP4 routed
-experts run through ``kernels.moe_fp4``'s grouped kernel, or for at most ``MoEGemvTuning.max_slots``
+experts run through ``kernels.moe_fp4``'s grouped kernel, or for at most ``MoEGemvTuning.fp4_max_slots``
 routed slots through two GEMV kernels decoding FP4 in registers (``kernels.moe_fp4_gemv``), the FP8
 shared expert through the FP8 linears (on the side stream). Dense (bf16) weights stay the parity path.
 
@@ -559,7 +559,8 @@ class StaticDecoder(PooledDecoder):
         if self.experts is not None:
             return self.experts(ex, x, weights, indices, self._inputs[2, : x.shape[0]] != self.scratch)
         if ex.fp4 is not None:  # the checkpoint's FP4 experts (load_model(fp4_experts=True)): GEMVs for a few slots
-            if self.gemv_experts and use_gemv(x, indices.numel(), self.tuning.moe_gemv):
+            n = indices.numel()
+            if self.gemv_experts and n <= self.tuning.moe_gemv.fp4_max_slots and use_gemv(x, n, self.tuning.moe_gemv):
                 return moe_fp4_gemv(x, weights, indices, *ex.fp4, ex.limit, tuning=self.tuning.moe_gemv)
             return moe_experts_fp4(x, weights, indices, *ex.fp4, ex.limit)
         fp8 = getattr(ex, "fp8", None)  # engine.model.fp8.attach_fp8_experts

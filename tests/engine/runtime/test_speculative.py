@@ -9,11 +9,9 @@ from deepserve.protocol import GenerateRequest, SamplingParams
 from engine.errors import CheckpointError
 from engine.model.loader import load_model
 from engine.model.tiny_mtp import TrainConfig, sentence
-from engine.runtime.builder import build_engine
-from engine.runtime.config import EngineConfig, SpeculativeConfig
-from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
+from engine.runtime.config import SpeculativeConfig
 
-from helpers import prompt, run
+from helpers import prompt, run, spec_counts, spec_engine
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +20,12 @@ def trained(trained_mtp_model_dir):
 
 
 def _engine(ckpt, model, k: int | None, **kw):
-    """An engine (speculative with ``k`` drafts, or not) and the registry of its metrics."""
-    reg = CollectorRegistry()
-    metrics = EngineMetrics(EngineMetricFamilies(reg), "m", 0)
-    spec = None if k is None else SpeculativeConfig("mtp", k)
-    kw.setdefault("max_num_seqs", 8)
-    return build_engine(ckpt, EngineConfig(speculative=spec, **kw), model=model, metrics=metrics), reg
+    """An engine (speculative with ``k`` MTP drafts, or not) and the registry of its metrics."""
+    return spec_engine(ckpt, model, None if k is None else SpeculativeConfig("mtp", k), **kw)
 
 
 def _counts(reg: CollectorRegistry) -> dict[str, float]:
-    labels = {"model_name": "m", "dp_rank": "0", "engine": "0"}
-    out = {n: reg.get_sample_value(f"vllm:spec_decode_{n}_total", labels) or 0.0 for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    out["per_pos"] = sum(reg.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": str(p)}) or 0.0 for p in range(4))
-    return out
+    return spec_counts(reg, 4)
 
 
 def _requests(lang: TrainConfig) -> list[GenerateRequest]:

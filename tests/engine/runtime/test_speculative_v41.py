@@ -6,7 +6,6 @@ drafts are accepted; the configurations that do not fit the checkpoint are refus
 from __future__ import annotations
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from deepserve.protocol import GenerateRequest, SamplingParams
@@ -16,21 +15,8 @@ from engine.model.tiny_mtp import TrainConfig, sentence
 from engine.model.v41.loader import load_v41_model
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig, SpeculativeConfig
-from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
 
-from helpers import prompt, run
-
-LABELS = {"model_name": "m", "dp_rank": "0", "engine": "0"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread, as the engine runs on CPU (and much faster on shared cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+from helpers import prompt, run, spec_counts, spec_engine
 
 @pytest.fixture(scope="module")
 def trained(trained_dspark_model_dir):
@@ -39,16 +25,11 @@ def trained(trained_dspark_model_dir):
 
 def _engine(ckpt, model, k: int | None, threshold: float | None = None, **kw):
     """An engine (speculative with ``k`` DSpark drafts, or not) and the registry of its metrics."""
-    reg = CollectorRegistry()
-    spec = None if k is None else SpeculativeConfig("dspark", k, threshold)
-    kw.setdefault("max_num_seqs", 8)
-    return build_engine(ckpt, EngineConfig(speculative=spec, **kw), model=model, metrics=EngineMetrics(EngineMetricFamilies(reg), "m", 0)), reg
+    return spec_engine(ckpt, model, None if k is None else SpeculativeConfig("dspark", k, threshold), **kw)
 
 
 def _counts(reg: CollectorRegistry) -> dict[str, float]:
-    out = {n: reg.get_sample_value(f"vllm:spec_decode_{n}_total", LABELS) or 0.0 for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    out["per_pos"] = sum(reg.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**LABELS, "position": str(p)}) or 0.0 for p in range(5))
-    return out
+    return spec_counts(reg, 5)
 
 
 def _requests(lang: TrainConfig) -> list[GenerateRequest]:

@@ -8,7 +8,7 @@ magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}: every dequantised weight ``code · 2^s``
 ``fp4_grouped_linear`` is ``kernels.moe_fp8``'s grouped GEMM with the weight tile decoded in
 registers: one program per (expert, 128-column tile) returns at once when its expert has no rows,
 else loads each ``(BN, 64)``-byte packed tile and its ``(BN, 4)`` scales once per row tile, splits
-the nibbles, builds each magnitude from its exponent and mantissa bits, scales it and runs a
+the nibbles, places each code's bits in an fp16 (``_fp4_tile``: no select), scales it and runs a
 bf16 tensor-core product with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for
 the scales); the decode costs a few integer operations per weight and row tile.
 """
@@ -78,15 +78,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _fp4_tile(w_base, s_base, cols, k0, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
-        """The dequantised weight tile ``(BN, BK)`` fp32 of columns ``cols`` and inputs ``[k0, k0+BK)``."""
+        """The dequantised weight tile ``(BN, BK)`` fp32 of columns ``cols`` and inputs ``[k0, k0+BK)``.
+
+        A code ``s e1 e0 m`` is placed as the fp16 bits ``s << 15 | e1 e0 m << 9``: the value
+        2^(e-15)·(1 + m/2), for e = 0 the subnormal m·2^-15 — the e2m1 value times 2^-14, exactly
+        (the fp16 → fp32 conversion keeps subnormals) — then times 2^14 and the group's scale: no
+        select per weight."""
         jj = tl.arange(0, BK // 2)
         packed = tl.load(w_base + cols.to(tl.int64)[:, None] * (K // 2) + k0 // 2 + jj[None, :]).to(tl.int32)  # (BN, BK/2) bytes
         codes = tl.reshape(tl.join(packed & 0xF, (packed >> 4) & 0xF), (BN, BK))  # low nibble first
-        e = (codes >> 1) & 3
-        mant = codes & 1
-        normal = (((e + 126) << 23) | (mant << 22)).to(tl.float32, bitcast=True)  # 2^(e-1)·(1 + m/2)
-        mag = tl.where(e == 0, mant.to(tl.float32) * 0.5, normal)
-        val = tl.where((codes & 8) != 0, -mag, mag)
+        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+        val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
         gg = tl.arange(0, BK // G)
         sc = tl.load(s_base + cols.to(tl.int64)[:, None] * (K // G) + k0 // G + gg[None, :]).to(tl.int32)  # (BN, BK/G) e8m0
         scale = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)  # 2^(sc-127); code 0 is 2^-127

@@ -13,6 +13,7 @@ import torch
 from engine.model.loader import dequantize
 from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 from kernels.moe import moe_experts_reference
+from kernels._common import HAS_TRITON, tl, triton
 from kernels.moe_fp4 import dequantize_fp4, fp4_grouped_linear, moe_experts_fp4
 
 DEV = "cuda" if ON_GPU else "cpu"
@@ -38,6 +39,32 @@ def test_dequantize_matches_the_loader() -> None:
     for e in range(2):
         assert torch.equal(dequantize_fp4(q[e], s[e]), dequantize(q[e], s[e]))
     assert torch.equal(dequantize_fp4(q, s.view(torch.uint8)), dequantize_fp4(q, s))
+
+
+if HAS_TRITON:
+    from kernels.moe_fp4 import _fp4_tile
+
+    @triton.jit
+    def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
+        """Each program writes one ``(BN, BK)`` tile of ``_fp4_tile`` (the kernels' decoder)."""
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        k0 = tl.program_id(1) * BK
+        tile = _fp4_tile(w_ptr, s_ptr, cols, k0, K, BN, BK, G)
+        tl.store(out_ptr + cols[:, None] * K + k0 + tl.arange(0, BK)[None, :], tile)
+
+
+@pytest.mark.gpu
+def test_kernel_decoder_is_bit_exact() -> None:
+    """The kernels' in-register decoder gives ``dequantize_fp4``'s fp32 values bit for bit: every
+    byte (both nibbles, ±0 included) under every e8m0 scale code but NaN's (0: 2^-127, up to 254)."""
+    _needs_kernel()
+    n, k = 32, 256 * 4
+    q = torch.arange(256, dtype=torch.int32).repeat(n, k // 2 // 256).to(torch.uint8).view(torch.int8)  # (n, k/2): each byte 2x per row
+    s = torch.arange(n * k // 32, dtype=torch.int32).remainder(255).to(torch.uint8).view(n, k // 32)  # codes 0..254
+    out = torch.empty(n, k, dtype=torch.float32, device=DEV)
+    _decode_kernel[(n // 16, k // 128)](q.to(DEV), s.to(DEV), out, n, k, BN=16, BK=128, G=32)
+    want = dequantize_fp4(q, s)
+    assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.gpu

@@ -49,7 +49,10 @@ is launch-bound):
 - at batch 1 (``V41SlotTuning.dense_gemv``) the dense projections (the attention's, the
   grouped ``o_a`` as gemv's groups, the compressors', the indexer's, the router's fp32 logits)
   and the lm_head through ``kernels.gemv`` (one weight stream, no split-K reduce) instead of
-  cuBLAS: H200 4-layer Flash-width slice, b=1 2.32 → 2.22 ms (NOTES run 36).
+  cuBLAS: H200 4-layer Flash-width slice, b=1 2.32 → 2.22 ms (NOTES run 36);
+- the KV writes: each token's window KV, compressed row and indexer keys packed and stored
+  straight into their pool rows, and the indexer query's FP4 rounding, one kernel each
+  (``kernels.v41_pack``, the same codes as ``kernels.v41_kv``'s packers with ``index_copy_``).
 
 Elsewhere the codes are unpacked and the step runs the general path's PyTorch ops on the same
 values: one gathered matmul per (token, pick) for the experts, summed in expert order as
@@ -88,6 +91,7 @@ from kernels.reference import apply_rope_eager as apply_rope
 from kernels.v41_attention import V41AttentionTuning, v41_decode_attention
 from kernels.v41_indexer import v41_indexer_scores
 from kernels.v41_kv import pack_fp4_keys, pack_fp4_rows, pack_fp8_window, unpack_fp4_keys, unpack_fp4_rows, unpack_fp8_window
+from kernels.v41_pack import fp4_indexer_quant, write_fp4_keys, write_fp4_rows, write_fp8_window
 
 E4M3 = torch.float8_e4m3fn
 
@@ -424,11 +428,15 @@ class V41SlotDecoder:
         kind = attn.rope_kind
         q_res = self._norm(attn.q_norm, self._linear(attn.wq_a, x))  # (b, qr)
         q = self._rope(self._linear(attn.wq_b, q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
-        codes, exps = pack_fp8_window(self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes))  # (b, D), (b, D/32)
+        kv = self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes)  # (b, D)
         win_q, win_e = self.win_q[i], self.win_e[i]
         at = slots * w + pos % w
-        win_q.view(-1, d).index_copy_(0, at, codes.view(torch.uint8))
-        win_e.view(-1, d // 32).index_copy_(0, at, exps)
+        if self.kernels:
+            write_fp8_window(kv, win_q, win_e, at)
+        else:
+            codes, exps = pack_fp8_window(kv)  # (b, D), (b, D/32)
+            win_q.view(-1, d).index_copy_(0, at, codes.view(torch.uint8))
+            win_e.view(-1, d // 32).index_copy_(0, at, exps)
         picks = None
         if attn.ratio:
             self._compressed(i, attn, x, q_res, pos, slots, ropes, group)
@@ -505,12 +513,20 @@ class V41SlotDecoder:
         flat = slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc)  # (b,)
         if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated at the group's first position
             idx = attn.indexer
-            kq, ke = pack_fp4_keys(self._rope(self._norm(idx.k_norm, self._linear(idx.wk, latents)), "compress", pos, ropes, r))
-            sp.keys_q.view(-1, kq.shape[-1]).index_copy_(0, flat, kq)
-            sp.keys_e.view(-1, ke.shape[-1]).index_copy_(0, flat, ke)
-        rq, rs = pack_fp4_rows(self._rope(latents, "compress", pos, ropes, r))
-        sp.rows_q.view(-1, rq.shape[-1]).index_copy_(0, flat, rq)
-        sp.rows_s.view(-1, rs.shape[-1]).index_copy_(0, flat, rs.view(torch.uint8))
+            keys = self._rope(self._norm(idx.k_norm, self._linear(idx.wk, latents)), "compress", pos, ropes, r)  # (b, Di)
+            if self.kernels:
+                write_fp4_keys(keys, sp.keys_q, sp.keys_e, flat)
+            else:
+                kq, ke = pack_fp4_keys(keys)
+                sp.keys_q.view(-1, kq.shape[-1]).index_copy_(0, flat, kq)
+                sp.keys_e.view(-1, ke.shape[-1]).index_copy_(0, flat, ke)
+        rotated = self._rope(latents, "compress", pos, ropes, r)  # (b, D)
+        if self.kernels:
+            write_fp4_rows(rotated, sp.rows_q, sp.rows_s, flat)
+        else:
+            rq, rs = pack_fp4_rows(rotated)
+            sp.rows_q.view(-1, rq.shape[-1]).index_copy_(0, flat, rq)
+            sp.rows_s.view(-1, rs.shape[-1]).index_copy_(0, flat, rs.view(torch.uint8))
 
     def _select(
         self, idx, sp: SourcePool, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
@@ -519,7 +535,8 @@ class V41SlotDecoder:
         """``Indexer.select`` over all ``Tc`` columns: chosen rows ``(b, k)`` and ``(b, k)`` True
         where the choice is a complete row; the candidate source publishes ``group["candidates"]``."""
         b, tc = x.shape[0], sp.keys_q.shape[1] - 1
-        q = fp4_indexer(self._rope(self._linear(idx.wq_b, q_res).view(b, idx.n_heads, idx.head_dim), "compress", pos, ropes))  # (b, Hi, Di)
+        q = self._rope(self._linear(idx.wq_b, q_res).view(b, idx.n_heads, idx.head_dim), "compress", pos, ropes)
+        q = fp4_indexer_quant(q) if self.kernels else fp4_indexer(q)  # (b, Hi, Di)
         weights = self._linear(idx.weights_proj, x).float() * idx.heads_scaling  # (b, Hi)
         complete = torch.div(pos + 1, idx.ratio, rounding_mode="floor")  # (b,) rows < this are complete
         if self.kernels:

@@ -154,11 +154,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def write_fp8_window(x: torch.Tensor, win_q: torch.Tensor, win_e: torch.Tensor, at: torch.Tensor) -> None:
+def _kernel(x: torch.Tensor, kernel: bool | None) -> bool:
+    """Whether the Triton kernel runs: ``kernel``, or where Triton runs when None."""
+    return use_triton(x) if kernel is None else kernel
+
+
+def write_fp8_window(x: torch.Tensor, win_q: torch.Tensor, win_e: torch.Tensor, at: torch.Tensor, kernel: bool | None = None) -> None:
     """``pack_fp8_window(x (b, D))`` into rows ``at (b,)`` of ``win_q.view(-1, D)`` (uint8 codes)
-    and ``win_e.view(-1, D/32)`` (ue8m0 exponents)."""
+    and ``win_e.view(-1, D/32)`` (ue8m0 exponents); ``kernel`` False: the PyTorch packer."""
     d = x.shape[-1]
-    if not use_triton(x):
+    if not _kernel(x, kernel):
         codes, exps = pack_fp8_window(x)
         win_q.view(-1, d).index_copy_(0, at, codes.view(torch.uint8))
         win_e.view(-1, d // 32).index_copy_(0, at, exps)
@@ -181,10 +186,10 @@ def _write_fp4(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, flat: torch.Te
         )  # fmt: skip
 
 
-def write_fp4_rows(x: torch.Tensor, rows_q: torch.Tensor, rows_s: torch.Tensor, flat: torch.Tensor) -> None:
+def write_fp4_rows(x: torch.Tensor, rows_q: torch.Tensor, rows_s: torch.Tensor, flat: torch.Tensor, kernel: bool | None = None) -> None:
     """``pack_fp4_rows(x (b, D))`` into rows ``flat (b,)`` of ``rows_q.view(-1, D/2)`` (packed
     e2m1) and ``rows_s.view(-1, D/16)`` (e4m3 scale bytes); ``amax ≤ 6·448`` per block."""
-    if not use_triton(x):
+    if not _kernel(x, kernel):
         rq, rs = pack_fp4_rows(x)
         rows_q.view(-1, rq.shape[-1]).index_copy_(0, flat, rq)
         rows_s.view(-1, rs.shape[-1]).index_copy_(0, flat, rs.view(torch.uint8))
@@ -192,10 +197,10 @@ def write_fp4_rows(x: torch.Tensor, rows_q: torch.Tensor, rows_s: torch.Tensor, 
     _write_fp4(x, rows_q, rows_s, flat, 16, False)
 
 
-def write_fp4_keys(x: torch.Tensor, keys_q: torch.Tensor, keys_e: torch.Tensor, flat: torch.Tensor) -> None:
+def write_fp4_keys(x: torch.Tensor, keys_q: torch.Tensor, keys_e: torch.Tensor, flat: torch.Tensor, kernel: bool | None = None) -> None:
     """``pack_fp4_keys(x (b, Di))`` into rows ``flat (b,)`` of ``keys_q.view(-1, Di/2)`` (packed
     e2m1) and ``keys_e.view(-1, Di/32)`` (ue8m0 exponents)."""
-    if not use_triton(x):
+    if not _kernel(x, kernel):
         kq, ke = pack_fp4_keys(x)
         keys_q.view(-1, kq.shape[-1]).index_copy_(0, flat, kq)
         keys_e.view(-1, ke.shape[-1]).index_copy_(0, flat, ke)

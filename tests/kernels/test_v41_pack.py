@@ -93,34 +93,26 @@ def test_write_fp8_window_is_pack_fp8_window(dtype: torch.dtype, d: int) -> None
     assert torch.equal(q, want_q) and torch.equal(e, want_e)
 
 
+# format → (packer, fused writer, channels per scale, the pools' seed offset)
+FP4 = {"rows": (pack_fp4_rows, v41_pack.write_fp4_rows, 16, 1), "keys": (pack_fp4_keys, v41_pack.write_fp4_keys, 32, 2)}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 512])
-def test_write_fp4_rows_is_pack_fp4_rows(dtype: torch.dtype, d: int) -> None:
+@pytest.mark.parametrize("fmt, d", [("rows", 64), ("rows", 512), ("keys", 64), ("keys", 128)])
+def test_write_fp4_is_its_packer(dtype: torch.dtype, fmt: str, d: int) -> None:
+    """``write_fp4_rows`` / ``write_fp4_keys``: ``pack_fp4_rows`` / ``pack_fp4_keys`` and
+    ``index_copy_`` into the pools, bit for bit, the other rows untouched."""
     _skip_without_triton()
-    x = _rows(d, 16, "rows", dtype)
-    q, s, flat = _pools(x.shape[0], (d // 2, d // 16), d + 1)
+    pack, write, block, seed = FP4[fmt]
+    x = _rows(d, block, fmt, dtype)
+    q, s, flat = _pools(x.shape[0], (d // 2, d // block), d + seed)
     want_q, want_s = q.clone(), s.clone()
-    rq, rs = pack_fp4_rows(x)
-    want_q.index_copy_(0, flat, rq)
-    want_s.index_copy_(0, flat, rs.view(torch.uint8))
-    v41_pack.write_fp4_rows(x, q, s, flat)
+    pq, ps = pack(x)
+    want_q.index_copy_(0, flat, pq)
+    want_s.index_copy_(0, flat, ps.view(torch.uint8))
+    write(x, q, s, flat)
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128])
-def test_write_fp4_keys_is_pack_fp4_keys(dtype: torch.dtype, d: int) -> None:
-    _skip_without_triton()
-    x = _rows(d, 32, "keys", dtype)
-    q, e, flat = _pools(x.shape[0], (d // 2, d // 32), d + 2)
-    want_q, want_e = q.clone(), e.clone()
-    kq, ke = pack_fp4_keys(x)
-    want_q.index_copy_(0, flat, kq)
-    want_e.index_copy_(0, flat, ke)
-    v41_pack.write_fp4_keys(x, q, e, flat)
-    assert torch.equal(q, want_q) and torch.equal(e, want_e)
 
 
 @pytest.mark.gpu

@@ -90,7 +90,7 @@ from kernels.moe_gemv import MoEGemvTuning, moe_gemv, use_gemv
 from kernels.reference import apply_rope_eager as apply_rope
 from kernels.v41_attention import V41AttentionTuning, v41_decode_attention
 from kernels.v41_indexer import v41_indexer_scores
-from kernels.v41_kv import pack_fp4_keys, pack_fp4_rows, pack_fp8_window, unpack_fp4_keys, unpack_fp4_rows, unpack_fp8_window
+from kernels.v41_kv import unpack_fp4_keys, unpack_fp4_rows, unpack_fp8_window
 from kernels.v41_pack import fp4_indexer_quant, write_fp4_keys, write_fp4_rows, write_fp8_window
 
 E4M3 = torch.float8_e4m3fn
@@ -431,12 +431,7 @@ class V41SlotDecoder:
         kv = self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes)  # (b, D)
         win_q, win_e = self.win_q[i], self.win_e[i]
         at = slots * w + pos % w
-        if self.kernels:
-            write_fp8_window(kv, win_q, win_e, at)
-        else:
-            codes, exps = pack_fp8_window(kv)  # (b, D), (b, D/32)
-            win_q.view(-1, d).index_copy_(0, at, codes.view(torch.uint8))
-            win_e.view(-1, d // 32).index_copy_(0, at, exps)
+        write_fp8_window(kv, win_q, win_e, at, self.kernels)
         picks = None
         if attn.ratio:
             self._compressed(i, attn, x, q_res, pos, slots, ropes, group)
@@ -514,19 +509,8 @@ class V41SlotDecoder:
         if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated at the group's first position
             idx = attn.indexer
             keys = self._rope(self._norm(idx.k_norm, self._linear(idx.wk, latents)), "compress", pos, ropes, r)  # (b, Di)
-            if self.kernels:
-                write_fp4_keys(keys, sp.keys_q, sp.keys_e, flat)
-            else:
-                kq, ke = pack_fp4_keys(keys)
-                sp.keys_q.view(-1, kq.shape[-1]).index_copy_(0, flat, kq)
-                sp.keys_e.view(-1, ke.shape[-1]).index_copy_(0, flat, ke)
-        rotated = self._rope(latents, "compress", pos, ropes, r)  # (b, D)
-        if self.kernels:
-            write_fp4_rows(rotated, sp.rows_q, sp.rows_s, flat)
-        else:
-            rq, rs = pack_fp4_rows(rotated)
-            sp.rows_q.view(-1, rq.shape[-1]).index_copy_(0, flat, rq)
-            sp.rows_s.view(-1, rs.shape[-1]).index_copy_(0, flat, rs.view(torch.uint8))
+            write_fp4_keys(keys, sp.keys_q, sp.keys_e, flat, self.kernels)
+        write_fp4_rows(self._rope(latents, "compress", pos, ropes, r), sp.rows_q, sp.rows_s, flat, self.kernels)
 
     def _select(
         self, idx, sp: SourcePool, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,

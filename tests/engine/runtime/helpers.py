@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import pytest
 
 from prometheus_client import CollectorRegistry
 
@@ -67,3 +70,45 @@ def spec_counts(reg: CollectorRegistry, positions: int) -> dict[str, float]:
     out = {n: value(n) for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     out["per_pos"] = sum(value("num_accepted_tokens_per_pos", position=str(p)) for p in range(positions))
     return out
+
+
+EngineFor = Callable[..., tuple[EngineCore, CollectorRegistry]]  # (k or None, **EngineConfig fields) → engine, registry
+
+
+def check_seeded_sampling(engine_for: EngineFor, text: list[int], temperature: float, seeds: int, k: int, positions: int, distinct: int) -> None:
+    """Rejection sampling with deterministic drafts, each verify row sampled with its own
+    ``(seed, step)`` uniform: ``seeds`` seeded requests of ``text`` with ``k`` drafts give per seed
+    the very tokens (and logprobs) of the plain sampler, so the same distribution; penalties,
+    logit bias, ``min_tokens``, top-p and logprobs ride along. At temperature 1 the language
+    dominates (drafts mostly accepted); above it more than ``distinct`` different outputs (the
+    seeds really sample, drafts often rejected)."""
+    extra = [
+        dict(logprobs=True, top_logprobs=2), dict(repetition_penalty=1.3, presence_penalty=0.5), dict(top_p=0.9),
+        dict(min_tokens=4, logit_bias=((1030, 2.0),)),
+    ]  # fmt: skip
+    # top_k: a draw over 40 candidates, not the near-uniform 129k a high temperature makes of a tiny
+    # model's random rows (there a logit's last-bit rounding, which differs with the batch in any
+    # engine, moves a CDF boundary by a sizeable share of a token's width)
+    params = [SamplingParams(max_tokens=12, temperature=temperature, top_k=40, seed=s, ignore_eos=True, **extra[s % 4]) for s in range(seeds)]
+    reqs = lambda: [GenerateRequest(f"f{i}", text, p) for i, p in enumerate(params)]  # noqa: E731
+    base = run(engine_for(None)[0], reqs())
+    engine, reg = engine_for(k, max_num_seqs=seeds)
+    out = run(engine, reqs())
+    assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}
+    for r, o in out.items():  # the same log-probabilities, up to the batch's float rounding
+        assert o.logprobs == pytest.approx(base[r].logprobs, rel=1e-5, abs=1e-4)
+    c = spec_counts(reg, positions)
+    assert c["num_draft_tokens"] > 0
+    if temperature == 1.0:
+        assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"], c
+    else:
+        assert len({tuple(o.tokens) for o in base.values()}) > distinct
+
+
+def check_opted_out_never_drafted(engine_for: EngineFor, text: list[int], k: int) -> None:
+    """A request with ``speculative=False`` on a speculative engine: the plain tokens, no drafts."""
+    req = GenerateRequest("o", text, SamplingParams(max_tokens=12, temperature=0.0, speculative=False, ignore_eos=True))
+    base = run(engine_for(None)[0], [req])
+    engine, reg = engine_for(k)
+    assert run(engine, [GenerateRequest.from_dict(req.to_dict())])["o"].tokens == base["o"].tokens
+    assert spec_counts(reg, k)["num_drafts"] == 0

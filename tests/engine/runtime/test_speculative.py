@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -11,7 +13,7 @@ from engine.model.loader import load_model
 from engine.model.tiny_mtp import TrainConfig, sentence
 from engine.runtime.config import SpeculativeConfig
 
-from helpers import prompt, run, spec_counts, spec_engine
+from helpers import check_opted_out_never_drafted, check_seeded_sampling, prompt, run, spec_counts, spec_engine
 
 
 @pytest.fixture(scope="module")
@@ -89,43 +91,13 @@ def test_stop_rules_apply_per_accepted_token_and_budget_limits_drafts(trained) -
 
 @pytest.mark.parametrize("temperature", [1.0, 8.0])
 def test_sampled_requests_give_the_plain_samplers_tokens_for_every_seed(trained, temperature: float) -> None:
-    """Rejection sampling with deterministic drafts, each verify row sampled with its own
-    ``(seed, step)`` uniform: per seed the very tokens (and logprobs) of the plain sampler, so
-    the same distribution. At temperature 1 the language dominates (drafts mostly accepted), at
-    8 the seeds' outputs differ (drafts often rejected); penalties, logit bias, ``min_tokens``,
-    top-p and logprobs ride along."""
     ckpt, model = trained
-    text = sentence(TrainConfig(), 1020, 6)
-    extra = [
-        dict(logprobs=True, top_logprobs=2), dict(repetition_penalty=1.3, presence_penalty=0.5), dict(top_p=0.9),
-        dict(min_tokens=4, logit_bias=((1030, 2.0),)),
-    ]  # fmt: skip
-    # top_k: a draw over 40 candidates, not the near-uniform 129k a high temperature makes of this
-    # model's random rows (there a logit's last-bit rounding, which differs with the batch in any
-    # engine, moves a CDF boundary by a sizeable share of a token's width)
-    params = [SamplingParams(max_tokens=12, temperature=temperature, top_k=40, seed=s, ignore_eos=True, **extra[s % 4]) for s in range(12)]
-    reqs = lambda: [GenerateRequest(f"f{i}", text, p) for i, p in enumerate(params)]  # noqa: E731
-    base = run(_engine(ckpt, model, None)[0], reqs())
-    engine, reg = _engine(ckpt, model, 3, max_num_seqs=12)
-    out = run(engine, reqs())
-    assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}
-    for r, o in out.items():  # the same log-probabilities, up to the batch's float rounding
-        assert o.logprobs == pytest.approx(base[r].logprobs, rel=1e-5, abs=1e-4)
-    c = _counts(reg)
-    assert c["num_draft_tokens"] > 0
-    if temperature == 1.0:
-        assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"]
-    else:
-        assert len({tuple(o.tokens) for o in base.values()}) > 6  # the seeds really sample
+    check_seeded_sampling(partial(_engine, ckpt, model), sentence(TrainConfig(), 1020, 6), temperature, seeds=12, k=3, positions=3, distinct=6)
 
 
 def test_opted_out_requests_are_never_drafted(trained) -> None:
     ckpt, model = trained
-    req = GenerateRequest("o", sentence(TrainConfig(), 1020, 6), SamplingParams(max_tokens=12, temperature=0.0, speculative=False, ignore_eos=True))
-    base = run(_engine(ckpt, model, None)[0], [req])
-    engine, reg = _engine(ckpt, model, 2)
-    assert run(engine, [GenerateRequest.from_dict(req.to_dict())])["o"].tokens == base["o"].tokens
-    assert _counts(reg)["num_drafts"] == 0
+    check_opted_out_never_drafted(partial(_engine, ckpt, model), sentence(TrainConfig(), 1020, 6), k=2)
 
 
 def test_speculative_config_is_validated(trained) -> None:

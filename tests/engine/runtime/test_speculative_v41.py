@@ -5,6 +5,8 @@ drafts are accepted; the configurations that do not fit the checkpoint are refus
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -16,7 +18,7 @@ from engine.model.v41.loader import load_v41_model
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig, SpeculativeConfig
 
-from helpers import prompt, run, spec_counts, spec_engine
+from helpers import check_opted_out_never_drafted, check_seeded_sampling, prompt, run, spec_counts, spec_engine
 
 @pytest.fixture(scope="module")
 def trained(trained_dspark_model_dir):
@@ -82,26 +84,8 @@ def test_drafts_are_accepted_and_the_threshold_cuts_blocks(trained, greedy_base)
 
 @pytest.mark.parametrize("temperature", [1.0, 8.0])
 def test_sampled_requests_give_the_plain_samplers_tokens_for_every_seed(trained, temperature: float) -> None:
-    """Each verify row sampled with its own ``(seed, step)`` uniform: per seed the very tokens (and
-    logprobs) of the plain sampler. At temperature 1 the language dominates (drafts mostly
-    accepted), at 8 the seeds' outputs differ (drafts often rejected)."""
     ckpt, model = trained
-    text = sentence(TrainConfig(), 1020, 6)
-    extra = [dict(logprobs=True, top_logprobs=2), dict(repetition_penalty=1.3, presence_penalty=0.5), dict(top_p=0.9), dict(min_tokens=4)]
-    params = [SamplingParams(max_tokens=12, temperature=temperature, top_k=40, seed=s, ignore_eos=True, **extra[s % 4]) for s in range(8)]
-    reqs = lambda: [GenerateRequest(f"f{i}", text, p) for i, p in enumerate(params)]  # noqa: E731
-    base = run(_engine(ckpt, model, None)[0], reqs())
-    engine, reg = _engine(ckpt, model, 4, max_num_seqs=8)
-    out = run(engine, reqs())
-    assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}
-    for r, o in out.items():
-        assert o.logprobs == pytest.approx(base[r].logprobs, rel=1e-5, abs=1e-4)
-    c = _counts(reg)
-    assert c["num_draft_tokens"] > 0
-    if temperature == 1.0:
-        assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"]
-    else:
-        assert len({tuple(o.tokens) for o in base.values()}) > 4  # the seeds really sample
+    check_seeded_sampling(partial(_engine, ckpt, model), sentence(TrainConfig(), 1020, 6), temperature, seeds=8, k=4, positions=4, distinct=4)
 
 
 def test_stop_rules_and_budget_and_max_tokens(trained) -> None:
@@ -129,11 +113,7 @@ def test_stop_rules_and_budget_and_max_tokens(trained) -> None:
 
 def test_opted_out_requests_are_never_drafted(trained) -> None:
     ckpt, model = trained
-    req = GenerateRequest("o", sentence(TrainConfig(), 1020, 6), SamplingParams(max_tokens=12, temperature=0.0, speculative=False, ignore_eos=True))
-    base = run(_engine(ckpt, model, None)[0], [req])
-    engine, reg = _engine(ckpt, model, 3)
-    assert run(engine, [GenerateRequest.from_dict(req.to_dict())])["o"].tokens == base["o"].tokens
-    assert _counts(reg)["num_drafts"] == 0
+    check_opted_out_never_drafted(partial(_engine, ckpt, model), sentence(TrainConfig(), 1020, 6), k=3)
 
 
 def test_kv_store_resume_mid_conversation_stays_exact(trained) -> None:

@@ -112,3 +112,45 @@ def check_opted_out_never_drafted(engine_for: EngineFor, text: list[int], k: int
     engine, reg = engine_for(k)
     assert run(engine, [GenerateRequest.from_dict(req.to_dict())])["o"].tokens == base["o"].tokens
     assert spec_counts(reg, k)["num_drafts"] == 0
+
+
+def check_kv_resume_stays_exact(engine_for: EngineFor, model, k: int, acceptance: float) -> None:
+    """Each turn of a conversation hits the 128-token units the previous speculative turn stored
+    (units saved once their tokens were accepted; drafts stop at unit boundaries) and gives the
+    tokens of a cold engine without speculation; more than ``acceptance`` of the drafts accepted."""
+    from engine.kv_connector import KVConnector
+    from engine.model.tiny_mtp import TrainConfig, sentence
+    from kvstore import KVStoreConfig, build_store
+
+    engine, reg = engine_for(k)
+    engine.kv = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), model, snapshot_interval_units=1)
+    cold = engine_for(None)[0]
+    lang = TrainConfig()
+    conversation = prompt(101, 11) + sentence(lang, 1005, 8)  # 109 + (k + 1)j never lands on 128 unclamped
+    computed_before = 0
+    for turn in range(3):
+        req = lambda rid: GenerateRequest(rid, list(conversation), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # noqa: E731
+        got, want = run(engine, [req(f"t{turn}")])[f"t{turn}"], run(cold, [req(f"c{turn}")])[f"c{turn}"]
+        assert got.tokens == want.tokens, turn
+        if turn:
+            assert got.cached >= (computed_before // 128) * 128 > 0
+        computed_before = len(conversation) + len(got.tokens) - 1
+        conversation += got.tokens + prompt(20, 100 + turn) + sentence(lang, 1010 + turn, 4)
+    c = spec_counts(reg, k)
+    assert c["num_accepted_tokens"] > acceptance * c["num_draft_tokens"] > 0, c
+
+
+def check_preemption_resumes_exactly(engine_for: EngineFor, model, k: int) -> None:
+    """A state budget too small for every sequence (5 units for 4 × 2) preempts some (state and
+    drafts dropped, recomputed from the tokens later); the tokens stay those of the plain engine."""
+    from engine.model.tiny_mtp import TrainConfig, sentence
+    from engine.runtime.state_pool import state_bytes
+
+    lang = TrainConfig()
+    reqs = lambda: [GenerateRequest(f"p{i}", prompt(n, 50 + i) + sentence(lang, 1000 + i, 4), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i, n in enumerate((116, 126, 121, 136))]  # noqa: E731
+    base = run(engine_for(None)[0], reqs())
+    block, boundary = state_bytes(model.config, model.dtype)
+    engine, _ = engine_for(k, max_num_seqs=4, state_memory_bytes=4 * boundary + 5 * block)
+    out = run(engine, reqs())
+    assert engine.scheduler.num_preemptions > 0
+    assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}

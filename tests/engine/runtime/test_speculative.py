@@ -13,7 +13,10 @@ from engine.model.loader import load_model
 from engine.model.tiny_mtp import TrainConfig, sentence
 from engine.runtime.config import SpeculativeConfig
 
-from helpers import check_opted_out_never_drafted, check_seeded_sampling, prompt, run, spec_counts, spec_engine
+from helpers import (
+    check_kv_resume_stays_exact, check_opted_out_never_drafted, check_preemption_resumes_exactly, check_seeded_sampling, prompt, run,
+    spec_counts, spec_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -116,30 +119,8 @@ def test_speculative_config_is_validated(trained) -> None:
 
 
 def test_kv_store_resume_mid_conversation_stays_exact(trained) -> None:
-    """Each turn of a conversation hits the units the previous speculative turn stored (decode
-    units saved only once their tokens were accepted; drafts stop at unit boundaries) and gives
-    the tokens of a cold engine without speculation."""
-    from kvstore import KVStoreConfig, build_store
-
-    from engine.kv_connector import KVConnector
-
     ckpt, model = trained
-    engine, reg = _engine(ckpt, model, 3)
-    engine.kv = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), model, snapshot_interval_units=1)
-    cold = _engine(ckpt, model, None)[0]
-    lang = TrainConfig()
-    conversation = prompt(101, 11) + sentence(lang, 1005, 8)  # 109 + 4j never lands on 128 unclamped
-    computed_before = 0
-    for turn in range(3):
-        req = lambda rid: GenerateRequest(rid, list(conversation), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # noqa: E731
-        got, want = run(engine, [req(f"t{turn}")])[f"t{turn}"], run(cold, [req(f"c{turn}")])[f"c{turn}"]
-        assert got.tokens == want.tokens
-        if turn:
-            assert got.cached >= (computed_before // 128) * 128 > 0
-        computed_before = len(conversation) + len(got.tokens) - 1
-        conversation += got.tokens + prompt(20, 100 + turn) + sentence(lang, 1010 + turn, 4)
-    c = _counts(reg)
-    assert c["num_accepted_tokens"] > 0.5 * c["num_draft_tokens"] > 0
+    check_kv_resume_stays_exact(partial(_engine, ckpt, model), model, k=3, acceptance=0.5)
 
 
 @pytest.mark.slow  # the grammar's compile is most of it
@@ -161,19 +142,8 @@ def test_structured_output_with_speculation_gives_the_plain_tokens(trained) -> N
 
 
 def test_preempted_speculative_sequences_resume_exactly(trained) -> None:
-    """A state budget too small for every sequence preempts some (state and drafts dropped,
-    recomputed from the tokens later); the tokens stay those of the plain engine."""
-    from engine.runtime.state_pool import state_bytes
-
     ckpt, model = trained
-    lang = TrainConfig()
-    reqs = lambda: [GenerateRequest(f"p{i}", prompt(n, 50 + i) + sentence(lang, 1000 + i, 4), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i, n in enumerate((116, 126, 121, 136))]  # noqa: E731
-    base = run(_engine(ckpt, model, None)[0], reqs())
-    block, boundary = state_bytes(model.config, model.dtype)
-    engine, _ = _engine(ckpt, model, 3, max_num_seqs=4, state_memory_bytes=4 * boundary + 5 * block)  # 5 units for 4 × 2
-    out = run(engine, reqs())
-    assert engine.scheduler.num_preemptions > 0
-    assert {r: o.tokens for r, o in out.items()} == {r: o.tokens for r, o in base.items()}
+    check_preemption_resumes_exactly(partial(_engine, ckpt, model), model, k=3)
 
 
 def test_no_draft_is_fed_past_max_tokens(trained) -> None:

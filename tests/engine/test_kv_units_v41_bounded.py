@@ -27,7 +27,7 @@ from engine.runtime.config import EngineConfig
 from engine.runtime.sequence import Sequence
 from kvstore import KVStoreConfig, build_store
 from prometheus_client import CollectorRegistry
-from tests.engine.model.v41.conftest import CASES, fixture_case
+from tests.engine.model.v41.conftest import CASES, KNIFE_EDGE_BAR, fixture_case
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,10 +73,16 @@ def test_the_decoder_replays_only_the_last_keep_tokens(case) -> None:
     assert rows.encoder - steps == 128 + 1  # the replayed unit and the new token
     assert rows.decoder - steps == keep + 1  # the decoder's bounded replay: keep tokens, not 128
     assert not engine.kv.store.contains(key)  # approximate: no snapshot stored after it
-    drift = max(abs(a - b) for a, b in zip(logprobs, cold[1]))
-    assert tokens == cold[0] and drift <= 1.5 * MEASURED[name] + 1e-5
-    if MEASURED[name]:
-        assert drift > MEASURED[name] / 3  # approximate indeed: not a full replay in disguise
+    if not MEASURED[name]:  # exact here
+        assert tokens == cold[0] and max(abs(a - b) for a, b in zip(logprobs, cold[1])) <= 1e-5
+        return
+    # approximate: the greedy tokens may part from the cold run's on a near tie (on this prompt they
+    # did not on the machines measured, but did at step 15 under MKL's AVX2 kernels); the drift is
+    # held over the steps before they part
+    same = next((i for i, (a, b) in enumerate(zip(tokens, cold[0])) if a != b), len(tokens))
+    drift = max(abs(a - b) for a, b in zip(logprobs[:same], cold[1][:same]))
+    assert same >= 8 and drift <= 1.5 * MEASURED[name] + 1e-5, (same, drift)
+    assert drift > MEASURED[name] / 3  # approximate indeed: not a full replay in disguise
 
 
 def test_a_long_enough_keep_is_exact(case) -> None:
@@ -135,7 +141,11 @@ def test_a_batch_mixes_bounded_and_plain_chunks() -> None:
     alone_bounded, alone_plain = bounded.clone(), model.new_state()
     want = torch.cat([model([(alone_plain, ids[:30])]), model([(alone_bounded, ids[128:])])])
     got = model([(model.new_state(), ids[:30]), (bounded, ids[128:])])
-    assert (got - want).abs().max() < 1e-5
+    assert (got[1] - want[1]).abs().max() < 1e-5  # the bounded chunk: what it gives alone
+    # the plain chunk's projections share a matrix with the other chunk's rows in the batch: the
+    # CPU's BLAS may sum them in another order, and a last bit on an FP8/FP4 midpoint moves the
+    # logits by a grid step's effect (3.7e-4 on an Intel AMX Xeon, < 1e-5 on AMD EPYC)
+    assert (got[0] - want[0]).abs().max() < KNIFE_EDGE_BAR
     assert all(torch.equal(a, b) for a, b in zip(bounded.windows, alone_bounded.windows))
 
 

@@ -13,7 +13,7 @@ import torch
 from engine.model.v41.attention import V41Tuning
 from engine.model.v41.loader import load_v41_model
 from engine.model.v41.prefill import use_fast
-from tests.engine.model.v41.conftest import BAR, CASES, KNIFE_EDGE_BAR, cached_bar, fixture_case, stepwise_diffs
+from tests.engine.model.v41.conftest import BAR, CASES, KNIFE_EDGE_BAR, prompt_bar, fixture_case, stepwise_diffs
 from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -36,12 +36,12 @@ def test_fast_is_taken_on_cuda_by_default() -> None:
 def test_fast_prompt_logits_match(case: str) -> None:
     """One-shot prefill: the fixtures' last-position logits and the general path's within 1e-4
     (on a knife-edge prompt, where any other summation order moves one FP8/FP4 rounding, within
-    ``cached_bar``); the routed experts ran grouped (their stacks were built)."""
+    ``prompt_bar``); the routed experts ran grouped (their stacks were built)."""
     general, fast, ref = _models(case)
     for i, p in enumerate(ref["prompts"]):
         want = general([(general.new_state(), p["prompt_ids"])])[0]
         got = fast([(fast.new_state(), p["prompt_ids"])])[0]
-        bar = cached_bar(case, i)
+        bar = prompt_bar(case, i)
         assert (got - torch.tensor(p["prompt_last_logits"])).abs().max().item() <= bar, (case, i)
         assert (got - want).abs().max().item() <= bar, (case, i)
         assert int(got.argmax()) == p["greedy_tokens"][0], (case, i)
@@ -61,7 +61,7 @@ def test_fast_cached_decode_gives_the_reference_tokens(case: str) -> None:
         for step, (want, want_lp) in enumerate(zip(p["greedy_tokens"], p["greedy_logprobs"])):
             logp = torch.log_softmax(logits, dim=-1)
             assert int(logp.argmax()) == want, f"{case}[{i}] step {step}"
-            assert abs(float(logp[want]) - want_lp) <= cached_bar(case, i), f"{case}[{i}] step {step}"
+            assert abs(float(logp[want]) - want_lp) <= prompt_bar(case, i), f"{case}[{i}] step {step}"
             logits = fast([(st, [want])])[0]
 
 
@@ -90,7 +90,7 @@ def test_fast_kernels_match_the_general_path(case: str) -> None:
     general, fast, ref = _models(case, DEVICE)
     prompts = ref["prompts"] if ON_GPU else ref["prompts"][:1]
     prefill, steps = stepwise_diffs(general, fast, prompts, DEVICE)
-    assert all(d <= cached_bar(case, ref["prompts"].index(p)) for d, p in zip(prefill, prompts)), (case, prefill)
+    assert all(d <= prompt_bar(case, ref["prompts"].index(p)) for d, p in zip(prefill, prompts)), (case, prefill)
     near = sum(d <= BAR for d in steps) / len(steps)
     assert max(steps) <= KNIFE_EDGE_BAR and near >= 0.95, (case, max(steps), near)
 

@@ -26,6 +26,15 @@ from tests.engine.runtime.helpers import greedy, run
 STEPS = 12  # decode steps per prompt: past W = 8 / 16 ring rows and several groups of 2
 
 
+def _same_codes(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The slot step's stored FP8/FP4 values are the general path's, but for the rare value on a
+    rounding midpoint that the batched step's last bits send to the other side (the CPU's BLAS
+    and vector widths set the summation order: under ATen's AVX2 kernels one window entry of
+    flash_shape flips, 1 of 960): at most 1 in 500 entries."""
+    assert got.shape == want.shape
+    assert (got != want).float().mean().item() <= 2e-3, int((got != want).sum())
+
+
 def _logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
@@ -60,13 +69,14 @@ def test_slot_steps_match_the_general_path(case: str, alone: bool) -> None:
                 out = dec.export(s)
                 assert out.num_tokens == st.num_tokens and out.token_ids == st.token_ids and out.engram == st.engram
                 for a, b in zip(out.windows, st.windows):
-                    assert torch.equal(a, b)
+                    _same_codes(a, b)
                 for i, src in st.sources.items():
-                    assert torch.equal(out.sources[i].rows, src.rows)
+                    _same_codes(out.sources[i].rows, src.rows)
                     # fp32 projections of the open group: last bits of the batched step's activations
                     torch.testing.assert_close(out.sources[i].buf_kv, src.buf_kv, rtol=1e-4, atol=1e-5)
                     assert (src.keys is None) == (out.sources[i].keys is None)
-                    assert src.keys is None or torch.equal(out.sources[i].keys, src.keys)
+                    if src.keys is not None:
+                        _same_codes(out.sources[i].keys, src.keys)
             moved = V41SlotDecoder(model, max_slots=len(prompts), max_tokens=dec.max_tokens)
             for s, st in enumerate(dec.export(s) for s in slots):
                 moved.load(s, st)

@@ -77,5 +77,11 @@ def test_engine_takes_the_vllm_spellings(capsys):
     args = build_parser().parse_args(["engine", "--model", "m", "--no-enable-prefix-caching", "-tp", "2", "--max-num-seqs", "4"])
     assert (args.enable_prefix_caching, args.max_num_seqs) == (False, 4)
     assert _engine(args) == 2 and "tensor-parallel-size 2" in capsys.readouterr().err
-    bad = build_parser().parse_args(["engine", "--model", "m", "--speculative-config", '{"method": "eagle"}'])
-    assert _engine(bad) == 2 and "only 'mtp'" in capsys.readouterr().err
+    for spec, says in (
+        ('{"method": "eagle"}', "only 'mtp' or 'dspark'"),
+        ('{"method": "dspark", "num_speculative_token": 3}', "unknown key(s) 'num_speculative_token'"),
+        ('{"method": "dspark", "confidence_threshold": "high"}', "confidence_threshold must be int or float, got 'high'"),
+        ('{"method": "dspark", "num_speculative_tokens": 2.5}', "num_speculative_tokens must be int"),
+    ):
+        bad = build_parser().parse_args(["engine", "--model", "m", "--speculative-config", spec])
+        assert _engine(bad) == 2 and says in capsys.readouterr().err, spec

@@ -46,8 +46,10 @@ class MoEGemvTuning:
     verify 12.61 / 12.75 ms), 384 lose (k=3 14.34 → 16.54 ms); b=1 unchanged. ``fp4_max_slots``:
     the same limit for the checkpoint's FP4 experts (``kernels.moe_fp4_gemv``), whose GEMV reads
     every slot's expert whole and decodes it in registers at ~0.45 TB/s, so it gains nothing from
-    more slots: 16 (NOTES run 38, native V4 slice: at 192, b=16 took 11.07 ms against 8.38 on the
-    grouped kernel in run 24, b=32 21.20 ms; the FP4 GEMVs were 10.1 / 20.0 ms of it). ``up``/``down``: ``GemvConfig`` of the gate/up
+    more slots: 16, the shared limit before run 34 (NOTES run 38, native V4 slice: at 192, b=16
+    took 11.07 ms against 8.38 on the grouped kernel in run 24, b=32 21.20 ms; the FP4 GEMVs were
+    10.1 / 20.0 ms of it). Where between 16 and 96 slots the grouped kernel starts to win is not
+    measured. ``up``/``down``: ``GemvConfig`` of the gate/up
     and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them.
     """
 

@@ -103,19 +103,16 @@ def test_opted_out_requests_are_never_drafted(trained) -> None:
     check_opted_out_never_drafted(partial(_engine, ckpt, model), sentence(TrainConfig(), 1020, 6), k=2)
 
 
-def test_speculative_config_is_validated(trained) -> None:
+def test_speculative_config_is_validated(trained, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="only 'mtp'"):
         SpeculativeConfig("eagle", 2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 0}')
     assert SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3}') == SpeculativeConfig("mtp", 3)
     ckpt, model = trained
-    saved, model.mtp = model.mtp, {}
-    try:
-        with pytest.raises(CheckpointError, match="no MTP layer"):
-            _engine(ckpt, model, 2)
-    finally:
-        model.mtp = saved
+    monkeypatch.setattr(model, "mtp", {})  # restored after the test: the model is the module's
+    with pytest.raises(CheckpointError, match="no MTP layer"):
+        _engine(ckpt, model, 2)
 
 
 def test_kv_store_resume_mid_conversation_stays_exact(trained) -> None:

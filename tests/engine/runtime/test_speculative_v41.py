@@ -144,18 +144,15 @@ def test_speculative_config_is_validated() -> None:
         SpeculativeConfig.from_json('{"method": "dspark", "confidence_threshold": "high"}')
 
 
-def test_methods_and_families_that_do_not_fit_are_refused(trained, small_windows_model_dir) -> None:
+def test_methods_and_families_that_do_not_fit_are_refused(trained, small_windows_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt, model = trained
     with pytest.raises(CheckpointError, match="this DeepSeek-V4.1 checkpoint drafts with 'dspark'"):
         build_engine(ckpt, EngineConfig(speculative=SpeculativeConfig("mtp", 2)), model=model)
     with pytest.raises(CheckpointError, match=r"num_speculative_tokens 6 exceeds .*dspark_block_size 5"):
         _engine(ckpt, model, 6)
-    saved, model.mtp = model.mtp, {}
-    try:
-        with pytest.raises(CheckpointError, match="no DSpark draft layers"):
-            _engine(ckpt, model, 2)
-    finally:
-        model.mtp = saved
+    monkeypatch.setattr(model, "mtp", {})  # restored after the test: the model is the module's
+    with pytest.raises(CheckpointError, match="no DSpark draft layers"):
+        _engine(ckpt, model, 2)
     v4 = load_model(small_windows_model_dir, dtype="float32", progress=False)
     with pytest.raises(CheckpointError, match="this DeepSeek-V4 checkpoint drafts with 'mtp'"):
         build_engine(small_windows_model_dir, EngineConfig(speculative=SpeculativeConfig("dspark", 2)), model=v4)

@@ -15,11 +15,11 @@ from engine.model.v41.loader import load_v41_model
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory):
-    from engine.model.tiny import make_tiny_model
-
-    ckpt = make_tiny_model(tmp_path_factory.mktemp("dspark") / "model", seed=0, preset="tiny-v41", train_mtp=TrainConfig(seed=0))
-    model = load_v41_model(Path(ckpt), dtype="float32")
+def trained(trained_dspark_model_dir: Path):
+    """The session's trained ``tiny-v41`` checkpoint (tests/conftest.py: the same
+    ``make_tiny_model(seed=0, preset="tiny-v41", train_mtp=TrainConfig(seed=0))`` call, built once
+    for the run instead of once more here), loaded read-only."""
+    model = load_v41_model(Path(trained_dspark_model_dir), dtype="float32")
     return model, DSpark.from_model(model)
 
 

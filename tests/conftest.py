@@ -73,3 +73,59 @@ def trained_dspark_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory, "tiny-v41-dspark",
         lambda d: make_tiny_model(d / "model", seed=0, preset="tiny-v41", train_mtp=TrainConfig(seed=0)),
     )
+
+
+# ---- pytest-xdist `--dist loadfile` (make test): scheduling hints, no test changes ----------------
+TESTS = Path(__file__).resolve().parent
+# Files by their measured share of the suite (seconds summed over setup, call and teardown on the
+# 2-core box), heaviest first: handed out first, so no heavy file starts last and sets the wall
+# clock alone. Only an ordering hint: a file missing here just goes after them, in collection order.
+HEAVY_FIRST = (
+    "tests/integration/test_router_real_workers.py",  # 91 s
+    "live-stack",  # 80 s: the files on `live_stack`, one scope (below)
+    "tests/engine/runtime/test_speculative_v41.py",  # 70 s
+    "tests/engine/model/test_parity.py",  # 43 s
+    "tests/engine/test_kv_connector.py",  # 35 s
+    "tests/engine/runtime/test_speculative.py",  # 35 s
+    "tests/engine/test_kv_units_v41.py",  # 34 s
+    "tests/server/test_e2e_v41.py",  # 33 s
+    "tests/engine/sampling/test_sampling_structured.py",  # 27 s
+    "tests/kernels/test_v41_pack.py",  # 26 s
+)
+
+
+def _uses_live_stack(scope: str, _seen: dict[str, bool] = {}) -> bool:  # noqa: B006 (a cache)
+    if scope not in _seen:
+        path = TESTS.parent / scope
+        _seen[scope] = path.name.startswith("test_") and path.suffix == ".py" and path.is_file() and "live_stack" in path.read_text(errors="ignore")
+    return _seen[scope]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadfile``: the files that use the session-scoped ``live_stack`` (a
+    ``deepserve up`` subprocess, ~17 s to start on this box) form one work unit, so one worker
+    starts it once, as a run without xdist does, instead of every worker that gets one of them;
+    and the heaviest files go out first (``HEAVY_FIRST``). Any other ``--dist``: xdist's own."""
+    if getattr(config.option, "dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    rank = {scope: i for i, scope in enumerate(HEAVY_FIRST)}
+
+    class SharedStackFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "live-stack" if _uses_live_stack(scope) else scope
+
+        ordered = False
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the first hand-out: the queue is complete, in collection order
+                self.ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: rank.get(unit[0], len(rank)))  # stable
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
+    return SharedStackFileScheduling(config, log)

@@ -539,6 +539,29 @@ def fp8_matmul_rate() -> float:
     return 2 * 8192**3 / s
 
 
+def fp4_prefill_rows(model, tokens: int, mm: float, rows: list) -> None:
+    """The first layer's FP4 routed experts at a ``tokens``-token prefill's sizes (every token's
+    top-k, random and balanced): ``fp4_grouped_linear`` with the in-register kernel beside the bf16
+    scratch + ``torch._grouped_mm`` path (``Fp4PrefillTuning``), each projection, against the bf16 matmul rate."""
+    from kernels.moe_fp4 import Fp4PrefillTuning, fp4_grouped_linear
+
+    gate_up_q, gate_up_s, down_q, down_s = next(layer.mlp.experts.fp4 for layer in model.model.layers if layer.mlp.experts.fp4 is not None)
+    e, k = gate_up_q.shape[0], model.config.num_experts_per_tok
+    m = tokens * k
+    counts = torch.full((e,), m // e, dtype=torch.int32)
+    counts[: m % e] += 1
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    for name, (wq, ws) in (("gate_up", (gate_up_q, gate_up_s)), ("down", (down_q, down_s))):
+        xs = torch.randn(m, 2 * wq.shape[2], device="cuda", dtype=torch.bfloat16)
+        flops = 2.0 * m * wq.shape[1] * xs.shape[1]
+        row = {"what": f"fp4 experts {name} at prefill {tokens}", "rows_per_expert": m / e}
+        for label, tuning in (("kernel", Fp4PrefillTuning(min_rows_per_expert=10**9)), ("scratch", Fp4PrefillTuning(min_rows_per_expert=0))):
+            t = _sync_time(lambda tuning=tuning: fp4_grouped_linear(xs, wq, ws, offs, prefill=tuning), 2, 5)
+            row[f"{label}_ms"], row[f"{label}_of_bf16_rate"] = t * 1e3, flops / t / mm
+        print(row, flush=True)
+        rows.append(row)
+
+
 def native_weight_bytes(model) -> tuple[float, float]:
     """(bytes a decode step reads of every layer's non-routed weights plus the lm_head, as stored:
     FP8 linears + their scales, bf16 rest; bytes of one routed expert, FP4 + scales) of a model
@@ -609,6 +632,7 @@ def native_rows(args, bw: float, mm: float, rows: list) -> None:
     del dec
     torch.cuda.empty_cache()
     for n in [int(x) for x in args.prefill.split(",") if x]:
+        fp4_prefill_rows(model, n, mm, rows)
         ids = torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()
         each = sorted(_sync_time(lambda ids=ids: model([(model.new_state(), ids)]), 1 if i == 0 else 0, 1) for i in range(3))
         flops = prefill_flops(cfg, n)
@@ -618,6 +642,8 @@ def native_rows(args, bw: float, mm: float, rows: list) -> None:
         }  # fmt: skip
         print(row, flush=True)
         rows.append(row)
+        if args.profile:
+            profile_prefill(model, n, cfg.vocab_size, args.profile + "_native")
     rows.append({"what": "native weights", "dense_and_head_bytes": dense, "expert_bytes": expert, "fp8_matmul_tflops": fp8_mm / 1e12})
 
 

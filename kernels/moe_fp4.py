@@ -11,13 +11,23 @@ else loads each ``(BN, 64)``-byte packed tile and its ``(BN, 4)`` scales once pe
 the nibbles, places each code's bits in an fp16 (``_fp4_tile``: no select), scales it and runs a
 bf16 tensor-core product with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for
 the scales); the decode costs a few integer operations per weight and row tile.
+
+That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
+average ``min_rows_per_expert`` rows or more per expert, in bf16 where ``torch._grouped_mm``
+exists) the experts are instead decoded once per call into a bf16 scratch, a chunk of experts at a
+time (``dequantize_fp4_kernel``, the same decoder), and multiplied by ``torch._grouped_mm``: the
+same bf16 weights and fp32 accumulation, another summation order. The choice is made from shapes
+alone, so a captured decode step never takes it (it reads the group ends on the host).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels._common import HAS_TRITON, dot_precision, mma, tl, triton, use_triton
+from kernels.moe import has_grouped_mm
 from kernels.moe_fp8 import default_block_m, grouped_linear_reference, quantized_moe_experts
 
 BLOCK = 128  # K per step; every 32-wide scale group lies inside one step
@@ -34,9 +44,36 @@ def dequantize_fp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (vals * s.float().repeat_interleave(GROUP, dim=-1)).to(dtype)
 
 
-def fp4_grouped_linear(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Fp4PrefillTuning:
+    """When ``fp4_grouped_linear`` decodes the experts once into a bf16 scratch (module docstring):
+    from ``min_rows_per_expert`` rows per expert on average, ``scratch_bytes`` of bf16 weights at a time."""
+
+    min_rows_per_expert: int = 96
+    scratch_bytes: int = 2 << 30
+
+
+FP4_PREFILL = Fp4PrefillTuning()
+
+
+def dequantize_fp4_kernel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``dequantize_fp4`` in one Triton pass (the grouped kernels' decoder, ``_fp4_tile``):
+    ``q (E, N, K/2)``, ``scale (E, N, K/32)`` → ``(E, N, K)`` in ``dtype``; N and K multiples of 128."""
+    e, n, half = q.shape
+    k = 2 * half
+    assert n % BLOCK == 0 and k % BLOCK == 0 and scale.shape == (e, n, k // GROUP), "dequantize_fp4_kernel: shapes"
+    out = torch.empty(e, n, k, dtype=dtype, device=q.device)
+    _fp4_dequant_kernel[(e, n // 64, k // BLOCK)](q.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8), out, n, k, BN=64, BK=BLOCK, G=GROUP)
+    return out
+
+
+def fp4_grouped_linear(
+    xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, *, block_m: int | None = None,
+    prefill: Fp4PrefillTuning = FP4_PREFILL,
+) -> torch.Tensor:  # fmt: skip
     """Rows ``xs (M, K)`` sorted by group (group ``g`` = rows ``[offs[g-1], offs[g])``, ``offs``
-    int32 group ends) times ``dequant(wq[g], ws[g])ᵀ`` → ``(M, N)`` in ``xs.dtype``."""
+    int32 group ends) times ``dequant(wq[g], ws[g])ᵀ`` → ``(M, N)`` in ``xs.dtype``; at prefill
+    sizes through a bf16 scratch (``prefill``, module docstring)."""
     m, k = xs.shape
     e, n, half = wq.shape
     assert 2 * half == k and n % BLOCK == 0 and k % BLOCK == 0 and ws.shape == (e, n, k // GROUP), "fp4_grouped_linear: shapes"
@@ -46,12 +83,27 @@ def fp4_grouped_linear(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, off
         return grouped_linear_reference(xs, wq, ws, offs, dequantize_fp4, out)
     if m == 0:
         return out
+    if xs.is_cuda and has_grouped_mm(xs.dtype) and m >= prefill.min_rows_per_expert * e:
+        return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))
     if block_m is None:
         block_m = default_block_m(m, e)
     _fp4_grouped_kernel[(e, n // BLOCK)](
         xs, wq.view(torch.uint8), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=BLOCK, BK=BLOCK, G=GROUP,
         PRECISION=dot_precision(xs.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
+    return out
+
+
+def _through_scratch(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, per: int) -> torch.Tensor:
+    """``fp4_grouped_linear`` at prefill sizes: ``per`` experts at a time decoded to ``xs.dtype``,
+    their rows through ``torch._grouped_mm``, written into ``out``."""
+    ends = offs.tolist()  # one host sync per call
+    for a in range(0, wq.shape[0], per):
+        b = min(wq.shape[0], a + per)
+        r0, r1 = (ends[a - 1] if a else 0), ends[b - 1]
+        if r1 > r0:
+            w = dequantize_fp4_kernel(wq[a:b], ws[a:b], xs.dtype)  # (C, N, K)
+            out[r0:r1] = torch._grouped_mm(xs[r0:r1], w.transpose(-2, -1), offs=offs[a:b] - r0)
     return out
 
 
@@ -95,6 +147,16 @@ if HAS_TRITON:
         return tl.reshape(tl.reshape(val, (BN, BK // G, G)) * scale[:, :, None], (BN, BK))
 
     @triton.jit
+    def _fp4_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
+        """One ``(BN, BK)`` tile of expert ``program_id(0)``'s decoded weights (``dequantize_fp4_kernel``)."""
+        e = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        k0 = tl.program_id(2) * BK
+        tile = _fp4_tile(w_ptr + e * N * (K // 2), s_ptr + e * N * (K // G), cols, k0, K, BN, BK, G)
+        dst = out_ptr + e * N * K + cols.to(tl.int64)[:, None] * K + k0 + tl.arange(0, BK)[None, :]
+        tl.store(dst, tile.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
     def _fp4_grouped_kernel(
         x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
@@ -120,4 +182,4 @@ if HAS_TRITON:
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
 
 
-__all__ = ["dequantize_fp4", "fp4_grouped_linear", "moe_experts_fp4"]
+__all__ = ["FP4_PREFILL", "Fp4PrefillTuning", "dequantize_fp4", "dequantize_fp4_kernel", "fp4_grouped_linear", "moe_experts_fp4"]

@@ -13,8 +13,7 @@ import torch
 from engine.model.loader import dequantize
 from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 from kernels.moe import moe_experts_reference
-from kernels._common import HAS_TRITON, tl, triton
-from kernels.moe_fp4 import dequantize_fp4, fp4_grouped_linear, moe_experts_fp4
+from kernels.moe_fp4 import Fp4PrefillTuning, dequantize_fp4, dequantize_fp4_kernel, fp4_grouped_linear, moe_experts_fp4
 
 DEV = "cuda" if ON_GPU else "cpu"
 SMALL = not ON_GPU
@@ -41,30 +40,41 @@ def test_dequantize_matches_the_loader() -> None:
     assert torch.equal(dequantize_fp4(q, s.view(torch.uint8)), dequantize_fp4(q, s))
 
 
-if HAS_TRITON:
-    from kernels.moe_fp4 import _fp4_tile
-
-    @triton.jit
-    def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
-        """Each program writes one ``(BN, BK)`` tile of ``_fp4_tile`` (the kernels' decoder)."""
-        cols = tl.program_id(0) * BN + tl.arange(0, BN)
-        k0 = tl.program_id(1) * BK
-        tile = _fp4_tile(w_ptr, s_ptr, cols, k0, K, BN, BK, G)
-        tl.store(out_ptr + cols[:, None] * K + k0 + tl.arange(0, BK)[None, :], tile)
-
-
 @pytest.mark.gpu
 def test_kernel_decoder_is_bit_exact() -> None:
     """The kernels' in-register decoder gives ``dequantize_fp4``'s fp32 values bit for bit: every
     byte (both nibbles, ±0 included) under every e8m0 scale code but NaN's (0: 2^-127, up to 254)."""
     _needs_kernel()
-    n, k = 32, 256 * 4
+    n, k = 128, 256 * 4
     q = torch.arange(256, dtype=torch.int32).repeat(n, k // 2 // 256).to(torch.uint8).view(torch.int8)  # (n, k/2): each byte 2x per row
     s = torch.arange(n * k // 32, dtype=torch.int32).remainder(255).to(torch.uint8).view(n, k // 32)  # codes 0..254
-    out = torch.empty(n, k, dtype=torch.float32, device=DEV)
-    _decode_kernel[(n // 16, k // 128)](q.to(DEV), s.to(DEV), out, n, k, BN=16, BK=128, G=32)
+    out = dequantize_fp4_kernel(q[None].to(DEV), s[None].to(DEV), torch.float32)[0]  # the grouped kernels' decoder, _fp4_tile
     want = dequantize_fp4(q, s)
     assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
+    normal = s.repeat_interleave(32, dim=-1) >= 2  # bf16 values from 2^-126 (the interpreter flushes subnormal conversions)
+    bf16 = dequantize_fp4_kernel(q[None].to(DEV), s[None].to(DEV))[0].cpu()
+    assert torch.equal(bf16[normal], want.bfloat16()[normal])  # exact in bf16 too
+
+
+@pytest.mark.gpu
+def test_prefill_sizes_through_the_bf16_scratch() -> None:
+    """At prefill sizes (``Fp4PrefillTuning``) the experts decoded once into bf16 chunks and
+    ``torch._grouped_mm`` give the in-register kernel's product up to summation order, every chunk
+    split (several experts per chunk, empty experts and chunks included)."""
+    if not ON_GPU:
+        pytest.skip("torch._grouped_mm needs CUDA")
+    g = torch.Generator().manual_seed(3)
+    e, n, k = 12, 512, 1024
+    q, s = _fp4(e, n, k, g)
+    counts = torch.tensor([0, 130, 7, 0, 0, 0, 300, 1, 64, 0, 256, 2])
+    offs = torch.cumsum(counts, 0).to(torch.int32).to(DEV)
+    xs = torch.randn(int(counts.sum()), k, generator=g).to(DEV, torch.bfloat16)
+    q, s = q.to(DEV), s.to(DEV)
+    kernel = fp4_grouped_linear(xs, q, s, offs, prefill=Fp4PrefillTuning(min_rows_per_expert=10**9)).float()
+    for per in (1, 3, e):
+        got = fp4_grouped_linear(xs, q, s, offs, prefill=Fp4PrefillTuning(min_rows_per_expert=1, scratch_bytes=per * n * k * 2)).float()
+        err = ((got - kernel).norm() / kernel.norm()).item()
+        assert err <= 1e-2, (per, err)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from deepserve.protocol import GenerateRequest, SamplingParams
@@ -156,3 +157,19 @@ def test_methods_and_families_that_do_not_fit_are_refused(trained, small_windows
     v4 = load_model(small_windows_model_dir, dtype="float32", progress=False)
     with pytest.raises(CheckpointError, match="this DeepSeek-V4 checkpoint drafts with 'mtp'"):
         build_engine(small_windows_model_dir, EngineConfig(speculative=SpeculativeConfig("dspark", 2)), model=v4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [3, 5])
+def test_greedy_tokens_on_cuda_equal_without_speculation(trained_dspark_model_dir, k: int) -> None:
+    """On CUDA (fp32, the model's fast prefill path), DSpark's drafts, verify and rewind give the
+    plain run's greedy tokens on the same path, and the trained drafts are accepted."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ckpt = trained_dspark_model_dir
+    model = load_v41_model(ckpt, dtype="float32", device="cuda")
+    base = run(_engine(ckpt, model, None, static_decode=False)[0], _requests(TrainConfig()))
+    engine, reg = _engine(ckpt, model, k, static_decode=False)
+    assert _same(run(engine, _requests(TrainConfig())), base), k
+    c = _counts(reg)
+    assert c["num_accepted_tokens"] > 0.4 * c["num_draft_tokens"], (k, c)

@@ -38,7 +38,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from bench.gpu_slice_bench import _sync, _sync_time, copy_bandwidth, matmul_rate, profile_graph, touched_experts
+from bench.gpu_slice_bench import _sync, _sync_time, copy_bandwidth, matmul_rate, profile_graph, profile_prefill, touched_experts
 from engine.model.rope import Rotary
 from engine.model.v41 import prefill as fast_path
 from engine.model.v41.attention import V41_TUNING, V41Tuning
@@ -265,6 +265,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--general", action="store_true", help="also time the general path's prefill and compare its logits")
     ap.add_argument("--profile", metavar="PREFIX", help="write each batch's graph replay, kernel by kernel, to PREFIX_b<B>_graph.txt")
+    ap.add_argument("--profile-prefill", metavar="PREFIX", help="write the prefill's kernels by total time to PREFIX_prefill<N>.txt")
     ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N,kern=0;...", help="also time the decode batches with these slot tunings (slot_tuning)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -272,7 +273,7 @@ def main() -> None:
     t0 = time.perf_counter()
     bw, mm = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()
-    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general, profile=args.profile, variants=parse_variants(args.variants))
+    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general, profile=args.profile, variants=parse_variants(args.variants), profile_prefill_to=args.profile_prefill)
     out["wall_s"] = time.perf_counter() - t0
     with open(args.output, "w") as f:
         json.dump(out, f, indent=2)
@@ -302,11 +303,12 @@ def summary(out: dict) -> str:
 def run(
     cfg: V41Config, device: str, batches: list[int], context: int, prefill: int, iters: int, bw: float, mm: float,
     general: bool = False, tuning: V41Tuning = V41_TUNING, profile: str | None = None,
-    variants: Sequence[tuple[str, dict[str, str]]] = (),
+    variants: Sequence[tuple[str, dict[str, str]]] = (), profile_prefill_to: str | None = None,
 ) -> dict:  # fmt: skip
     """The rows of one run (module docstring) of ``cfg``'s slice on ``device``, the model built with ``tuning``;
     ``profile``: a path prefix for each batch's graph replay, kernel by kernel (``gpu_slice_bench.profile_graph``);
-    ``variants``: (name, options) of more decoders timed at the same batches (``slot_tuning``)."""
+    ``variants``: (name, options) of more decoders timed at the same batches (``slot_tuning``);
+    ``profile_prefill_to``: a path prefix for the prefill's kernels by total time (``gpu_slice_bench.profile_prefill``)."""
     model, stacks = random_slice(cfg, device, torch.bfloat16, tuning)
     dense, expert = dense_bytes(model)
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else device, "copy_bw": bw, "matmul_flops": mm,
@@ -347,6 +349,8 @@ def run(
                 torch.cuda.empty_cache()
         ids = torch.randint(2, cfg.vocab_size, (prefill,), generator=gen).tolist()
         out["rows"].append(prefill_rows(model, ids, prefill_flops(cfg, dense / 2, prefill), mm, general))
+        if profile_prefill_to:
+            profile_prefill(model, prefill, cfg.vocab_size, profile_prefill_to)
     return out
 
 

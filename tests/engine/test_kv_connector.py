@@ -137,22 +137,33 @@ def _run(engine, rid: str, prompt: list[int], n: int = 12) -> tuple[list[int], i
     return tokens, cached
 
 
+@pytest.fixture(scope="module")
+def cold_conversation(tiny, tiny_model_dir) -> list[tuple[list[int], list[int]]]:
+    """The five turns' ``(prompt, tokens)`` of a cold engine (no KV store): each prompt is the
+    previous one, its 40 tokens and 30 new ones. Computed once for both parametrisations of the
+    test below (the same cold engine, prompts and tokens either way)."""
+    cold = build_engine(tiny_model_dir, model=tiny)
+    prompt, turns = _tokens(150, 8), []
+    for turn in range(5):
+        out = _run(cold, f"c{turn}", prompt, n=40)[0]
+        turns.append((prompt, out))
+        prompt = prompt + out + _tokens(30, 100 + turn)
+    return turns
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["general", "static-runner"])
-def test_multi_turn_conversation_hits_previous_turn(tiny, tiny_model_dir, static: bool) -> None:
+def test_multi_turn_conversation_hits_previous_turn(tiny, tiny_model_dir, cold_conversation, static: bool) -> None:
     """Each turn hits the units the previous turn stored (prompt and decode units; with the
     static runner, decode units come from states its slots hand back) and gives the cold tokens."""
     engine = build_engine(tiny_model_dir, EngineConfig(static_decode=static, static_max_tokens=1024), model=tiny)
     engine.kv = KVConnector(_store(), tiny)
-    cold = build_engine(tiny_model_dir, model=tiny)
-    prompt = _tokens(150, 8)
     computed_before = 0  # tokens whose state the previous turn computed
-    for turn in range(5):
+    for turn, (prompt, cold_out) in enumerate(cold_conversation):
         out, cached = _run(engine, f"t{turn}", prompt, n=40)
-        assert out == _run(cold, f"c{turn}", prompt, n=40)[0]
+        assert out == cold_out
         if turn:
             assert cached >= (computed_before // 128) * 128 > 0
         computed_before = len(prompt) + len(out) - 1
-        prompt = prompt + out + _tokens(30, 100 + turn)
     assert (engine.static is not None and engine.static.steps > 0) == static
 
 

@@ -239,11 +239,16 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
 
 def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
-    (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``); those left out take the defaults
-    (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
+    (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
+    (``attention``'s fields in order, a prefix of them), ``hcs=N`` (``hc_splits``); those left out
+    take the defaults (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
     dflt = V41SlotTuning()
     moe = replace(dflt.moe_gemv, max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)))
-    return replace(dflt, moe_gemv=moe, dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
+    attn = dflt.attention
+    for name, value in zip(("block_h", "block_n", "num_warps", "fill", "max_splits"), kv["attn"].split("x") if kv.get("attn") else ()):
+        attn = replace(attn, **{name: type(getattr(attn, name))(value)})
+    return replace(dflt, moe_gemv=moe, attention=attn, hc_splits=int(kv.get("hcs", dflt.hc_splits)),
+                   dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
                    gemv_pdl=kv.get("pdl", "1" if dflt.gemv_pdl else "0") == "1")  # fmt: skip
 
 
@@ -266,7 +271,7 @@ def main() -> None:
     ap.add_argument("--general", action="store_true", help="also time the general path's prefill and compare its logits")
     ap.add_argument("--profile", metavar="PREFIX", help="write each batch's graph replay, kernel by kernel, to PREFIX_b<B>_graph.txt")
     ap.add_argument("--profile-prefill", metavar="PREFIX", help="write the prefill's kernels by total time to PREFIX_prefill<N>.txt")
-    ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N,kern=0;...", help="also time the decode batches with these slot tunings (slot_tuning)")
+    ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N,attn=BHxBNxW,hcs=N,kern=0;...", help="also time the decode batches with these slot tunings (slot_tuning)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -90,7 +90,7 @@ HEAVY_FIRST = (
     "tests/engine/test_kv_units_v41.py",  # 34 s
     "tests/server/test_e2e_v41.py",  # 33 s
     "tests/engine/sampling/test_sampling_structured.py",  # 27 s
-    "tests/kernels/test_v41_pack.py",  # 26 s
+    "triton-interpreter",  # 35 s: the BATCHED files' interpreted GPU tests, one scope (below)
 )
 
 
@@ -106,16 +106,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``--dist loadfile``: the files that use the session-scoped ``live_stack`` (a
     ``deepserve up`` subprocess, ~17 s to start on this box) form one work unit, so one worker
     starts it once, as a run without xdist does, instead of every worker that gets one of them;
-    and the heaviest files go out first (``HEAVY_FIRST``). Any other ``--dist``: xdist's own."""
+    likewise the ``*_under_interpreter`` tests of ``tests.kernels.interpreted.BATCHED`` (one child
+    pytest runs their GPU tests together); and the heaviest files go out first (``HEAVY_FIRST``).
+    Any other ``--dist``: xdist's own."""
     if getattr(config.option, "dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    from tests.kernels.interpreted import BATCHED
 
     rank = {scope: i for i, scope in enumerate(HEAVY_FIRST)}
 
     class SharedStackFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
+            if scope in BATCHED and nodeid.endswith("_under_interpreter"):
+                return "triton-interpreter"  # one child pytest for all of them (tests/kernels/interpreted.py)
             return "live-stack" if _uses_live_stack(scope) else scope
 
         ordered = False

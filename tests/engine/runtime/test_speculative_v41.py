@@ -55,8 +55,24 @@ def greedy_base(trained):
     return run(_engine(ckpt, model, None)[0], _requests(TrainConfig()))
 
 
+@pytest.fixture(scope="module")
+def spec_runs(trained) -> dict:
+    """``(k, threshold)`` → ``(engine, its registry, outputs of _requests)``: each speculative run of
+    the requests made once for the module (greedy, so the same run whichever test asks first)."""
+    ckpt, model = trained
+    runs: dict = {}
+
+    def get(k: int, threshold: float | None = None):
+        if (k, threshold) not in runs:
+            engine, reg = _engine(ckpt, model, k, threshold)
+            runs[k, threshold] = engine, reg, run(engine, _requests(TrainConfig()))
+        return runs[k, threshold]
+
+    return get
+
+
 @pytest.mark.parametrize("threshold", [None, 0.5])
-def test_greedy_tokens_equal_without_speculation_k_1_to_5(trained, greedy_base, threshold: float | None) -> None:
+def test_greedy_tokens_equal_without_speculation_k_1_to_5(trained, greedy_base, spec_runs, threshold: float | None) -> None:
     ckpt, model = trained
     assert model.config.dspark_block_size == 5
     # Every k without the cut-off; with it, the k whose blocks it cuts on these requests (measured:
@@ -64,8 +80,7 @@ def test_greedy_tokens_equal_without_speculation_k_1_to_5(trained, greedy_base, 
     # none, so those runs verify the very blocks of the threshold-free ones). Harder cuts: 0.99 in
     # test_drafts_are_accepted_and_the_threshold_cuts_blocks.
     for k in range(1, 6) if threshold is None else (4, 5):
-        engine, reg = _engine(ckpt, model, k, threshold)
-        out = run(engine, _requests(TrainConfig()))
+        engine, reg, out = spec_runs(k, threshold)
         assert _same(out, greedy_base), (k, threshold)
         c = _counts(reg)
         assert 0 < c["num_draft_tokens"] <= k * c["num_drafts"] and c["per_pos"] == c["num_accepted_tokens"], c
@@ -75,18 +90,17 @@ def test_greedy_tokens_equal_without_speculation_k_1_to_5(trained, greedy_base, 
         assert engine.spec is not None and not engine.spec.target.slots  # V4.1 verifies on the general path
 
 
-def test_drafts_are_accepted_and_the_threshold_cuts_blocks(trained, greedy_base) -> None:
+def test_drafts_are_accepted_and_the_threshold_cuts_blocks(greedy_base, spec_runs) -> None:
     """On the trained checkpoint a verify of 3 drafts accepts more than 1.5 of them on average
     (measured: 1.89, 65% of the drafts); a high confidence threshold verifies fewer drafts per
     step, same tokens."""
-    ckpt, model = trained
-    engine, reg = _engine(ckpt, model, 3)
-    assert _same(run(engine, _requests(TrainConfig())), greedy_base)
+    _, reg, out = spec_runs(3)
+    assert _same(out, greedy_base)
     c = _counts(reg)
     assert c["num_accepted_tokens"] / c["num_drafts"] > 1.5, c
-    full, cut = _engine(ckpt, model, 5), _engine(ckpt, model, 5, threshold=0.99)
-    assert _same(run(full[0], _requests(TrainConfig())), greedy_base) and _same(run(cut[0], _requests(TrainConfig())), greedy_base)
-    per_full, per_cut = (_counts(r)["num_draft_tokens"] / _counts(r)["num_drafts"] for _, r in (full, cut))
+    full, cut = spec_runs(5), spec_runs(5, 0.99)
+    assert _same(full[2], greedy_base) and _same(cut[2], greedy_base)
+    per_full, per_cut = (_counts(r)["num_draft_tokens"] / _counts(r)["num_drafts"] for _, r, _ in (full, cut))
     assert per_cut < per_full, (per_cut, per_full)
 
 

@@ -100,7 +100,10 @@ class GatewayError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        message = self.message
+        if self.param and self.param not in message:  # Anthropic's errors have no param: the message names it
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
     def body(self, flavor: str = "openai") -> bytes:
         payload = self.anthropic_body() if flavor == "anthropic" else self.openai_body()

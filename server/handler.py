@@ -27,6 +27,7 @@ from server.decode import matched_stop
 from server.errors import GatewayError, InvalidRequest, from_conversion_error
 from server.extensions import parse_extras, truncated
 from server.generation import Run, race_disconnect
+from server.locate import huge_int_path, locate
 from server.prompt_logprobs import with_chat_prompt_logprobs
 from server.reasoning_cap import cap_sampling, requested_cap
 from server.request_flow import admit, deliver
@@ -172,10 +173,8 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: dict[str, Any])
         req_obj = proto.request_cls(body)
         make_generator = proto.prepare(req_obj, catalog.conversion)
         conv = req_obj.convert(catalog.conversion)
-    except dr.ConversionError as exc:
-        raise from_conversion_error(exc) from None
-    except ValueError as exc:
-        raise body_error(exc) from None
+    except (dr.ConversionError, ValueError, OverflowError) as exc:
+        raise refusal(proto, catalog, body, exc) from None
     for message in conv.conversation.messages:
         if message.image_sources:
             raise InvalidRequest("Image inputs are not supported by this deployment.", param="messages")
@@ -184,6 +183,39 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: dict[str, Any])
     except (RuntimeError, ValueError) as exc:
         raise InvalidRequest(f"The prompt could not be encoded: {exc}") from None
     return conv, make_generator, prompt
+
+
+def _recipe_refusal(exc: Exception) -> GatewayError:
+    if isinstance(exc, dr.ConversionError):
+        return from_conversion_error(exc)
+    return body_error(exc)  # type: ignore[arg-type]
+
+
+def refusal(proto: RecipeProtocol, catalog: Any, body: dict[str, Any], exc: Exception) -> GatewayError:
+    """The client error for the recipe refusing ``body``, naming the field (``server.locate``):
+    an integer beyond 64 bits by its path; a refusal without a ``param`` by the field whose
+    removal lifts it."""
+    if isinstance(exc, OverflowError):
+        path = huge_int_path(body) or None
+        where = f"'{path}'" if path else "an integer field"
+        return InvalidRequest(f"Invalid value for {where}: the integer is out of range.", param=path, code="invalid_value")
+    err = _recipe_refusal(exc)
+    if err.param:
+        return err
+
+    def attempt(candidate: Any) -> str | None:
+        try:
+            obj = proto.request_cls(candidate)
+            proto.prepare(obj, catalog.conversion)
+            obj.convert(catalog.conversion)
+        except (dr.ConversionError, ValueError, OverflowError) as again:
+            return _recipe_refusal(again).message if not isinstance(again, OverflowError) else "overflow"
+        except Exception:  # a body the parser takes another way: no evidence either way
+            return err.message
+        return None
+
+    err.param = locate(body, err.message, attempt)
+    return err
 
 
 def _convert(gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:

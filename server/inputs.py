@@ -10,6 +10,13 @@ the recipe reads:
 - Responses: ``developer`` role -> ``system``.
 - Messages: ``max_tokens`` is required (Anthropic's rule); a ``system`` role inside ``messages`` is
   refused (Anthropic takes the system prompt only as the top-level ``system``).
+Type checks the recipe does not make (it reads none of these fields, so it would take any value):
+``user`` / ``safety_identifier`` / ``prompt_cache_key`` must be strings, ``metadata`` an object of
+strings (Messages: only ``user_id``); Messages ``temperature`` is in [0, 1] (Anthropic's range).
+Fields inside a message or ``text`` that nothing renders are refused rather than dropped: a Chat
+message key other than role, content, reasoning_content, tool_calls, tool_call_id and prefix
+(``name``: the DeepSeek encodings have no place for a participant's name) unless null, and
+Responses ``text.verbosity`` other than null or "medium" (OpenAI's default, the only level served).
 Each ``prepare_*`` returns the body to convert: the same object when nothing changed.
 """
 
@@ -88,14 +95,53 @@ def _thinking_from_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     return thinking
 
 
+# Chat message keys the recipe renders (any other one, unless null, is refused naming it).
+_CHAT_MESSAGE_KEYS = frozenset({"role", "content", "reasoning_content", "tool_calls", "tool_call_id", "prefix"})
+
+
+def _check_strings(body: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequest(f"Invalid type for '{key}': expected a string.", param=key, code="invalid_type")
+
+
+def _check_metadata(body: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
+    meta = body.get("metadata")
+    if meta is None:
+        return
+    if not isinstance(meta, dict):
+        raise InvalidRequest("Invalid type for 'metadata': expected an object.", param="metadata", code="invalid_type")
+    for key, value in meta.items():
+        if only is not None and key not in only:
+            raise InvalidRequest(f"metadata.{key}: Extra inputs are not permitted", param=f"metadata.{key}")
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequest(
+                f"Invalid type for 'metadata.{key}': expected a string.", param=f"metadata.{key}", code="invalid_type"
+            )
+
+
+def _check_message_keys(m: dict[str, Any], where: str) -> None:
+    for key, value in m.items():
+        if key in _CHAT_MESSAGE_KEYS or value is None:
+            continue
+        why = " (the model's chat encoding has no participant names)" if key == "name" else ""
+        raise InvalidRequest(
+            f"Unrecognized message field supplied: '{where}.{key}'{why}.", param=f"{where}.{key}", code="unknown_parameter"
+        )
+
+
 def prepare_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Chat Completions body for the recipe (see the module docstring)."""
     out = body
+    _check_strings(body, ("user", "safety_identifier", "prompt_cache_key"))
+    _check_metadata(body)
     messages = _items(body, "messages")
     if messages is not None:
         for i, m in enumerate(messages):
             if isinstance(m, dict):
                 _check_parts(m.get("content"), _CHAT_MEDIA, f"messages[{i}]")
+                _check_message_keys(m, f"messages[{i}]")
         renamed = _developer_as_system(messages)
         if renamed is not None:
             out = {**out, "messages": renamed}
@@ -112,6 +158,18 @@ def prepare_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
     """Responses body for the recipe: media parts refused, ``developer`` -> ``system``."""
+    _check_strings(body, ("user", "safety_identifier", "prompt_cache_key"))
+    _check_metadata(body)
+    text = body.get("text")
+    if isinstance(text, dict):
+        for key, value in text.items():
+            if key == "verbosity" and value not in (None, "medium"):
+                raise InvalidRequest(
+                    "'text.verbosity' is not supported by this server (accepted: 'medium' or null).",
+                    param="text.verbosity", code="unsupported_parameter",
+                )
+            if key not in ("format", "verbosity") and value is not None:
+                raise InvalidRequest(f"Unrecognized request argument supplied: text.{key}", param=f"text.{key}", code="unknown_parameter")
     items = _items(body, "input")
     if items is None:
         return body
@@ -127,6 +185,12 @@ def prepare_messages(body: dict[str, Any], *, count_only: bool = False) -> dict[
     ``messages``, no media blocks."""
     if not count_only and body.get("max_tokens") is None:
         raise InvalidRequest("max_tokens: Field required", param="max_tokens", code="missing_required_parameter")
+    temperature = body.get("temperature")
+    if temperature is not None and (
+        isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 1
+    ):
+        raise InvalidRequest("temperature: Input should be a number in [0, 1]", param="temperature")
+    _check_metadata(body, only=("user_id",))
     for i, m in enumerate(_items(body, "messages") or ()):
         if not isinstance(m, dict):
             continue

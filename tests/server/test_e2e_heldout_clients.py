@@ -1,0 +1,158 @@
+"""Requests no earlier test sent, through the real `openai` / `anthropic` SDKs and raw HTTP, over
+one gateway (FAKE engine, real recipe conversion, real HTTP on loopback) for the module.
+
+Each was a bug: a 500 for an integer beyond 64 bits, a refusal that named no field (the recipe's
+serde text ``invalid type: string "yes", expected a boolean``), fields accepted and dropped
+(a message ``name``, Responses ``text.verbosity``, a non-string ``user``, a non-object
+``metadata``, Anthropic ``metadata`` keys other than ``user_id``), an Anthropic ``temperature``
+above Anthropic's 1.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from server.app import create_app
+from server.config import GatewayConfig
+from tests.server.conftest import MODEL, serve
+from tests.server.fake_engine import FakeEngine
+
+USER = [{"role": "user", "content": "hi"}]
+NO_THINK = {"thinking": {"type": "disabled"}}
+HUGE = 2**70
+
+
+class _Gateway:
+    def __init__(self, url: str, engine: FakeEngine) -> None:
+        self.url, self.engine = url, engine
+
+
+@pytest.fixture(scope="module")
+def gw(catalog) -> Iterator[_Gateway]:
+    engine = FakeEngine()
+    app = create_app(GatewayConfig(served_model_names=(MODEL, "tiny-v41=v4")), engine, catalog=catalog)
+    with serve(app) as url:
+        yield _Gateway(url, engine)
+
+
+def post(gw: _Gateway, route: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(gw.url + route, json={"model": MODEL, **body}, timeout=30)
+
+
+def refused(r: httpx.Response, param: str) -> dict[str, Any]:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
+    return err
+
+
+# ---- an integer beyond 64 bits is a 400 naming it, not a 500 ----------------------------------------
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/chat/completions", {"messages": USER, "seed": HUGE}, "seed"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": HUGE}, "max_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": HUGE, "store": False}, "max_output_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": -HUGE, "logprobs": True}, "top_logprobs"),
+])
+def test_huge_integers_are_400_naming_the_field(gw, route, body, param):
+    refused(post(gw, route, body), param)
+    assert post(gw, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, **NO_THINK}).status_code == 200
+
+
+def test_anthropic_huge_max_tokens_names_it(gw):
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=HUGE, messages=USER, timeout=30)
+    assert err.value.body["type"] == "error" and "max_tokens" in err.value.body["error"]["message"]
+
+
+# ---- the recipe's refusals name the field -------------------------------------------------------------
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/chat/completions", {"messages": USER, "logprobs": "yes"}, "logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": USER, "stop": 5}, "stop"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "seed": "x"}, "seed"),
+    ("/v1/chat/completions", {"messages": USER, "top_p": 1.5}, "top_p"),
+    ("/v1/chat/completions", {"messages": USER, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "reasoning_effort": "bogus"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "bogus"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "bogus", "content": "x"}]}, "messages[1].role"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "user", "content": 5}]}, "messages[1].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
+    ("/v1/responses", {"input": "hi", "temperature": "hot", "store": False}, "temperature"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0, "store": False}, "max_output_tokens"),
+    ("/tokenize", {"messages": [{"role": "bogus", "content": "x"}]}, "messages[0].role"),
+])
+def test_recipe_refusals_name_the_field(gw, route, body, param):
+    refused(post(gw, route, body), param)
+
+
+def test_openai_sdk_sees_the_named_field(gw):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=USER, stop=5)  # type: ignore[arg-type]
+    assert err.value.param == "stop"
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"stop_sequences": "a"}, "stop_sequences"),
+    ({"messages": [*USER, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}, *USER]}, "messages[1].content[0]"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"metadata": {"session": "x"}}, "metadata.session"),
+])
+def test_anthropic_refusals_name_the_field(gw, body, field):
+    r = httpx.post(gw.url + "/v1/messages", json={"model": MODEL, "max_tokens": 5, "messages": USER, **body})
+    assert r.status_code == 400, r.text
+    payload = r.json()
+    assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
+    assert payload["error"]["message"].startswith(field) or f"'{field}'" in payload["error"]["message"], payload
+
+
+def test_count_tokens_refusal_names_the_field(gw):
+    r = httpx.post(gw.url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": "x"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages"), r.text
+
+
+# ---- fields nothing renders are refused, not dropped ----------------------------------------------
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "frobnicate": 1}]}, "messages[0].frobnicate"),
+    ("/v1/chat/completions", {"messages": USER, "user": 5}, "user"),
+    ("/v1/chat/completions", {"messages": USER, "metadata": "x"}, "metadata"),
+    ("/v1/chat/completions", {"messages": USER, "metadata": {"k": 5}}, "metadata.k"),
+    ("/v1/chat/completions", {"messages": USER, "verbosity": "low"}, "verbosity"),
+    ("/v1/responses", {"input": "hi", "text": {"verbosity": "low"}, "store": False}, "text.verbosity"),
+    ("/v1/responses", {"input": "hi", "text": {"frobnicate": 1}, "store": False}, "text.frobnicate"),
+])
+def test_unrendered_fields_are_refused(gw, route, body, param):
+    before = len(gw.engine.requests)
+    refused(post(gw, route, body), param)
+    assert len(gw.engine.requests) == before
+
+
+def test_default_and_null_values_still_pass(gw):
+    """What SDKs send back from an earlier answer (nulls) and OpenAI's defaults stay accepted."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    history = [
+        {"role": "user", "content": "hi", "name": None},
+        {"role": "assistant", "content": "yo", "refusal": None, "audio": None, "function_call": None, "tool_calls": None},
+        {"role": "user", "content": "again"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=history, verbosity="medium", metadata={"k": "v"}, user="u",  # type: ignore[arg-type]
+                                       extra_body=NO_THINK)
+    assert r.choices[0].message.content
+    resp = client.responses.create(model=MODEL, input="hi", text={"verbosity": "medium"}, store=False)
+    assert resp.output
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    msg = claude.messages.create(model=MODEL, max_tokens=5, messages=USER, metadata={"user_id": "u"},
+                                 extra_body={"temperature": 1.0})
+    assert msg.content

@@ -17,6 +17,8 @@ Fields inside a message or ``text`` that nothing renders are refused rather than
 message key other than role, content, reasoning_content, tool_calls, tool_call_id and prefix
 (``name``: the DeepSeek encodings have no place for a participant's name) unless null, and
 Responses ``text.verbosity`` other than null or "medium" (OpenAI's default, the only level served).
+A ``tool_choice`` forcing a call (Chat / Responses ``required`` or a named tool, Messages ``any`` /
+``tool``) without ``tools`` is refused naming ``tool_choice`` (the answer would be plain text).
 Each ``prepare_*`` returns the body to convert: the same object when nothing changed.
 """
 
@@ -131,9 +133,24 @@ def _check_message_keys(m: dict[str, Any], where: str) -> None:
         )
 
 
+def _check_forced_tool_has_tools(body: dict[str, Any], forcing: tuple[str, ...]) -> None:
+    """A ``tool_choice`` that forces a call (one of ``forcing``, or a named tool) needs ``tools``:
+    without any the recipe would answer in plain text, dropping the choice."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    kind = choice if isinstance(choice, str) else choice.get("type") if isinstance(choice, dict) else None
+    forced = kind in forcing or (isinstance(choice, dict) and kind in ("function", "tool", "custom"))
+    if forced and not body.get("tools"):
+        raise InvalidRequest(
+            "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice"
+        )
+
+
 def prepare_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Chat Completions body for the recipe (see the module docstring)."""
     out = body
+    _check_forced_tool_has_tools(body, ("required",))
     _check_strings(body, ("user", "safety_identifier", "prompt_cache_key"))
     _check_metadata(body)
     messages = _items(body, "messages")
@@ -160,6 +177,7 @@ def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
     """Responses body for the recipe: media parts refused, ``developer`` -> ``system``."""
     _check_strings(body, ("user", "safety_identifier", "prompt_cache_key"))
     _check_metadata(body)
+    _check_forced_tool_has_tools(body, ("required",))
     text = body.get("text")
     if isinstance(text, dict):
         for key, value in text.items():
@@ -191,6 +209,7 @@ def prepare_messages(body: dict[str, Any], *, count_only: bool = False) -> dict[
     ):
         raise InvalidRequest("temperature: Input should be a number in [0, 1]", param="temperature")
     _check_metadata(body, only=("user_id",))
+    _check_forced_tool_has_tools(body, ("any", "tool"))
     for i, m in enumerate(_items(body, "messages") or ()):
         if not isinstance(m, dict):
             continue

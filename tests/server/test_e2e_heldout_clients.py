@@ -5,7 +5,7 @@ Each was a bug: a 500 for an integer beyond 64 bits, a refusal that named no fie
 serde text ``invalid type: string "yes", expected a boolean``), fields accepted and dropped
 (a message ``name``, Responses ``text.verbosity``, a non-string ``user``, a non-object
 ``metadata``, Anthropic ``metadata`` keys other than ``user_id``), an Anthropic ``temperature``
-above Anthropic's 1.0.
+above Anthropic's 1.0, a forced ``tool_choice`` without ``tools`` (answered in plain text).
 """
 
 from __future__ import annotations
@@ -156,3 +156,37 @@ def test_default_and_null_values_still_pass(gw):
     msg = claude.messages.create(model=MODEL, max_tokens=5, messages=USER, metadata={"user_id": "u"},
                                  extra_body={"temperature": 1.0})
     assert msg.content
+
+
+# ---- a forced tool choice needs tools --------------------------------------------------------------
+F = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": []}),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("/v1/responses", {"input": "hi", "tool_choice": "required", "store": False}),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function", "name": "f"}, "store": False}),
+])
+def test_forced_tool_choice_without_tools_is_refused(gw, route, body):
+    before = len(gw.engine.requests)
+    refused(post(gw, route, body), "tool_choice")
+    assert len(gw.engine.requests) == before
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "f"}])
+def test_anthropic_forced_tool_choice_without_tools_is_refused(gw, choice):
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=5, messages=USER, tool_choice=choice)  # type: ignore[arg-type]
+    assert "tool_choice" in err.value.body["error"]["message"]
+
+
+def test_auto_and_none_without_tools_still_pass(gw):
+    assert post(gw, "/v1/chat/completions", {"messages": USER, "tool_choice": "auto", **NO_THINK}).status_code == 200
+    assert post(gw, "/v1/chat/completions", {"messages": USER, "tool_choice": "none", **NO_THINK}).status_code == 200
+
+
+def test_unknown_named_tool_names_tool_choice(gw):
+    refused(post(gw, "/v1/chat/completions", {"messages": USER, "tools": F, "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice")

@@ -9,7 +9,8 @@ the recipe reads:
   ``n`` is removed (the gateway runs one engine request per choice).
 - Responses: ``developer`` role -> ``system``.
 - Messages: ``max_tokens`` is required (Anthropic's rule); a ``system`` role inside ``messages`` is
-  refused (Anthropic takes the system prompt only as the top-level ``system``).
+  refused (Anthropic takes the system prompt only as the top-level ``system``); a ``tool_result``
+  with ``is_error: true`` has its content opened by ``[tool error]`` (the recipe renders no flag).
 Type checks the recipe does not make (it reads none of these fields, so it would take any value):
 ``user`` / ``safety_identifier`` / ``prompt_cache_key`` must be strings, ``metadata`` an object of
 strings (Messages: only ``user_id``); Messages ``temperature`` is in [0, 1] (Anthropic's range).
@@ -123,6 +124,13 @@ def _check_metadata(body: dict[str, Any], only: tuple[str, ...] | None = None) -
             )
 
 
+def check_client_keys(body: dict[str, Any]) -> None:
+    """``user`` / ``safety_identifier`` / ``prompt_cache_key`` strings, ``metadata`` an object of
+    strings (OpenAI's types; the recipe and Completions read none of them)."""
+    _check_strings(body, ("user", "safety_identifier", "prompt_cache_key"))
+    _check_metadata(body)
+
+
 def _check_message_keys(m: dict[str, Any], where: str) -> None:
     for key, value in m.items():
         if key in _CHAT_MESSAGE_KEYS or value is None:
@@ -151,8 +159,7 @@ def prepare_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Chat Completions body for the recipe (see the module docstring)."""
     out = body
     _check_forced_tool_has_tools(body, ("required",))
-    _check_strings(body, ("user", "safety_identifier", "prompt_cache_key"))
-    _check_metadata(body)
+    check_client_keys(body)
     messages = _items(body, "messages")
     if messages is not None:
         for i, m in enumerate(messages):
@@ -175,8 +182,7 @@ def prepare_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
     """Responses body for the recipe: media parts refused, ``developer`` -> ``system``."""
-    _check_strings(body, ("user", "safety_identifier", "prompt_cache_key"))
-    _check_metadata(body)
+    check_client_keys(body)
     _check_forced_tool_has_tools(body, ("required",))
     text = body.get("text")
     if isinstance(text, dict):
@@ -222,4 +228,37 @@ def prepare_messages(body: dict[str, Any], *, count_only: bool = False) -> dict[
     system = body.get("system")
     if isinstance(system, list):
         _check_parts(system, _ANTHROPIC_MEDIA, "system")
-    return body
+    return _tool_errors_marked(body)
+
+
+ERROR_MARK = "[tool error] "
+
+
+def _marked(block: dict[str, Any]) -> dict[str, Any]:
+    content = block.get("content")
+    if isinstance(content, list):
+        content = [{"type": "text", "text": ERROR_MARK.strip()}, *content]
+    else:
+        content = ERROR_MARK + (content if isinstance(content, str) else "")
+    return {k: v for k, v in block.items() if k != "is_error"} | {"content": content}
+
+
+def _tool_errors_marked(body: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic ``tool_result`` blocks with ``is_error: true`` (which the recipe does not render)
+    with their content opened by ``[tool error]``, so the model sees that the tool failed."""
+    messages = _items(body, "messages")
+    if not messages or not any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(b, dict) and b.get("type") == "tool_result" and b.get("is_error") is True for b in m["content"])
+        for m in messages
+    ):
+        return body
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": [
+                _marked(b) if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("is_error") is True else b
+                for b in m["content"]
+            ]}
+        out.append(m)
+    return {**body, "messages": out}

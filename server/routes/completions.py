@@ -42,6 +42,7 @@ from server.request_id import ids as request_ids
 from server.errors import ContextLengthExceeded, EngineFailed, GatewayError, InvalidRequest
 from server.generation import Run, race_disconnect
 from server.handler import SSEResponse, stream_error
+from server.inputs import check_client_keys
 from server.model import ModelCatalog
 from server.prompt_logprobs import legacy_echo, of_run
 from server.request_flow import admit, deliver
@@ -119,6 +120,7 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
     """Validate a Completions body (400 with ``param`` on the first bad field)."""
     if "prompt" not in body:
         raise InvalidRequest("You must provide a prompt parameter.", param="prompt", code="missing_required_parameter")
+    check_client_keys(body)
     extras = parse_extras(body, catalog.vocab_size, chat=False)
     stream = bool_field(body, "stream")
     best_of = int(int_field(body, "best_of", 1, MAX_CHOICES, extras.n) or 1)

@@ -190,3 +190,35 @@ def test_auto_and_none_without_tools_still_pass(gw):
 
 def test_unknown_named_tool_names_tool_choice(gw):
     refused(post(gw, "/v1/chat/completions", {"messages": USER, "tools": F, "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice")
+
+
+# ---- Anthropic tool_result is_error reaches the prompt -------------------------------------------------
+A_TOOLS = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+def _tool_turn(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "x"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", **result}]},
+    ]
+
+
+def test_anthropic_tool_result_is_error_is_rendered(gw):
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+
+    def prompt(result: dict[str, Any]) -> list[int]:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=_tool_turn(result), tools=A_TOOLS, thinking={"type": "disabled"})  # type: ignore[arg-type]
+        return gw.engine.requests[-1].prompt_token_ids
+
+    ok = prompt({"content": "timeout"})
+    failed = prompt({"content": "timeout", "is_error": True})
+    assert failed != ok
+    assert failed == prompt({"content": "[tool error] timeout"})
+    assert prompt({"content": [{"type": "text", "text": "timeout"}], "is_error": True}) != prompt({"content": [{"type": "text", "text": "timeout"}]})
+    assert prompt({"content": "timeout", "is_error": False}) == ok
+
+
+def test_completions_client_keys_are_typed(gw):
+    refused(post(gw, "/v1/completions", {"prompt": "x", "user": 5}), "user")
+    refused(post(gw, "/v1/completions", {"prompt": "x", "metadata": "x"}), "metadata")

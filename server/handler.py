@@ -81,8 +81,8 @@ class AnswerHooks(Protocol):
     async def finish(self, text: str) -> str:
         """The whole answer's JSON as it is sent, from the one made (not streaming)."""
 
-    async def event(self, name: str, text: str) -> str:
-        """A streamed named event's JSON as it is sent, from the one made."""
+    async def event(self, name: str, text: str) -> str | None:
+        """A streamed named event's JSON as it is sent, from the one made (None: not sent)."""
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Answer:
             run.close()
 
 
-async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Callable[[dict[str, Any], str], Awaitable[AnswerHooks]] | None = None) -> Response:
+async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Callable[[dict[str, Any], str], Awaitable[AnswerHooks | None]] | None = None) -> Response:
     """The recipe routes on the shared skeleton (``server.request_flow``); ``make_hooks(body, key)``:
     the endpoint's hooks."""
     req = await admit(request, proto.route)
@@ -349,7 +349,13 @@ def _frame_all(batch: list[Any], name: Any, i: int = 0, shaper: ChatStreamShaper
 
 async def _hooked(batch: list[Any], name: Any, hooks: AnswerHooks) -> str:
     """Named events as the endpoint's hooks rewrite them (Responses: stored on completion)."""
-    return "".join([event_frame(n, await hooks.event(n, c.to_json())) for c in batch for n in [name(c)]])
+    out = []
+    for c in batch:
+        n = name(c)
+        text = await hooks.event(n, c.to_json())
+        if text is not None:  # None: the hooks drop this event
+            out.append(event_frame(n, text))
+    return "".join(out)
 
 
 def stream_error(exc: GatewayError, flavor: Flavor, named_events: bool) -> str:

@@ -222,3 +222,44 @@ def test_anthropic_tool_result_is_error_is_rendered(gw):
 def test_completions_client_keys_are_typed(gw):
     refused(post(gw, "/v1/completions", {"prompt": "x", "user": 5}), "user")
     refused(post(gw, "/v1/completions", {"prompt": "x", "metadata": "x"}), "metadata")
+
+
+# ---- Anthropic disable_parallel_tool_use keeps one tool_use --------------------------------------------
+DSML_TWO_CALLS = (
+    "<｜DSML｜tool_calls>\n"
+    "<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"a\" string=\"true\">x</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+    "<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"a\" string=\"true\">y</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+    "</｜DSML｜tool_calls>"
+)
+F_TOOL = [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}}}]
+
+
+@pytest.fixture
+def two_calls(gw, catalog) -> Iterator[None]:
+    from tests.server.fake_engine import text_script
+
+    saved = gw.engine.script
+    gw.engine.script = text_script(catalog.tokenizer, "Let me check." + DSML_TWO_CALLS)
+    yield
+    gw.engine.script = saved
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_anthropic_disable_parallel_tool_use(gw, two_calls, disable):
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, max_tokens=200, messages=USER, tools=F_TOOL, thinking={"type": "disabled"},
+        tool_choice={"type": "auto", "disable_parallel_tool_use": disable},
+    )
+    whole = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        events = [e for e in stream]
+        streamed = stream.get_final_message()
+    calls = 1 if disable else 2
+    for message in (whole, streamed):
+        uses = [b for b in message.content if b.type == "tool_use"]
+        assert [u.input for u in uses] == [{"a": "x"}, {"a": "y"}][:calls]
+        assert message.stop_reason == "tool_use"
+        assert message.content[0].type == "text"
+    starts = [e.index for e in events if e.type == "content_block_start"]
+    assert starts == list(range(len(starts))) and len(starts) == 1 + calls

@@ -17,6 +17,7 @@ strings (Messages: only ``user_id``); Messages ``temperature`` is in [0, 1] (Ant
 Fields inside a message or ``text`` that nothing renders are refused rather than dropped: a Chat
 message key other than role, content, reasoning_content, tool_calls, tool_call_id and prefix
 (``name``: the DeepSeek encodings have no place for a participant's name) unless null, and
+a Responses message item key other than type, role, content, id, status and phase, and
 Responses ``text.verbosity`` other than null or "medium" (OpenAI's default, the only level served).
 A ``tool_choice`` forcing a call (Chat / Responses ``required`` or a named tool, Messages ``any`` /
 ``tool``) without ``tools`` is refused naming ``tool_choice`` (the answer would be plain text).
@@ -131,9 +132,17 @@ def check_client_keys(body: dict[str, Any]) -> None:
     _check_metadata(body)
 
 
+# Responses message items: what the recipe reads, and what an earlier answer's output item carries.
+_RESPONSES_MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
+
+
 def _check_message_keys(m: dict[str, Any], where: str) -> None:
+    _check_keys(m, _CHAT_MESSAGE_KEYS, where)
+
+
+def _check_keys(m: dict[str, Any], known: frozenset[str], where: str) -> None:
     for key, value in m.items():
-        if key in _CHAT_MESSAGE_KEYS or value is None:
+        if key in known or value is None:
             continue
         why = " (the model's chat encoding has no participant names)" if key == "name" else ""
         raise InvalidRequest(
@@ -200,6 +209,8 @@ def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
     for i, item in enumerate(items):
         if isinstance(item, dict):
             _check_parts(item.get("content"), _RESPONSES_MEDIA, f"input[{i}]")
+            if "role" in item and item.get("type") in (None, "message"):
+                _check_keys(item, _RESPONSES_MESSAGE_KEYS, f"input[{i}]")
     renamed = _developer_as_system(items)
     return body if renamed is None else {**body, "input": renamed}
 

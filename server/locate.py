@@ -5,8 +5,8 @@ string "yes", expected a boolean`` and no field name, and some of its checks ans
 null`` (``Invalid top_p value ...``); an integer beyond 64 bits raises ``OverflowError`` before
 any check. The project's rule is that a refusal names the field, so on that error path (never on
 a request that converts) ``locate`` finds it by converting the body again without one field at a
-time: the field whose removal makes the request convert, or changes the refusal to another one
-that is not a mere "missing field", is the one refused. Inside a list field (``messages``,
+time: the field whose removal makes the request convert (or else the first whose removal changes
+the refusal to another one that is not a mere "missing field") is the one refused. Inside a list field (``messages``,
 ``tools``, ``input``, ``system``) the same is done per item, and inside that item per key, so the
 answer is as precise as ``messages[2].content``. At most ``MAX_TRIES`` conversions are tried.
 """
@@ -48,6 +48,7 @@ def _culprit_key(
     skip: tuple[str, ...] = (), neutral: dict[str, Any] | None = None,
 ) -> str | None:
     neutral = neutral or {}
+    changed: str | None = None  # the first key whose removal changes the refusal
     for key in obj:
         if key in skip:
             continue
@@ -58,9 +59,11 @@ def _culprit_key(
         else:
             candidate = {k: v for k, v in obj.items() if k != key}
         now = tries(rebuild(candidate))
-        if now is not False and _evidence(original, now):  # type: ignore[arg-type]
-            return key
-    return None
+        if now is None:
+            return key  # without it the request converts: the surest answer
+        if changed is None and now is not False and _evidence(original, now):  # type: ignore[arg-type]
+            changed = key
+    return changed
 
 
 def _culprit_index(rebuild: Callable[[list[Any]], Any], items: list[Any], original: str, tries: _Budget) -> int | None:

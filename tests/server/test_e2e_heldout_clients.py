@@ -263,3 +263,13 @@ def test_anthropic_disable_parallel_tool_use(gw, two_calls, disable):
         assert message.content[0].type == "text"
     starts = [e.index for e in events if e.type == "content_block_start"]
     assert starts == list(range(len(starts))) and len(starts) == 1 + calls
+
+
+def test_responses_message_item_fields_and_named_tool(gw):
+    refused(post(gw, "/v1/responses", {"input": [{"role": "user", "content": "x", "name": "bob"}], "store": False}), "input[0].name")
+    earlier = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "phase": "final_answer",
+               "content": [{"type": "output_text", "text": "yo", "annotations": []}]}
+    r = post(gw, "/v1/responses", {"input": [{"role": "user", "content": "hi"}, earlier, {"role": "user", "content": "x"}], "store": False})
+    assert r.status_code == 200, r.text
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+    refused(post(gw, "/v1/responses", {"input": "x", "tools": tools, "tool_choice": {"type": "function", "name": "nope"}, "store": False}), "tool_choice")

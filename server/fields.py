@@ -146,6 +146,7 @@ RESPONSES: Table = {
     "reasoning": "effort: DeepSeek thinking effort; max_tokens: reasoning cap (the reasoning ends after this many tokens); summary: accepted (the full reasoning is the reasoning item's content); other keys: 400",
     "tools": "function tools (and namespaces)",
     "tool_choice": "auto, none, required, or a named function",
+    "parallel_tool_calls": "false: at most one function call is returned",
     "text": "text.format: text, json_object, json_schema (structured output); text.verbosity: 400 unless \"medium\" or null",
     "store": "default true: the response is kept (the shared Redis or this gateway's LRU, with a TTL: --responses-store) for GET/DELETE /v1/responses/{id} and previous_response_id",
     "previous_response_id": "continue a stored response's conversation (its input and output items before this input; its instructions are not carried over); unknown: 404",
@@ -160,7 +161,6 @@ RESPONSES_OFF: OffValues = {
     "conversation": (),
     "prompt": (),
     "stream_options": (),
-    "parallel_tool_calls": (True,),
 }
 MESSAGES: Table = {
     "model": "a served model name",

@@ -14,6 +14,9 @@
   through another gateway: the run reads its record every ``poll_s`` and stops when it is
   cancelled or gone, and its own writes are conditional (``put(if_running=True)``), so they never
   undo that cancel or delete.
+- ``parallel_tool_calls: false``: the answer keeps its first function_call item (streamed: the
+  events of later calls are not sent and later items' ``output_index`` is renumbered), and the
+  response reports ``parallel_tool_calls: false``.
 Stored ids are unique even when the client sent ``X-Request-Id`` (a random tail is added). A
 record keeps a digest of the API key, not the key (``owner_id``).
 """
@@ -74,6 +77,9 @@ class ResponsesFlow:
     history: list[Any] = field(default_factory=list)  # the input items after expansion
     added_bytes: int = 0  # the stored conversation's JSON put before the input
     rid: str = ""
+    one_call: bool = False  # parallel_tool_calls: false (at most one function_call output item)
+    _seen_call: bool = False
+    _new_index: dict[int, int | None] = field(default_factory=dict)  # streamed output_index -> sent (None: dropped)
 
     @classmethod
     async def read(cls, gw: Gateway, body: dict[str, Any], key: str) -> ResponsesFlow:
@@ -98,7 +104,9 @@ class ResponsesFlow:
                 )
             history = list(previous.history)
             added = len(json.dumps(history, ensure_ascii=False))
-        return cls(gw, key, keep, background, previous_id, history + _items(body.get("input")), added)
+        flow = cls(gw, key, keep, background, previous_id, history + _items(body.get("input")), added)
+        flow.one_call = not bool_field(body, "parallel_tool_calls", True)
+        return flow
 
     # ---- AnswerHooks ------------------------------------------------------------------------------
     @property
@@ -111,7 +119,9 @@ class ResponsesFlow:
     async def finish(self, text: str) -> str:
         return await self._done(json.loads(text))
 
-    async def event(self, name: str, text: str) -> str:
+    async def event(self, name: str, text: str) -> str | None:
+        if self.one_call and name not in _WITH_RESPONSE:
+            return self._one_call_event(name, text)
         if name not in _WITH_RESPONSE:
             return text
         event = json.loads(text)
@@ -121,9 +131,42 @@ class ResponsesFlow:
             event["response"] = self._settings(event["response"])
         return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
 
+    def _one_call_event(self, name: str, text: str) -> str | None:
+        """A streamed event under ``parallel_tool_calls: false``: those of a second function call
+        are dropped (None), the later items' ``output_index`` renumbered."""
+        event = json.loads(text)
+        index = event.get("output_index")
+        if not isinstance(index, int):
+            return text
+        if name == "response.output_item.added":
+            is_call = (event.get("item") or {}).get("type") == "function_call"
+            dropped = is_call and self._seen_call
+            self._seen_call = self._seen_call or is_call
+            self._new_index[index] = None if dropped else sum(1 for v in self._new_index.values() if v is not None)
+        sent = self._new_index.get(index, index)
+        if sent is None:
+            return None
+        if sent == index:
+            return text
+        event["output_index"] = sent
+        return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+
+    def _one_call_output(self, response: dict[str, Any]) -> dict[str, Any]:
+        """``response`` with its first function_call output item only (``parallel_tool_calls: false``)."""
+        output, seen = [], False
+        for item in response.get("output") or ():
+            if isinstance(item, dict) and item.get("type") == "function_call":
+                if seen:
+                    continue
+                seen = True
+            output.append(item)
+        return {**response, "output": output, "parallel_tool_calls": False}
+
     async def _done(self, response: dict[str, Any]) -> str:
         """The finished response as sent, stored when asked (a background one only while its
         record is still running: not over a cancel or delete)."""
+        if self.one_call:
+            response = self._one_call_output(response)
         response = self._settings(response)
         if self.keep:
             await self._store(response, if_running=self.background)

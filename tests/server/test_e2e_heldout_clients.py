@@ -273,3 +273,23 @@ def test_responses_message_item_fields_and_named_tool(gw):
     assert r.status_code == 200, r.text
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
     refused(post(gw, "/v1/responses", {"input": "x", "tools": tools, "tool_choice": {"type": "function", "name": "nope"}, "store": False}), "tool_choice")
+
+
+# ---- Responses parallel_tool_calls: false (Codex CLI sends it) keeps one function call -----------------
+@pytest.mark.parametrize("parallel", [True, False])
+def test_responses_parallel_tool_calls(gw, two_calls, parallel):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}]
+    kwargs: dict[str, Any] = dict(model=MODEL, input="hi", tools=tools, parallel_tool_calls=parallel, reasoning={"effort": "none"})
+    whole = client.responses.create(**kwargs)
+    with client.responses.stream(**kwargs) as stream:
+        events = [e for e in stream]
+        streamed = stream.get_final_response()
+    calls = 2 if parallel else 1
+    for response in (whole, streamed):
+        assert [o.arguments for o in response.output if o.type == "function_call"] == ['{"a": "x"}', '{"a": "y"}'][:calls]
+        assert response.parallel_tool_calls is parallel
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == list(range(len(added))) and len(added) == len(streamed.output)
+    stored = client.responses.retrieve(whole.id)
+    assert len([o for o in stored.output if o.type == "function_call"]) == calls

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -90,15 +91,15 @@ HEAVY_FIRST = (
     "tests/engine/test_kv_units_v41.py",  # 34 s
     "tests/server/test_e2e_v41.py",  # 33 s
     "tests/engine/sampling/test_sampling_structured.py",  # 27 s
-    "triton-interpreter",  # 35 s: the BATCHED files' interpreted GPU tests, one scope (below)
+    "tests/kernels/test_interpret.py",  # 35 s: V4.1's kernels under the Triton interpreter, one child
 )
 
 
-def _uses_live_stack(scope: str, _seen: dict[str, bool] = {}) -> bool:  # noqa: B006 (a cache)
-    if scope not in _seen:
-        path = TESTS.parent / scope
-        _seen[scope] = path.name.startswith("test_") and path.suffix == ".py" and path.is_file() and "live_stack" in path.read_text(errors="ignore")
-    return _seen[scope]
+@functools.cache
+def _uses_live_stack(scope: str) -> bool:
+    """Whether the test file ``scope`` (a path from the repository root) uses the ``live_stack`` fixture."""
+    path = TESTS.parent / scope
+    return path.name.startswith("test_") and path.suffix == ".py" and path.is_file() and "live_stack" in path.read_text(errors="ignore")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -106,22 +107,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``--dist loadfile``: the files that use the session-scoped ``live_stack`` (a
     ``deepserve up`` subprocess, ~17 s to start on this box) form one work unit, so one worker
     starts it once, as a run without xdist does, instead of every worker that gets one of them;
-    likewise the ``*_under_interpreter`` tests of ``tests.kernels.interpreted.BATCHED`` (one child
-    pytest runs their GPU tests together); and the heaviest files go out first (``HEAVY_FIRST``).
+    and the heaviest files go out first (``HEAVY_FIRST``).
     Any other ``--dist``: xdist's own."""
     if getattr(config.option, "dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
-
-    from tests.kernels.interpreted import BATCHED
 
     rank = {scope: i for i, scope in enumerate(HEAVY_FIRST)}
 
     class SharedStackFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            if scope in BATCHED and nodeid.endswith("_under_interpreter"):
-                return "triton-interpreter"  # one child pytest for all of them (tests/kernels/interpreted.py)
             return "live-stack" if _uses_live_stack(scope) else scope
 
         ordered = False

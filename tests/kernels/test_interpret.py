@@ -19,10 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.kernels.interpreted import run_gpu_tests_interpreted
+
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_prefill.py", "tests/kernels/test_moe_grouped.py"]
 FAST_PREFILL = "tests/engine/model/test_fast_prefill_gpu.py"
+V41_KERNEL_TESTS = ["tests/kernels/test_v41_attention.py", "tests/kernels/test_v41_indexer.py", "tests/kernels/test_v41_pack.py"]
 
 
 def run_interpreted(targets: list[str], timeout: float) -> None:
@@ -31,6 +34,11 @@ def run_interpreted(targets: list[str], timeout: float) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "passed" in proc.stdout.strip().splitlines()[-1], proc.stdout[-2000:]
+
+
+def test_v41_kernels_under_triton_interpreter() -> None:
+    """V4.1's KV-code kernels (decode attention, indexer scores, fused packing) at small sizes, one child."""
+    run_gpu_tests_interpreted(*V41_KERNEL_TESTS)
 
 
 @pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively

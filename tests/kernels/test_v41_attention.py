@@ -2,7 +2,7 @@
 PyTorch reference, and the reference against attention over the engine's fake-quantised values.
 
 GPU: ``pytest -m gpu tests/kernels/test_v41_attention.py``; on CPU the GPU tests run under
-Triton's interpreter at small sizes (``test_v41_attention_under_interpreter``)."""
+Triton's interpreter at small sizes (``tests/kernels/test_interpret.py``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_reference_is_attention_over_the_fake_quantised_values() -> None:
 
 def _gpu_or_interpreter() -> None:
     if not (ON_GPU or INTERPRETED):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see test_v41_attention_under_interpreter)")
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see tests/kernels/test_interpret.py)")
 
 
 @pytest.mark.gpu
@@ -96,7 +96,3 @@ def test_split_kernel_matches_the_reference(shape, rows: bool, splits: int) -> N
         half = v41_decode_attention(*args, out_dtype=torch.bfloat16, tuning=tuning)
         assert torch.equal(half, got.to(torch.bfloat16))  # the same fp32 result, cast once
 
-
-def test_v41_attention_under_interpreter() -> None:
-    """The GPU tests above on CPU through Triton's interpreter (a child pytest)."""
-    run_gpu_tests_interpreted(__file__)

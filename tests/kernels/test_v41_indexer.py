@@ -2,7 +2,7 @@
 reference, and the reference against ``Indexer.select``'s scores over fake-quantised keys.
 
 GPU: ``pytest -m gpu tests/kernels/test_v41_indexer.py``; on CPU the GPU tests run under
-Triton's interpreter at small sizes (``test_v41_indexer_under_interpreter``)."""
+Triton's interpreter at small sizes (``tests/kernels/test_interpret.py``)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_reference_is_the_indexer_score() -> None:
 
 def _gpu_or_interpreter() -> None:
     if not (ON_GPU or INTERPRETED):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see test_v41_indexer_under_interpreter)")
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see tests/kernels/test_interpret.py)")
 
 
 @pytest.mark.gpu
@@ -53,7 +53,3 @@ def test_kernel_matches_the_reference(shape) -> None:
     got, want = v41_indexer_scores(*args), v41_indexer_scores_reference(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
-
-def test_v41_indexer_under_interpreter() -> None:
-    """The GPU tests above on CPU through Triton's interpreter (a child pytest)."""
-    run_gpu_tests_interpreted(__file__)

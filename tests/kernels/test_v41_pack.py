@@ -4,7 +4,7 @@ magnitudes, zeros and -0.0, subnormals, and values on, next to and exactly at th
 midpoints of e4m3 and e2m1 (the compressed rows' e4m3 scales too).
 
 GPU: ``pytest -m gpu tests/kernels/test_v41_pack.py``; on CPU the GPU tests run under Triton's
-interpreter (``test_v41_pack_under_interpreter``, ~10 s)."""
+interpreter (``tests/kernels/test_interpret.py``, ~10 s)."""
 
 from __future__ import annotations
 
@@ -140,6 +140,3 @@ def test_off_triton_the_packers_and_index_copy() -> None:
     assert torch.equal(v41_pack.fp4_indexer_quant(x.view(5, 1, 64)), fp4_indexer(x.view(5, 1, 64)))
     assert torch.equal(v41_pack.fp4_indexer_quant(x[:, :48]), x[:, :48])  # not whole blocks: unquantised
 
-
-def test_v41_pack_under_interpreter() -> None:
-    run_gpu_tests_interpreted(__file__)

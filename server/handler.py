@@ -27,6 +27,7 @@ from server.decode import matched_stop
 from server.errors import GatewayError, InvalidRequest, from_conversion_error
 from server.extensions import parse_extras, truncated
 from server.generation import Run, race_disconnect
+from server.inputs import anthropic_prefill
 from server.locate import huge_int_path, locate
 from server.prompt_logprobs import with_chat_prompt_logprobs
 from server.reasoning_cap import cap_sampling, requested_cap
@@ -178,11 +179,34 @@ def convert_and_encode(gw: Gateway, proto: RecipeProtocol, body: dict[str, Any])
     for message in conv.conversation.messages:
         if message.image_sources:
             raise InvalidRequest("Image inputs are not supported by this deployment.", param="messages")
+    conversation = conv.conversation
+    if proto.flavor == "anthropic" and anthropic_prefill(body):
+        conversation = open_last_turn(conversation)
     try:
-        prompt = catalog.encoding_for(conv.model_version).encode(conv.conversation)
+        prompt = catalog.encoding_for(conv.model_version).encode(conversation)
     except (RuntimeError, ValueError) as exc:
         raise InvalidRequest(f"The prompt could not be encoded: {exc}") from None
     return conv, make_generator, prompt
+
+
+def open_last_turn(conversation: Any) -> Any:
+    """``conversation`` with its last (assistant) message a prefix the answer continues (Anthropic's
+    prefill; deepseek-recipe's Messages conversion closes that turn)."""
+    last = conversation.messages[-1]
+    if not isinstance(last, dr.AssistantMessage):
+        return conversation
+    messages = [*conversation.messages[:-1], dr.AssistantMessage(last.content, last.reasoning_content, last.tool_calls, prefix=True)]
+    kw: dict[str, Any] = dict(
+        thinking_mode=conversation.thinking_mode, tools=conversation.tools, tool_choice=conversation.tool_choice,
+        reasoning_effort=conversation.reasoning_effort,
+    )
+    if conversation.response_schema is not None:
+        kw["response_schema"] = conversation.response_schema
+    elif conversation.response_regex is not None:
+        kw["response_regex"] = conversation.response_regex
+    else:
+        kw["response_format"] = conversation.response_format
+    return dr.Conversation(messages, **kw)
 
 
 def _recipe_refusal(exc: Exception) -> GatewayError:

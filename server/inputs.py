@@ -10,7 +10,9 @@ the recipe reads:
 - Responses: ``developer`` role -> ``system``.
 - Messages: ``max_tokens`` is required (Anthropic's rule); a ``system`` role inside ``messages`` is
   refused (Anthropic takes the system prompt only as the top-level ``system``); a ``tool_result``
-  with ``is_error: true`` has its content opened by ``[tool error]`` (the recipe renders no flag).
+  with ``is_error: true`` has its content opened by ``[tool error]`` (the recipe renders no flag);
+  a final assistant text turn is a prefill (``anthropic_prefill``: the handler encodes it open, so
+  the answer continues it), without thinking (thinking asked: 400).
 Type checks the recipe does not make (it reads none of these fields, so it would take any value):
 ``user`` / ``safety_identifier`` / ``prompt_cache_key`` must be strings, ``metadata`` an object of
 strings (Messages: only ``user_id``); Messages ``temperature`` is in [0, 1] (Anthropic's range).
@@ -215,6 +217,36 @@ def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
     return body if renamed is None else {**body, "input": renamed}
 
 
+def anthropic_prefill(body: dict[str, Any]) -> bool:
+    """Whether a Messages body ends with an assistant turn of text only: Anthropic's prefill (the
+    answer continues that text)."""
+    messages = _items(body, "messages")
+    if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
+        return False
+    content = messages[-1].get("content")
+    if isinstance(content, str):
+        return bool(content)
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(b, dict) and b.get("type") == "text" for b in content
+    )
+
+
+def _prefill_without_thinking(body: dict[str, Any]) -> dict[str, Any]:
+    """A prefill is continued as the answer's text, so it runs without thinking: refused (as
+    Anthropic does) when thinking is asked, thinking turned off when nothing was asked."""
+    if not anthropic_prefill(body):
+        return body
+    thinking = body.get("thinking")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in (None, "disabled"):
+        last = len(body["messages"]) - 1
+        raise InvalidRequest(
+            f"messages[{last}]: a final assistant message (prefill) cannot be combined with thinking.",
+            param=f"messages[{last}]",
+        )
+    return body if kind == "disabled" else {**body, "thinking": {"type": "disabled"}}
+
+
 def prepare_messages(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]:
     """Anthropic Messages body: ``max_tokens`` required (not for counting), no ``system`` role in
     ``messages``, no media blocks."""
@@ -239,7 +271,7 @@ def prepare_messages(body: dict[str, Any], *, count_only: bool = False) -> dict[
     system = body.get("system")
     if isinstance(system, list):
         _check_parts(system, _ANTHROPIC_MEDIA, "system")
-    return _tool_errors_marked(body)
+    return _prefill_without_thinking(_tool_errors_marked(body))
 
 
 ERROR_MARK = "[tool error] "

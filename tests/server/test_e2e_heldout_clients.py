@@ -293,3 +293,22 @@ def test_responses_parallel_tool_calls(gw, two_calls, parallel):
     assert added == list(range(len(added))) and len(added) == len(streamed.output)
     stored = client.responses.retrieve(whole.id)
     assert len([o for o in stored.output if o.type == "function_call"]) == calls
+
+
+# ---- Anthropic prefill: the answer continues the final assistant turn ------------------------------
+def test_anthropic_prefill_is_continued(gw, catalog):
+    from server.decode import decode_tokens
+
+    claude = anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    for messages in (turns, [turns[0], {"role": "assistant", "content": [{"type": "text", "text": "The answer is"}]}]):
+        msg = claude.messages.create(model=MODEL, max_tokens=5, messages=messages)  # type: ignore[arg-type]
+        prompt = decode_tokens(catalog, gw.engine.requests[-1].prompt_token_ids)[0]
+        assert prompt.endswith("The answer is"), prompt
+        assert [b.type for b in msg.content] == ["text"]
+        assert claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens == len(gw.engine.requests[-1].prompt_token_ids)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=2000, messages=turns, thinking={"type": "enabled", "budget_tokens": 1024})  # type: ignore[arg-type]
+    assert "messages[1]" in err.value.body["error"]["message"]
+    claude.messages.create(model=MODEL, max_tokens=5, messages=[*turns, {"role": "user", "content": "more"}])  # type: ignore[arg-type]
+    assert not decode_tokens(catalog, gw.engine.requests[-1].prompt_token_ids)[0].endswith("more")  # a later user turn: a normal answer

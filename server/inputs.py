@@ -19,7 +19,8 @@ strings (Messages: only ``user_id``); Messages ``temperature`` is in [0, 1] (Ant
 Fields inside a message or ``text`` that nothing renders are refused rather than dropped: a Chat
 message key other than role, content, reasoning_content, tool_calls, tool_call_id and prefix
 (``name``: the DeepSeek encodings have no place for a participant's name) unless null, and
-a Responses message item key other than type, role, content, id, status and phase, and
+a Responses message item key other than type, role, content, id, status and phase, an
+``item_reference`` input item (items are not looked up by id), and
 Responses ``text.verbosity`` other than null or "medium" (OpenAI's default, the only level served).
 A ``tool_choice`` forcing a call (Chat / Responses ``required`` or a named tool, Messages ``any`` /
 ``tool``) without ``tools`` is refused naming ``tool_choice`` (the answer would be plain text).
@@ -213,6 +214,11 @@ def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
             _check_parts(item.get("content"), _RESPONSES_MEDIA, f"input[{i}]")
             if "role" in item and item.get("type") in (None, "message"):
                 _check_keys(item, _RESPONSES_MESSAGE_KEYS, f"input[{i}]")
+            if item.get("type") == "item_reference":  # the recipe drops it: nothing looks items up by id
+                raise InvalidRequest(
+                    f"input[{i}]: item_reference is not supported; send the item itself, or continue with previous_response_id.",
+                    param=f"input[{i}]", code="unsupported_parameter",
+                )
     renamed = _developer_as_system(items)
     return body if renamed is None else {**body, "input": renamed}
 

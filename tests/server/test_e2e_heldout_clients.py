@@ -312,3 +312,8 @@ def test_anthropic_prefill_is_continued(gw, catalog):
     assert "messages[1]" in err.value.body["error"]["message"]
     claude.messages.create(model=MODEL, max_tokens=5, messages=[*turns, {"role": "user", "content": "more"}])  # type: ignore[arg-type]
     assert not decode_tokens(catalog, gw.engine.requests[-1].prompt_token_ids)[0].endswith("more")  # a later user turn: a normal answer
+
+
+def test_responses_item_reference_is_refused(gw):
+    body = {"input": [{"role": "user", "content": "hi"}, {"type": "item_reference", "id": "msg_1"}], "store": False}
+    refused(post(gw, "/v1/responses", body), "input[1]")

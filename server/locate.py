@@ -49,9 +49,13 @@ def _culprit_key(
 ) -> str | None:
     neutral = neutral or {}
     changed: str | None = None  # the first key whose removal changes the refusal
-    for key in obj:
+    # A message's role last: another role can make any message convert, so it only answers when
+    # no other key explains the refusal.
+    for key in sorted(obj, key=lambda k: k == "role"):
         if key in skip:
             continue
+        if key == "role" and changed is not None:
+            return changed
         if key in neutral:
             if obj[key] == neutral[key]:
                 continue

@@ -88,6 +88,9 @@ def test_anthropic_huge_max_tokens_names_it(gw):
     ("/v1/chat/completions", {"messages": [*USER, {"role": "bogus", "content": "x"}]}, "messages[1].role"),
     ("/v1/chat/completions", {"messages": [*USER, {"role": "user", "content": 5}]}, "messages[1].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}]}, "messages[1].tool_calls[0]"),
     ("/v1/responses", {"input": "hi", "temperature": "hot", "store": False}, "temperature"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 0, "store": False}, "max_output_tokens"),
     ("/tokenize", {"messages": [{"role": "bogus", "content": "x"}]}, "messages[0].role"),

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from server.chat_shape import ChatStreamShaper, echo_text, merge_answers
 from server.convert import build_generate_request
 from server.decode import matched_stop
-from server.errors import GatewayError, InvalidRequest, from_conversion_error
+from server.errors import ContextLengthExceeded, GatewayError, InvalidRequest, from_conversion_error
 from server.extensions import parse_extras, truncated
 from server.generation import Run, race_disconnect
 from server.inputs import anthropic_prefill
@@ -128,12 +128,17 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
         rid = engine_rid
     greqs = []
     for i in range(extras.n):
-        greq = build_generate_request(
-            engine_rid if extras.n == 1 else f"{engine_rid}-{i}", prompt, conv, body,
-            context_len=catalog.context_len, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
-            extras=extras, official_thinking_sampling=gw.config.official_thinking_sampling,
-            compact_json=gw.config.compact_json,
-        )
+        try:
+            greq = build_generate_request(
+                engine_rid if extras.n == 1 else f"{engine_rid}-{i}", prompt, conv, body,
+                context_len=catalog.context_len, eos_token_id=catalog.eos_token_id, thinking_end_id=catalog.thinking_end_id,
+                extras=extras, official_thinking_sampling=gw.config.official_thinking_sampling,
+                compact_json=gw.config.compact_json,
+            )
+        except ContextLengthExceeded as exc:
+            if proto.route == "/v1/responses" and exc.param == "messages":  # Responses has no 'messages'
+                exc.param = "input"
+            raise
         if i and greq.sampling.seed is not None:  # choice i: its own seeded stream
             greq.sampling = replace(greq.sampling, seed=(greq.sampling.seed + i) % (1 << 63))
         greqs.append(greq)

@@ -320,3 +320,8 @@ def test_anthropic_prefill_is_continued(gw, catalog):
 def test_responses_item_reference_is_refused(gw):
     body = {"input": [{"role": "user", "content": "hi"}, {"type": "item_reference", "id": "msg_1"}], "store": False}
     refused(post(gw, "/v1/responses", body), "input[1]")
+
+
+def test_responses_context_overflow_names_input(gw):
+    r = post(gw, "/v1/responses", {"input": "hello " * 70000, "max_output_tokens": 5, "store": False})
+    assert refused(r, "input")["code"] == "context_length_exceeded"

@@ -155,7 +155,8 @@ RESPONSES: Table = {
 }
 RESPONSES_OFF: OffValues = {
     "service_tier": OPENAI_OFF["service_tier"],
-    "include": ((), []),
+    # reasoning items always carry encrypted_content: asking for it changes nothing
+    "include": ((), [], ["reasoning.encrypted_content"]),
     "truncation": ("disabled",),
     "max_tool_calls": (),
     "conversation": (),

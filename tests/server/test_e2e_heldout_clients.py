@@ -325,3 +325,19 @@ def test_responses_item_reference_is_refused(gw):
 def test_responses_context_overflow_names_input(gw):
     r = post(gw, "/v1/responses", {"input": "hello " * 70000, "max_output_tokens": 5, "store": False})
     assert refused(r, "input")["code"] == "context_length_exceeded"
+
+
+def test_responses_include_encrypted_reasoning_is_accepted(gw, catalog):
+    """Codex CLI sends include: ["reasoning.encrypted_content"] with store: false; reasoning items
+    always carry encrypted_content, so the request is served as asked."""
+    from tests.server.fake_engine import text_script
+
+    saved = gw.engine.script
+    gw.engine.script = text_script(catalog.tokenizer, "I think</think>Answer")
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        r = client.responses.create(model=MODEL, input="hi", store=False, include=["reasoning.encrypted_content"])
+        assert [o.encrypted_content for o in r.output if o.type == "reasoning"][0]
+    finally:
+        gw.engine.script = saved
+    refused(post(gw, "/v1/responses", {"input": "hi", "include": ["message.output_text.logprobs"], "store": False}), "include")

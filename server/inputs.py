@@ -226,7 +226,7 @@ def prepare_responses(body: dict[str, Any]) -> dict[str, Any]:
 def anthropic_prefill(body: dict[str, Any]) -> bool:
     """Whether a Messages body ends with an assistant turn of text only: Anthropic's prefill (the
     answer continues that text)."""
-    messages = _items(body, "messages")
+    messages = _items(body, "messages") if isinstance(body, dict) else None  # (a raw JSON body: not looked into)
     if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "assistant":
         return False
     content = messages[-1].get("content")

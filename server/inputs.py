@@ -18,7 +18,7 @@ Type checks the recipe does not make (it reads none of these fields, so it would
 strings (Messages: only ``user_id``); Messages ``temperature`` is in [0, 1] (Anthropic's range).
 Fields inside a message or ``text`` that nothing renders are refused rather than dropped: a Chat
 message key other than role, content, reasoning_content, tool_calls, tool_call_id and prefix
-(``name``: the DeepSeek encodings have no place for a participant's name) unless null, and
+(``name``: the DeepSeek encodings have no place for a participant's name) unless null or empty, and
 a Responses message item key other than type, role, content, id, status and phase, an
 ``item_reference`` input item (items are not looked up by id), and
 Responses ``text.verbosity`` other than null or "medium" (OpenAI's default, the only level served).
@@ -145,7 +145,7 @@ def _check_message_keys(m: dict[str, Any], where: str) -> None:
 
 def _check_keys(m: dict[str, Any], known: frozenset[str], where: str) -> None:
     for key, value in m.items():
-        if key in known or value is None:
+        if key in known or value is None or value in ("", [], {}):  # an empty value carries nothing to drop
             continue
         why = " (the model's chat encoding has no participant names)" if key == "name" else ""
         raise InvalidRequest(

@@ -147,7 +147,7 @@ def test_default_and_null_values_still_pass(gw):
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
     history = [
         {"role": "user", "content": "hi", "name": None},
-        {"role": "assistant", "content": "yo", "refusal": None, "audio": None, "function_call": None, "tool_calls": None},
+        {"role": "assistant", "content": "yo", "refusal": None, "audio": None, "function_call": None, "tool_calls": None, "annotations": []},
         {"role": "user", "content": "again"},
     ]
     r = client.chat.completions.create(model=MODEL, messages=history, verbosity="medium", metadata={"k": "v"}, user="u",  # type: ignore[arg-type]

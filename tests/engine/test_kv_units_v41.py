@@ -181,7 +181,7 @@ def test_fingerprint_covers_every_layout_switch() -> None:
     variants = [
         replace(base, sliding_window=base.sliding_window * 2),
         replace(base, compress_ratios=tuple(1 if r == 2 else r for r in base.compress_ratios)),
-        replace(base, index_source_layer_ids=base.kv_source_layer_ids[:1], candidate_source_layer_id=-1),
+        replace(base, index_source_layer_ids=(1, 2, 3)),
         replace(base, candidate_source_layer_id=-1),
         replace(base, index_topk=base.index_topk + 1),
     ]

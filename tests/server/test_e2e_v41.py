@@ -116,7 +116,7 @@ def test_structured_output_validates(client: openai.OpenAI) -> None:
 
 def test_required_tool_call_parses(client: openai.OpenAI) -> None:
     tool = {"type": "function", "function": {"name": "pick", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}  # fmt: skip
+        "type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["n"]}}}  # fmt: skip
     r = client.chat.completions.create(model=MODEL, messages=SYSTEM_USER, max_tokens=64, temperature=0,
                                        tools=[tool], tool_choice="required", extra_body=NO_THINK)  # fmt: skip
     (call,) = r.choices[0].message.tool_calls

@@ -120,6 +120,23 @@ class V41Config:
         cand = self.candidate_source_layer_id
         if cand >= 0 and cand not in self.index_source_layer_ids:
             raise CheckpointError(f"config: candidate_source_layer_id {cand} must be one of index_source_layer_ids")
+        # Schedules the reference cannot run (its forward fails on them): a layer reading a group's
+        # compressed rows before any index source of that group chose among them, and an index
+        # source filtering by the candidate blocks of another group's rows.
+        for i in range(n):
+            src = self.kv_source_of(i)
+            if src is not None and not any(src <= j <= i for j in self.index_source_layer_ids):
+                raise CheckpointError(
+                    f"config: layer {i} reads the compressed rows of KV source {src}, but no index_source_layer_ids entry "
+                    f"in [{src}, {i}] chooses among them"
+                )
+        if cand >= 0:
+            other = [j for j in self.index_source_layer_ids if j > cand and self.kv_source_of(j) != self.kv_source_of(cand)]
+            if other:
+                raise CheckpointError(
+                    f"config: index sources {other} come after candidate_source_layer_id {cand} but read another KV "
+                    f"source's rows than it (its candidate blocks index KV source {self.kv_source_of(cand)})"
+                )
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
             raise CheckpointError("config: qk_rope_head_dim must be even and <= head_dim")
         if self.num_attention_heads * self.head_dim % self.o_groups:

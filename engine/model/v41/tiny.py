@@ -42,8 +42,8 @@ TINY_V41: dict[str, Any] = {
     "o_lora_rank": 16,
     "compress_ratios": [0, 2, 2, 2, 1, 1],
     "kv_source_layer_ids": [1, 4],
-    "index_source_layer_ids": [1, 3, 4],
-    "candidate_source_layer_id": 1,
+    "index_source_layer_ids": [1, 3, 4, 5],  # 3 re-scores source 1's rows, 5 filters by 4's candidate blocks
+    "candidate_source_layer_id": 4,  # the first ratio-1 KV source, as layer 20 of the release
     "candidate_topk_blocks": 4,
     "candidate_block_size": 4,
     "sliding_window": 16,

@@ -112,8 +112,9 @@ def test_sampled_requests_give_the_plain_samplers_tokens_for_every_seed(trained,
 
 def test_stop_rules_and_budget_and_max_tokens(trained) -> None:
     """A stop token inside an accepted run, a step budget of 3 tokens shared by two sequences, and
-    no draft fed past ``max_tokens`` (7 tokens at k = 5: the prefill's token, a verify of 5
-    drafts, then room for none: 5 drafts in all)."""
+    no draft fed past ``max_tokens`` (3 tokens at k = 5: the prefill's token, then room for one
+    draft and the bonus token; whether that draft is accepted or not, no room for another: 1
+    draft in all)."""
     ckpt, model = trained
     text = sentence(TrainConfig(), 1010, 20)
     base_len = run(_engine(ckpt, model, None)[0], [GenerateRequest("b", text[:4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))])
@@ -129,8 +130,8 @@ def test_stop_rules_and_budget_and_max_tokens(trained) -> None:
         assert _same(run(engine, reqs()), base), budget
         assert _counts(reg)["num_accepted_tokens"] > 0
     engine, reg = _engine(ckpt, model, 5)
-    out = run(engine, [GenerateRequest("m", text[:5], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))])
-    assert len(out["m"].tokens) == 7 and _counts(reg)["num_draft_tokens"] == 5
+    out = run(engine, [GenerateRequest("m", text[:5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))])
+    assert len(out["m"].tokens) == 3 and _counts(reg)["num_draft_tokens"] == 1
 
 
 def test_opted_out_requests_are_never_drafted(trained) -> None:

@@ -41,6 +41,11 @@ def test_composite_config_reads_text_config() -> None:
         ({"num_hidden_layers": 3, "compress_ratios": [0, 2, 2], "kv_source_layer_ids": [2]}, "needs a kv_source_layer_ids entry"),
         ({"num_hidden_layers": 3, "compress_ratios": [0, 2, 2], "candidate_source_layer_id": 0}, "candidate_source_layer_id"),
         ({"num_hidden_layers": 3, "engram_layer_ids": [1], "engram_num_embeddings": [5, 6]}, "engram_num_embeddings"),
+        # schedules the reference's forward fails on (held-out shapes run against it):
+        ({"num_hidden_layers": 4, "compress_ratios": [0, 2, 2, 1], "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 2],
+          "candidate_source_layer_id": -1}, "layer 3 reads the compressed rows of KV source 3"),
+        ({"num_hidden_layers": 6, "compress_ratios": [0, 2, 2, 2, 1, 1], "kv_source_layer_ids": [1, 4], "index_source_layer_ids": [1, 2, 3, 4, 5],
+          "candidate_source_layer_id": 1}, r"index sources \[4, 5\] come after candidate_source_layer_id 1"),
     ],
 )
 def test_bad_schedules_are_refused(text: dict, match: str) -> None:

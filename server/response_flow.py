@@ -34,6 +34,7 @@ from starlette.responses import Response
 
 from server.errors import GatewayError, InvalidRequest, NotFound
 from server.extensions import bool_field
+from server.first_call import FirstCallOnly
 from server.handler import Answer, collect
 from server.response_store import ResponseStore, StoredResponse, owner_id
 from server.state import Gateway
@@ -78,8 +79,7 @@ class ResponsesFlow:
     added_bytes: int = 0  # the stored conversation's JSON put before the input
     rid: str = ""
     one_call: bool = False  # parallel_tool_calls: false (at most one function_call output item)
-    _seen_call: bool = False
-    _new_index: dict[int, int | None] = field(default_factory=dict)  # streamed output_index -> sent (None: dropped)
+    _calls: FirstCallOnly = field(default_factory=FirstCallOnly)  # under one_call
 
     @classmethod
     async def read(cls, gw: Gateway, body: dict[str, Any], key: str) -> ResponsesFlow:
@@ -138,12 +138,7 @@ class ResponsesFlow:
         index = event.get("output_index")
         if not isinstance(index, int):
             return text
-        if name == "response.output_item.added":
-            is_call = (event.get("item") or {}).get("type") == "function_call"
-            dropped = is_call and self._seen_call
-            self._seen_call = self._seen_call or is_call
-            self._new_index[index] = None if dropped else sum(1 for v in self._new_index.values() if v is not None)
-        sent = self._new_index.get(index, index)
+        sent = self._calls.index(index, name == "response.output_item.added", (event.get("item") or {}).get("type") == "function_call")
         if sent is None:
             return None
         if sent == index:

@@ -14,6 +14,7 @@ import deepseek_recipe as dr
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from server.first_call import FirstCallOnly
 from server.handler import Answer, RecipeProtocol, serve_recipe
 from server.inputs import prepare_messages
 from server.schemas import ERROR_RESPONSES, MESSAGES, json_body
@@ -46,8 +47,7 @@ class SingleToolUse:
     added_bytes = 0
 
     def __init__(self) -> None:
-        self.seen_tool = False
-        self.new_index: dict[int, int | None] = {}  # streamed block index -> the index sent (None: dropped)
+        self.calls = FirstCallOnly()
 
     def body(self, body: dict[str, Any]) -> dict[str, Any]:
         return body
@@ -72,11 +72,7 @@ class SingleToolUse:
             return text
         event = json.loads(text)
         index = event.get("index")
-        if name == "content_block_start":
-            dropped = event.get("content_block", {}).get("type") == "tool_use" and self.seen_tool
-            self.seen_tool = self.seen_tool or event.get("content_block", {}).get("type") == "tool_use"
-            self.new_index[index] = None if dropped else sum(1 for v in self.new_index.values() if v is not None)
-        sent = self.new_index.get(index, index)
+        sent = self.calls.index(index, name == "content_block_start", event.get("content_block", {}).get("type") == "tool_use")
         if sent is None:
             return None
         if sent == index:

@@ -34,7 +34,7 @@ SAMPLING: Table = {
     "presence_penalty": "OpenAI presence penalty over output tokens",
     "frequency_penalty": "OpenAI frequency penalty over output tokens",
     "repetition_penalty": "vLLM repetition penalty over prompt + output",
-    "seed": "seeded sampling stream; choice i of n uses seed + i",
+    "seed": "seeded sampling stream (any int64; a negative one taken mod 2^63); choice i of n uses seed + i",
     "logit_bias": "token id -> bias in [-100, 100], added to the logits",
     "min_tokens": "vLLM: EOS and stop_token_ids are impossible before this many tokens",
     "stop_token_ids": "vLLM: more token ids that end the answer (the id stays in the output unless special)",

@@ -6,7 +6,9 @@ with a 400 naming where they are, and rewrites the spellings other servers accep
 the recipe reads:
 - Chat: ``developer`` role -> ``system``; ``max_completion_tokens`` -> ``max_tokens`` (it wins when
   both are sent, as in vLLM); ``chat_template_kwargs.thinking|enable_thinking`` -> ``thinking``;
-  ``n`` is removed (the gateway runs one engine request per choice).
+  ``n`` is removed (the gateway runs one engine request per choice); a negative 64-bit ``seed``
+  (OpenAI takes any int64; the recipe's range is [0, 2^63)) -> ``seed mod 2^63``, as Completions
+  maps it (a negative seed then shares its stream with that one non-negative seed).
 - Responses: ``developer`` role -> ``system``.
 - Messages: ``max_tokens`` is required (Anthropic's rule); a ``system`` role inside ``messages`` is
   refused (Anthropic takes the system prompt only as the top-level ``system``); a ``tool_result``
@@ -181,6 +183,9 @@ def prepare_chat(body: dict[str, Any]) -> dict[str, Any]:
         renamed = _developer_as_system(messages)
         if renamed is not None:
             out = {**out, "messages": renamed}
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and -(1 << 63) <= seed < 0:
+        out = {**out, "seed": seed % (1 << 63)}
     if body.get("max_completion_tokens") is not None:
         out = {**out, "max_tokens": body["max_completion_tokens"]}
     thinking = _thinking_from_kwargs(body)

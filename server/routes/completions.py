@@ -154,7 +154,7 @@ def parse_completion(body: dict[str, Any], catalog: ModelCatalog) -> CompletionP
         max_tokens=int(int_field(body, "max_tokens", 0, 1 << 30, 16) or 0),
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-        seed=int_field(body, "seed", 0, (1 << 63) - 1, None),
+        seed=int_field(body, "seed", -(1 << 63), (1 << 63) - 1, None),  # any int64, as OpenAI; used mod 2^63 (run_candidate)
         logprobs=int_field(body, "logprobs", 0, 20, None),
         echo=bool_field(body, "echo"),
         stop=stops,

@@ -341,3 +341,20 @@ def test_responses_include_encrypted_reasoning_is_accepted(gw, catalog):
     finally:
         gw.engine.script = saved
     refused(post(gw, "/v1/responses", {"input": "hi", "include": ["message.output_text.logprobs"], "store": False}), "include")
+
+
+# ---- negative seeds (OpenAI takes any int64; UIs send -1) are honoured, not refused -----------------
+def test_negative_seeds_are_distinct_deterministic_streams(gw):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    seeds = []
+    for seed in (-1, -2, -1, -(1 << 63)):
+        before = len(gw.engine.requests)
+        client.chat.completions.create(model=MODEL, messages=USER, seed=seed, max_tokens=2, extra_body=NO_THINK)
+        (req,) = gw.engine.requests[before:]
+        seeds.append(req.sampling.seed)
+    assert seeds == [(1 << 63) - 1, (1 << 63) - 2, (1 << 63) - 1, 0]  # seed mod 2^63: the same seed, the same stream
+    before = len(gw.engine.requests)
+    r = post(gw, "/v1/completions", {"model": MODEL, "prompt": "a", "seed": -2, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert gw.engine.requests[before].sampling.seed == seeds[1]  # Completions maps it the same way
+    refused(post(gw, "/v1/completions", {"model": MODEL, "prompt": "a", "seed": -(1 << 63) - 1, "max_tokens": 2}), "seed")

@@ -4,7 +4,9 @@ items after them renumbered, so the indices a client sees stay contiguous."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,3 +24,15 @@ class FirstCallOnly:
             self._seen = self._seen or is_call
             self._sent[index] = None if dropped else sum(v is not None for v in self._sent.values())
         return self._sent.get(index, index)
+
+
+def first_call_only(items: Iterable[Any], is_call: Callable[[Any], bool]) -> list[Any]:
+    """A whole answer's ``items`` without the calls after the first (``is_call``)."""
+    out, seen = [], False
+    for item in items:
+        if is_call(item):
+            if seen:
+                continue
+            seen = True
+        out.append(item)
+    return out

@@ -297,22 +297,18 @@ def _marked(block: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in block.items() if k != "is_error"} | {"content": content}
 
 
+def _failed_result(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") == "tool_result" and block.get("is_error") is True
+
+
 def _tool_errors_marked(body: dict[str, Any]) -> dict[str, Any]:
     """Anthropic ``tool_result`` blocks with ``is_error: true`` (which the recipe does not render)
     with their content opened by ``[tool error]``, so the model sees that the tool failed."""
     messages = _items(body, "messages")
-    if not messages or not any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(b, dict) and b.get("type") == "tool_result" and b.get("is_error") is True for b in m["content"])
-        for m in messages
-    ):
+    if not messages or not any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(map(_failed_result, m["content"])) for m in messages):
         return body
-    out = []
-    for m in messages:
-        if isinstance(m, dict) and isinstance(m.get("content"), list):
-            m = {**m, "content": [
-                _marked(b) if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("is_error") is True else b
-                for b in m["content"]
-            ]}
-        out.append(m)
+    out = [
+        {**m, "content": [_marked(b) if _failed_result(b) else b for b in m["content"]]} if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+        for m in messages
+    ]
     return {**body, "messages": out}

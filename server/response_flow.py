@@ -34,7 +34,7 @@ from starlette.responses import Response
 
 from server.errors import GatewayError, InvalidRequest, NotFound
 from server.extensions import bool_field
-from server.first_call import FirstCallOnly
+from server.first_call import FirstCallOnly, first_call_only
 from server.handler import Answer, collect
 from server.response_store import ResponseStore, StoredResponse, owner_id
 from server.state import Gateway
@@ -148,13 +148,7 @@ class ResponsesFlow:
 
     def _one_call_output(self, response: dict[str, Any]) -> dict[str, Any]:
         """``response`` with its first function_call output item only (``parallel_tool_calls: false``)."""
-        output, seen = [], False
-        for item in response.get("output") or ():
-            if isinstance(item, dict) and item.get("type") == "function_call":
-                if seen:
-                    continue
-                seen = True
-            output.append(item)
+        output = first_call_only(response.get("output") or (), lambda item: isinstance(item, dict) and item.get("type") == "function_call")
         return {**response, "output": output, "parallel_tool_calls": False}
 
     async def _done(self, response: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ import deepseek_recipe as dr
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server.first_call import FirstCallOnly
+from server.first_call import FirstCallOnly, first_call_only
 from server.handler import Answer, RecipeProtocol, serve_recipe
 from server.inputs import prepare_messages
 from server.schemas import ERROR_RESPONSES, MESSAGES, json_body
@@ -57,14 +57,7 @@ class SingleToolUse:
 
     async def finish(self, text: str) -> str:
         message = json.loads(text)
-        content, seen = [], False
-        for block in message.get("content") or []:
-            if block.get("type") == "tool_use":
-                if seen:
-                    continue
-                seen = True
-            content.append(block)
-        message["content"] = content
+        message["content"] = first_call_only(message.get("content") or [], lambda block: block.get("type") == "tool_use")
         return json.dumps(message, ensure_ascii=False)
 
     async def event(self, name: str, text: str) -> str | None:

@@ -30,9 +30,15 @@ xgrammar narrows where it cannot widen: with no ``additionalProperties`` it allo
 schema accepts none of them); other validation keywords beside an ``enum`` or ``const`` are refused
 (xgrammar would emit an enum value without checking them).
 
+``minProperties`` above the number of ``required`` properties is refused where additional
+properties are allowed: xgrammar keeps an extra key distinct from the declared ones but not from
+another extra key, and a repeated key counts once in the parsed object.
+
 Strict mode (``strict: true``) means what OpenAI's structured outputs mean: every object's
 properties are all required and no additional properties are allowed; ``strict_schema`` adds
-both where the client left them out and refuses a schema that says otherwise.
+both where the client left them out and refuses a schema that says otherwise, except that an
+``additionalProperties`` given as a schema is kept (vLLM and SGLang honour it; the answer still
+validates against the client's schema).
 """
 
 from __future__ import annotations
@@ -115,7 +121,9 @@ def enforceable_schema(schema: Any, *, strict: bool) -> str:
 
 def strict_schema(schema: Any, path: Path = ()) -> Any:
     """A copy with OpenAI strict mode spelled out: each object requires all its properties and
-    allows no others. Refuses a ``required`` that leaves one out, or additional properties."""
+    allows no others unless its ``additionalProperties`` is a schema (kept: the extras it allows
+    are the client's own). Refuses a ``required`` that leaves one out, or ``additionalProperties:
+    true``."""
     if not isinstance(schema, dict):
         return schema
     out = {k: _strict_children(k, v, path + (k,)) for k, v in schema.items()}
@@ -127,9 +135,11 @@ def strict_schema(schema: Any, path: Path = ()) -> Any:
             raise SchemaError("In strict mode 'required' must list every key in 'properties'.", path + ("required",))
         out["required"] = names
         extra = out.get("additionalProperties", False)
-        if extra is not False:
-            raise SchemaError("In strict mode 'additionalProperties' must be false.", path + ("additionalProperties",))
-        out["additionalProperties"] = False
+        if extra is not False and not isinstance(extra, dict):
+            raise SchemaError(
+                "In strict mode 'additionalProperties' must be false or a schema.", path + ("additionalProperties",)
+            )
+        out["additionalProperties"] = extra
     return out
 
 
@@ -314,6 +324,11 @@ class _Audit:
         missing = [r for r in req if r not in props]
         if missing:
             raise SchemaError(f"Required property {missing[0]!r} is not declared in 'properties'.", path + ("required",))
+        if node.get("minProperties", 0) > len(set(req)) and node.get("additionalProperties", False) is not False:
+            raise SchemaError(
+                "'minProperties' above the required properties is not supported when additional properties are allowed.",
+                path + ("minProperties",),
+            )
         for word in ("$defs", "definitions"):
             defs = node.get(word, {})
             if not isinstance(defs, dict):

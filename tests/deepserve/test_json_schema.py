@@ -40,6 +40,36 @@ def test_strict_reaches_nested_objects_and_keeps_defs() -> None:
     assert out["$defs"]["N"]["required"] == ["n"] and out["$defs"]["N"]["additionalProperties"] is False
 
 
+def test_strict_keeps_an_additional_properties_schema() -> None:
+    """OpenAI-style strict mode with extras the client allows: declared properties all required, the
+    extras' schema kept as sent (vLLM and SGLang honour it)."""
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}}, "additionalProperties": {"type": "string"}}
+    assert spec(schema, strict=True) == {**schema, "required": ["id"]}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 2, "additionalProperties": {"type": "integer"}},
+        {"type": "object", "properties": {}, "minProperties": 1, "additionalProperties": True},
+    ],
+)
+def test_min_properties_met_by_extras_is_refused(schema) -> None:
+    """xgrammar may repeat an extra key ({"x":1,"x":2}), which counts once once parsed."""
+    with pytest.raises(SchemaError) as e:
+        enforceable_schema(schema, strict=False)
+    assert e.value.location == "minProperties"
+
+
+def test_min_properties_met_by_declared_properties_passes() -> None:
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "minProperties": 1}
+    assert spec(closed) == closed  # no extras: every key is a distinct declared one
+    extras = {**closed, "required": ["a"], "additionalProperties": {"type": "integer"}}
+    assert spec(extras) == extras  # the required property alone meets it
+    strict = {**closed, "minProperties": 2, "additionalProperties": {"type": "integer"}}
+    assert spec(strict, strict=True)["required"] == ["a", "b"]  # strict mode requires both
+
+
 @pytest.mark.parametrize(
     "schema, location",
     [

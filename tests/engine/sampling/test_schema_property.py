@@ -53,7 +53,7 @@ class Drawn:
 
     schema: dict[str, Any]
     planted: str | None = None  # a keyword the audit must refuse in any mode
-    strict_conflict: bool = False  # a 'required' subset or additionalProperties: strict mode refuses
+    strict_conflict: bool = False  # a 'required' subset or additionalProperties: true: strict mode refuses
     defs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -157,7 +157,9 @@ class SchemaDraw:
             s["additionalProperties"] = False
         elif pick < 0.5:
             s["additionalProperties"] = r.choice([True, {"type": "integer"}])
-            self.drawn.strict_conflict = True
+            self.drawn.strict_conflict |= s["additionalProperties"] is True  # strict keeps a schema
+            if s.get("minProperties", 0) > len(s.get("required", ())):  # refused: extra keys may repeat
+                del s["minProperties"]
         return s
 
     def array(self, depth: int) -> dict[str, Any]:
@@ -273,3 +275,66 @@ def test_random_schemas_outputs_validate_long_run(v4_sampler, grammars, tokenize
     counts = check_schemas(200, seed=2, v4_sampler=v4_sampler, grammars=grammars, tokenizer=tokenizer, bias=bias)
     print(counts)
     assert counts["outputs"] >= 300 and counts["refused"] >= 20, counts
+
+
+OBJ = {"type": "object"}
+# Strict schemas OpenAI accepts that deepseek-recipe's strict normalisation refuses (the gateway
+# converts them as non-strict and compiles the client's own; see server.structured) or that need
+# more than the common keywords: each must compile and every output validate.
+OPENAI_STRICT: dict[str, dict[str, Any]] = {
+    "const_without_type": {**OBJ, "properties": {"k": {"const": "a"}, "n": {"const": 3}, "o": {"const": {"x": [1, None]}}}},
+    "enum_without_type": {**OBJ, "properties": {"k": {"enum": ["a", 1, None, True, 2.5, {"x": [1]}]}}},
+    "recursive_tree": {
+        **OBJ, "properties": {"root": {"$ref": "#/$defs/node"}},
+        "$defs": {"node": {**OBJ, "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}},
+    },
+    "linked_list": {
+        **OBJ, "properties": {"head": {"$ref": "#/$defs/cell"}},
+        "$defs": {"cell": {**OBJ, "properties": {"v": {"type": "string", "maxLength": 2}, "next": {"anyOf": [{"$ref": "#/$defs/cell"}, {"type": "null"}]}}}},
+    },
+    "ref_to_root": {**OBJ, "properties": {"v": {"type": "boolean"}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}}},
+    "additional_properties_schema": {**OBJ, "properties": {"id": {"type": "integer"}}, "additionalProperties": {"type": "integer"}, "maxProperties": 2},
+    "any_of_objects": {**OBJ, "properties": {"x": {"anyOf": [{**OBJ, "properties": {"a": {"type": "string"}}}, {**OBJ, "properties": {"b": {"type": "integer"}}}]}}},
+    "any_of_refs_at_the_root": {
+        "anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}],
+        "$defs": {"A": {**OBJ, "properties": {"a": {"type": "string"}}}, "B": {**OBJ, "properties": {"b": {"type": "null"}}}},
+    },
+    "nested_defs": {
+        **OBJ, "properties": {"a": {"$ref": "#/$defs/A"}},
+        "$defs": {"A": {**OBJ, "properties": {"b": {"$ref": "#/$defs/A/$defs/B"}}, "$defs": {"B": {"type": "string", "enum": ["p", "q"]}}}},
+    },
+    "one_branch_all_of": {**OBJ, "properties": {"a": {"allOf": [{"$ref": "#/$defs/A"}]}}, "$defs": {"A": {"type": "integer", "minimum": 2, "maximum": 9}}},
+    "pattern_and_formats": {
+        **OBJ, "properties": {
+            "p": {"type": "string", "pattern": "^[a-z]{2,4}$"}, "d": {"type": "string", "format": "date-time"},
+            "t": {"type": "string", "format": "date"}
+        },
+    },
+    "array_bounds_and_prefix_items": {
+        **OBJ, "properties": {
+            "a": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+            "t": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 2}], "items": False},
+        },
+    },
+    "nullable_types": {**OBJ, "properties": {"s": {"type": ["string", "null"]}, "o": {"type": ["object", "null"], "properties": {"a": {"type": "integer"}}}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPENAI_STRICT))
+def test_openai_strict_schemas_outputs_validate(name, v4_sampler, grammars, tokenizer, bias) -> None:
+    """Each output validates against the client's schema and its strict translation."""
+    schema = OPENAI_STRICT[name]
+    spec = enforceable_schema(schema, strict=True)
+    constraint = OutputConstraint("json", spec)
+    checks = [validator(schema), validator(json.loads(spec))]
+    states = [v4_sampler.new_state(SamplingParams(max_tokens=200, seed=i, constraint=constraint), [0]) for i in range(4)]
+    outputs = run_to_end(v4_sampler, states, seed=len(name), max_steps=200, bias=bias)
+    finished = 0
+    for state, tokens in zip(states, outputs):
+        if state.finish_reason != "stop":
+            continue
+        value = json.loads(tokenizer.decode(tokens[:-1]))
+        for check in checks:
+            assert not [e.message for e in check.iter_errors(value)], (name, value)
+        finished += 1
+    assert finished >= 2, f"{name}: {finished} of 4 walks finished"

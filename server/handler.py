@@ -35,7 +35,7 @@ from server.request_flow import admit, deliver
 from server.request_id import ids
 from server.sse import MEDIA_TYPE, SSE_HEADERS, data_frame, event_frame, json_frame
 from server.state import Gateway
-from server.structured import with_auto_tool_choice
+from server.structured import with_auto_tool_choice, with_non_strict_response_schema, with_strict_tools_translated
 
 Flavor = Literal["openai", "anthropic"]
 MakeGenerator = Callable[[Any, str, str], Any]  # (ConversationRequest, id, model) -> chunk generator
@@ -248,8 +248,24 @@ def refusal(proto: RecipeProtocol, catalog: Any, body: dict[str, Any], exc: Exce
 
 
 def _convert(gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
-    """``convert_and_encode`` of the (parsed, maybe rewritten) body, falling back to
-    ``convert_forcing_tools`` (runs on the render pool for large bodies)."""
+    """``convert_and_encode`` of the (parsed, maybe rewritten) body, its strict response schema
+    handed over as non-strict, falling back to ``convert_forcing_tools``, then to both with the
+    strict tools translated (``server.structured``; runs on the render pool for large bodies)."""
+    recipe_body = with_non_strict_response_schema(recipe_body)
+    try:
+        return _convert_or_force(gw, proto, recipe_body)
+    except GatewayError as refused:
+        translated = with_strict_tools_translated(recipe_body)
+        if translated is None:
+            raise
+        try:
+            return _convert_or_force(gw, proto, translated)
+        except GatewayError:
+            raise refused from None
+
+
+def _convert_or_force(gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
+    """``convert_and_encode``, falling back to ``convert_forcing_tools``."""
     try:
         return convert_and_encode(gw, proto, recipe_body)
     except GatewayError as refused:

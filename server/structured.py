@@ -20,6 +20,15 @@ Sources, at most one per request (a second one is a 400 naming it):
 Compact JSON (no whitespace outside strings): the gateway's ``compact_json`` option, or a
 request's ``disable_any_whitespace``. In thinking mode the grammar starts after ``</think>``.
 
+deepseek-recipe's strict normalisation refuses schemas that OpenAI's strict mode accepts (``const``
+/ ``enum`` without a ``type``, ``additionalProperties`` given as a schema, a ``format`` other than
+five, ``items: false``, a one-branch ``allOf``, an ``anyOf`` of ``$ref``s) and its result is never
+compiled. So the recipe converts a strict response schema as non-strict
+(``with_non_strict_response_schema``: the prompt is the same, as the recipe renders the schema as
+sent), and, when it refuses strict tools, the tools with their parameters already in OpenAI's
+strict form (``with_strict_tools_translated``: the prompt shows that form, as the recipe's own).
+Either way ``strict`` is read from the client's body here.
+
 A forced tool choice in thinking mode (``tool_choice`` ``required`` or a named function; Messages:
 ``any`` / ``tool``), which the recipe refuses: the handler converts the request with an "auto"
 choice instead (``with_auto_tool_choice``), and the constraint becomes ``tool_call_forced``: after
@@ -32,7 +41,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from deepserve.protocol.json_schema import SchemaError, enforceable_schema
+from deepserve.protocol.json_schema import SchemaError, enforceable_schema, strict_schema
 from deepserve.protocol import ConstraintKind, OutputConstraint
 from server.errors import InvalidRequest
 
@@ -179,6 +188,43 @@ def with_auto_tool_choice(body: dict[str, Any]) -> dict[str, Any] | None:
         return None
     anthropic = isinstance(body.get("tool_choice"), dict) and body["tool_choice"].get("type") in ("any", "tool")
     return {**body, "tool_choice": {"type": "auto"} if anthropic else "auto"}
+
+
+def with_non_strict_response_schema(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with its strict response schema (Chat ``response_format.json_schema``, Responses
+    ``text.format``) marked ``strict: false`` for deepseek-recipe; the same object when none is."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and isinstance(fmt.get("json_schema"), dict) and fmt["json_schema"].get("strict") is True:
+        return {**body, "response_format": {**fmt, "json_schema": {**fmt["json_schema"], "strict": False}}}
+    text = body.get("text")
+    box = text.get("format") if isinstance(text, dict) else None
+    if isinstance(box, dict) and box.get("strict") is True:
+        return {**body, "text": {**text, "format": {**box, "strict": False}}}
+    return body
+
+
+def with_strict_tools_translated(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The body with each strict tool's parameters in OpenAI's strict form (``strict_schema``) and
+    ``strict: false``, for deepseek-recipe; None when no tool is strict. A strict schema the
+    grammar cannot enforce is a 400 naming the keyword (``schema_spec``)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return None
+    sent = _tools_by_name(body)
+    out, changed = [], False
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
+        found = sent.get(fn.get("name")) if isinstance(fn, dict) else None
+        if found is None or not found[1]:
+            out.append(tool)
+            continue
+        params, _, param = found
+        schema_spec(params, strict=True, param=param)
+        key = param.rsplit(".", 1)[1]
+        translated = {**fn, key: strict_schema(params), "strict": False}
+        out.append({**tool, "function": translated} if fn is not tool else translated)
+        changed = True
+    return {**body, "tools": out} if changed else None
 
 
 def schema_spec(schema: Any, *, strict: bool, param: str) -> str:

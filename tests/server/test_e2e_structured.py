@@ -96,6 +96,66 @@ def test_unenforceable_schema_is_400_naming_the_keyword(client) -> None:
     assert e.value.body["param"] == "guided_choice"
 
 
+OBJ = {"type": "object"}
+# Strict schemas OpenAI accepts that deepseek-recipe's strict normalisation refuses.
+STRICT_ACCEPTED = {
+    "typeless_const_and_enum": {**OBJ, "properties": {"k": {"const": "a"}, "e": {"enum": ["x", 1, None]}}},
+    "recursive_list": {
+        **OBJ, "properties": {"head": {"$ref": "#/$defs/cell"}},
+        "$defs": {"cell": {**OBJ, "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "next": {"anyOf": [{"$ref": "#/$defs/cell"}, {"type": "null"}]}}}},
+    },
+    "additional_properties_schema": {**OBJ, "properties": {"id": {"const": 7}}, "additionalProperties": {"type": "boolean"}, "maxProperties": 2},
+    "format_and_prefix_items": {
+        **OBJ, "properties": {
+            "d": {"type": "string", "format": "date"},
+            "t": {"type": "array", "prefixItems": [{"enum": [1, 2]}, {"type": "boolean"}], "items": False},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRICT_ACCEPTED))
+def test_strict_schemas_the_recipe_refuses_are_honoured(client, name) -> None:
+    """Each answer validates against the client's schema, every property present (strict)."""
+    schema = STRICT_ACCEPTED[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    finished = 0
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model=E2E_MODEL, messages=USER, response_format=fmt, max_tokens=96, seed=seed, extra_body=NO_THINK
+        )
+        if r.choices[0].finish_reason != "stop":
+            continue
+        value = json.loads(r.choices[0].message.content)
+        jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+        assert set(schema["properties"]) <= set(value)
+        finished += 1
+    assert finished, f"{name}: no answer finished"
+
+
+def test_strict_tool_the_recipe_refuses_is_honoured(client) -> None:
+    params = {**OBJ, "properties": {"mode": {"enum": ["fast", 2]}}}
+    tools = [{"type": "function", "function": {"name": "go", "strict": True, "parameters": params}}]
+    finished = 0
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model=E2E_MODEL, messages=USER, tools=tools, tool_choice="required", max_tokens=200, seed=seed, extra_body=NO_THINK
+        )
+        if r.choices[0].finish_reason != "tool_calls":
+            continue
+        for call in r.choices[0].message.tool_calls:
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, params)
+            assert set(args) == {"mode"}
+        finished += 1
+    assert finished, "no tool call finished"
+    bad = {**OBJ, "properties": {}, "additionalProperties": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": bad, "strict": True}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=E2E_MODEL, messages=USER, response_format=fmt, max_tokens=8, extra_body=NO_THINK)
+    assert e.value.body["param"] == "response_format.json_schema.schema.additionalProperties"
+
+
 @pytest.mark.slow  # ~10 s: the hostile request fails at the engine's grammar_timeout_s
 def test_slow_grammar_does_not_stall_a_concurrent_chat(client) -> None:
     """Issue 21: a 16,000-repeat pattern froze every stream of its worker while it compiled."""

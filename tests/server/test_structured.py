@@ -9,7 +9,15 @@ import deepseek_recipe as dr
 import pytest
 
 from server.errors import InvalidRequest
-from server.structured import completion_constraint, forced_tool, recipe_constraint, with_auto_tool_choice
+from deepserve.protocol.json_schema import enforceable_schema
+from server.structured import (
+    completion_constraint,
+    forced_tool,
+    recipe_constraint,
+    with_auto_tool_choice,
+    with_non_strict_response_schema,
+    with_strict_tools_translated,
+)
 
 MODEL = "DeepSeek-V4-Pro"
 THINK_END = 128822
@@ -36,6 +44,81 @@ def test_strict_json_schema_keeps_the_integer_enum() -> None:
     c = constraint({"messages": USER, "response_format": fmt, **NO_THINK})
     assert c.kind == "json" and c.trigger_token_ids == ()
     assert json.loads(c.spec) == {**COUNT, "required": ["count"], "additionalProperties": False}
+
+
+OBJ = {"type": "object"}
+# Strict schemas OpenAI accepts and deepseek-recipe's strict normalisation refuses (each one is
+# checked to still be refused by it, so a recipe that starts accepting one shows here).
+RECIPE_REFUSES_STRICT = {
+    "const_without_type": {**OBJ, "properties": {"k": {"const": "a"}}},
+    "enum_without_type": {**OBJ, "properties": {"k": {"enum": ["a", 1, None]}}},
+    "additional_properties_schema": {**OBJ, "properties": {"id": {"type": "integer"}}, "additionalProperties": {"type": "string"}},
+    "format_date_time": {**OBJ, "properties": {"d": {"type": "string", "format": "date-time"}}},
+    "prefix_items": {**OBJ, "properties": {"t": {"type": "array", "prefixItems": [{"type": "integer"}], "items": False}}},
+    "one_branch_all_of": {**OBJ, "properties": {"a": {"allOf": [{"$ref": "#/$defs/A"}]}}, "$defs": {"A": {"type": "string"}}},
+    "any_of_refs": {"anyOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": {**OBJ, "properties": {"a": {"type": "string"}}}}},
+}
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    conv = dr.ChatCompletionRequest(json.dumps({"model": MODEL, **body}).encode()).convert(dr.ConversionOptions())
+    return dr.DeepseekV4Encoding().render_conversation(conv.conversation).prompt
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_REFUSES_STRICT))
+def test_strict_response_schema_the_recipe_refuses_is_converted_non_strict(name) -> None:
+    """The recipe converts it as non-strict; the constraint is the client's schema in strict form."""
+    schema = RECIPE_REFUSES_STRICT[name]
+    body = {"model": MODEL, "messages": USER, **NO_THINK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}}
+    with pytest.raises(dr.ConversionError):
+        dr.ChatCompletionRequest(json.dumps(body).encode()).convert(dr.ConversionOptions())
+    lenient = with_non_strict_response_schema(body)
+    assert lenient["response_format"]["json_schema"]["strict"] is False and body["response_format"]["json_schema"]["strict"] is True
+    conv = dr.ChatCompletionRequest(json.dumps(lenient).encode()).convert(dr.ConversionOptions())
+    c = recipe_constraint(body, conv.inference_options.output_constraint, conv.parsing_options, THINK_END, compact=False)
+    assert c.spec == enforceable_schema(schema, strict=True)
+
+
+def test_non_strict_response_schema_renders_the_same_prompt() -> None:
+    """The recipe renders the schema as sent: ``strict`` never reaches the prompt."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": COUNT, "strict": True}}
+    body = {"messages": USER, "response_format": fmt, **NO_THINK}
+    assert _prompt(with_non_strict_response_schema(body)) == _prompt(body)
+    text = {"format": {"type": "json_schema", "name": "c", "schema": RECIPE_REFUSES_STRICT["const_without_type"], "strict": True}}
+    lenient = with_non_strict_response_schema({"input": "json", "text": text})
+    assert lenient["text"]["format"]["strict"] is False
+    conv = dr.ResponsesRequest(json.dumps({"model": MODEL, **lenient}).encode()).convert(dr.ConversionOptions())
+    c = recipe_constraint({"input": "json", "text": text}, conv.inference_options.output_constraint, conv.parsing_options, THINK_END, compact=False)
+    assert json.loads(c.spec)["required"] == ["k"]
+    assert with_non_strict_response_schema(body | {"response_format": {"type": "json_object"}})["response_format"] == {"type": "json_object"}
+
+
+def test_strict_tools_the_recipe_refuses_are_translated_for_it() -> None:
+    params = RECIPE_REFUSES_STRICT["const_without_type"]
+    tools = [
+        {"type": "function", "function": {"name": "f", "strict": True, "parameters": params}},
+        {"type": "function", "function": {"name": "g", "parameters": params}},
+    ]
+    body = {"model": MODEL, "messages": USER, "tools": tools, **NO_THINK}
+    with pytest.raises(dr.ConversionError):
+        dr.ChatCompletionRequest(json.dumps(body).encode()).convert(dr.ConversionOptions())
+    translated = with_strict_tools_translated(body)
+    f, g = (t["function"] for t in translated["tools"])
+    assert f["strict"] is False and f["parameters"] == {**params, "required": ["k"], "additionalProperties": False}
+    assert g == tools[1]["function"]
+    conv = dr.ChatCompletionRequest(json.dumps(translated).encode()).convert(dr.ConversionOptions())
+    c = recipe_constraint(body, conv.inference_options.output_constraint, conv.parsing_options, THINK_END, compact=False)
+    assert [t["function"]["parameters"] for t in json.loads(c.spec)] == [f["parameters"], params]
+    responses = {"input": "x", "tools": [{"type": "function", "name": "f", "strict": True, "parameters": params}]}
+    assert with_strict_tools_translated(responses)["tools"][0]["parameters"]["required"] == ["k"]
+    assert with_strict_tools_translated({"messages": USER, "tools": tools[1:]}) is None
+
+
+def test_unenforceable_strict_tool_is_a_400_naming_the_keyword() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {**OBJ, "properties": {"a": {"not": {}}}}}}]
+    with pytest.raises(InvalidRequest) as e:
+        with_strict_tools_translated({"messages": USER, "tools": tools})
+    assert e.value.param == "tools[0].function.parameters.properties.a.not"
 
 
 def test_responses_text_format_keeps_the_enum_and_thinking_triggers() -> None:

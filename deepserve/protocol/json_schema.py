@@ -15,10 +15,13 @@ exactly (checked keyword by keyword, and by the property test over random schema
 ``maxLength`` (without ``pattern``), ``pattern``, ``format`` (``email`` / ``ipv6`` / ``uuid`` by
 xgrammar; ``date``, ``time``, ``date-time``, ``ipv4``, ``hostname`` as stricter patterns of ours,
 since xgrammar's accept invalid values), ``minimum`` /
-``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``.
+``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``, and an integer ``multipleOf`` (of an
+``integer`` or ``number``, emitted as integers): xgrammar's own up to 1024 without bounds, and
+between two bounds as the ``enum`` of the multiples (at most ``MAX_MULTIPLES``).
 Refused (xgrammar accepts values the schema rejects): ``uniqueItems``, ``contains``, ``not``,
 ``if`` / ``then`` / ``else``, ``dependentRequired`` / ``dependentSchemas``, overlapping ``oneOf``,
-multi-branch ``allOf``, ``multipleOf`` (xgrammar ignores it beside a bound), ``minLength`` /
+multi-branch ``allOf``, any other ``multipleOf`` (xgrammar ignores it beside a bound, or a
+fraction, or above 1024), ``minLength`` /
 ``maxLength`` beside ``pattern``, a ``pattern`` with a quantified group, unknown formats, and every
 keyword not listed here. Annotations (``title``, ``description``,
 ``default``, ...) are ignored, as JSON Schema defines them.
@@ -60,7 +63,7 @@ ANNOTATIONS = frozenset(
 )
 TYPE_KEYWORDS: dict[str, frozenset[str]] = {
     "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
-    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
     "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
     "object": frozenset({"properties", "required", "additionalProperties", "minProperties", "maxProperties"}),
 }
@@ -89,6 +92,9 @@ FORMAT_PATTERNS: dict[str, str] = {
 # is right). Such patterns are refused, as are regex features outside ECMA-262's common core.
 _QUANTIFIED_GROUP = re.compile(r"\)[*+?{]")
 _UNSUPPORTED_REGEX = re.compile(r"\(\?[=!<]|\\[1-9]|[*+?}][+]")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_MULTIPLES = 1000  # a bounded ``multipleOf`` becomes an enum of at most this many integers
+XGRAMMAR_MAX_MULTIPLE = 1024  # xgrammar ignores a larger integer ``multipleOf``
 JSON_TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
 
 
@@ -307,10 +313,12 @@ class _Audit:
                 raise SchemaError(f"'{word}' must be a non-negative integer.", path + (word,))
 
     def _numbers(self, node: dict[str, Any], path: Path) -> None:
-        for word in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        for word in BOUNDS:
             v = node.get(word)
             if word in node and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
                 raise SchemaError(f"'{word}' must be a number.", path + (word,))
+        if "multipleOf" in node:
+            _multiple_of(node, path + ("multipleOf",))
 
     def _children(self, node: dict[str, Any], path: Path) -> None:
         props = node.get("properties", {})
@@ -343,6 +351,35 @@ class _Audit:
         for word in ("items", "additionalProperties"):
             if word in node:
                 self.node(node[word], path + (word,), may_be_false=True)
+
+
+def _multiple_of(node: dict[str, Any], path: Path) -> None:
+    """Rewrite a node's integer ``multipleOf`` into what xgrammar enforces exactly, in place:
+    ``type: integer`` (every output an integer, which a ``number`` also accepts) with the
+    ``multipleOf`` alone, or, between two bounds, the ``enum`` of the multiples."""
+    m = node["multipleOf"]
+    if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+        raise SchemaError("'multipleOf' is supported only as a positive integer for constrained output.", path)
+    if node.get("type") not in ("integer", "number"):
+        raise SchemaError("'multipleOf' is supported only beside 'type' 'integer' or 'number'.", path)
+    node["type"] = "integer"
+    if not any(w in node for w in BOUNDS):
+        if m > XGRAMMAR_MAX_MULTIPLE:
+            raise SchemaError(f"'multipleOf' above {XGRAMMAR_MAX_MULTIPLE} needs a 'minimum' and a 'maximum'.", path)
+        return
+    lows = [math.ceil(node["minimum"])] if "minimum" in node else []
+    lows += [math.floor(node["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in node else []
+    highs = [math.floor(node["maximum"])] if "maximum" in node else []
+    highs += [math.ceil(node["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in node else []
+    if not lows or not highs:
+        raise SchemaError("'multipleOf' beside one bound is not supported; give both a minimum and a maximum.", path)
+    first = -(-max(lows) // m) * m  # the least multiple >= the lower bound
+    values = range(first, min(highs) + 1, m)
+    if not values or len(values) > MAX_MULTIPLES:
+        raise SchemaError(f"'multipleOf' between these bounds allows {len(values)} values (1 to {MAX_MULTIPLES} supported).", path)
+    for word in (*BOUNDS, "multipleOf"):
+        node.pop(word, None)
+    node["enum"] = list(values)
 
 
 def _without_classes(pattern: str) -> str:

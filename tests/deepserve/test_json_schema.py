@@ -6,6 +6,8 @@ import json
 import re
 
 import pytest
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string
 
 from deepserve.protocol.json_schema import SchemaError, enforceable_schema
 
@@ -93,6 +95,12 @@ def test_strict_refuses_what_contradicts_it(schema, location) -> None:
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
         ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
         ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+        ({"type": "integer", "multipleOf": 2, "minimum": 3}, "multipleOf"),
+        ({"type": "integer", "multipleOf": 2000}, "multipleOf"),
+        ({"type": "integer", "multipleOf": 2, "minimum": 0, "maximum": 5000}, "multipleOf"),
+        ({"type": "integer", "multipleOf": 4, "minimum": 1, "maximum": 3}, "multipleOf"),
+        ({"type": ["integer", "null"], "multipleOf": 4}, "multipleOf"),
+        ({"multipleOf": 4}, "multipleOf"),
         ({"type": "string", "pattern": "^a+$", "minLength": 2}, "minLength"),
         ({"type": "string", "format": "iri"}, "format"),
         ({"type": "string", "pattern": "^(?:a*[0-9]{1,3})?$"}, "pattern"),
@@ -149,3 +157,25 @@ def test_supported_schemas_pass_unchanged() -> None:
         "x-extension": 1,
     }
     assert spec(schema) == schema
+
+
+@pytest.mark.parametrize(
+    "schema, out",
+    [
+        ({"type": "integer", "multipleOf": 7}, {"type": "integer", "multipleOf": 7}),
+        ({"type": "number", "multipleOf": 7}, {"type": "integer", "multipleOf": 7}),
+        ({"type": "number", "multipleOf": 5, "minimum": -3, "exclusiveMaximum": 20.5}, {"type": "integer", "enum": [0, 5, 10, 15, 20]}),
+        ({"type": "integer", "multipleOf": 3, "exclusiveMinimum": -7, "maximum": 3}, {"type": "integer", "enum": [-6, -3, 0, 3]}),
+    ],
+)
+def test_integer_multiple_of_becomes_what_xgrammar_enforces(schema, out) -> None:
+    """OpenAI strict mode supports ``multipleOf``; an integer one is kept alone or, between two
+    bounds, spelled as the enum of its multiples (the same set of integers)."""
+    assert spec(schema) == out
+
+
+@pytest.mark.parametrize("m", [1, 3, 7, 10, 1024])
+def test_xgrammar_multiple_of_alone_is_exact(m) -> None:
+    grammar = xgr.Grammar.from_json_schema(enforceable_schema({"type": "integer", "multipleOf": m}, strict=False))
+    for v in [*range(-40, 41), 5 * m, -9 * m, 123457 * m, 123457 * m + 1, 3 * m - 1]:
+        assert _is_grammar_accept_string(grammar, str(v)) == (v % m == 0), v

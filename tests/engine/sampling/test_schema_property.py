@@ -316,6 +316,9 @@ OPENAI_STRICT: dict[str, dict[str, Any]] = {
             "t": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 2}], "items": False},
         },
     },
+    "multiple_of": {
+        **OBJ, "properties": {"a": {"type": "integer", "multipleOf": 7}, "b": {"type": "number", "multipleOf": 5, "minimum": -20, "maximum": 50}},
+    },
     "nullable_types": {**OBJ, "properties": {"s": {"type": ["string", "null"]}, "o": {"type": ["object", "null"], "properties": {"a": {"type": "integer"}}}}},
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,28 @@ import pytest
 import torch
 
 torch.set_num_threads(1)  # tiny CPU ops: spin-waiting threads cost more than they give (see builder)
+
+
+def _cache_bytecode_outside_the_tree() -> None:
+    """Under ``PYTHONDONTWRITEBYTECODE`` (set on the 2-core test box) every process of the run (both xdist
+    workers, each ``deepserve up`` / ``engine`` / child pytest it starts) compiles the project's
+    sources and re-rewrites every test module's asserts: ~8 s of each worker's collection and about
+    a second of each subprocess start, every run. Keep the tree free of ``__pycache__`` as the
+    setting asks, but cache the bytecode under the interpreter's environment (``sys.prefix``) and
+    hand the prefix to the subprocesses. A ``PYTHONPYCACHEPREFIX`` already chosen is kept."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix:
+        return
+    prefix = Path(sys.prefix) / "pycache"
+    try:
+        prefix.mkdir(exist_ok=True)
+    except OSError:
+        return  # a read-only environment: compile as before
+    sys.pycache_prefix, sys.dont_write_bytecode = str(prefix), False
+    os.environ["PYTHONPYCACHEPREFIX"] = str(prefix)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+_cache_bytecode_outside_the_tree()
 
 pytest_plugins = ["tests.conftest_redis"] if (Path(__file__).parent / "conftest_redis.py").exists() else []
 

@@ -99,6 +99,21 @@ def trained_dspark_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def narrow_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``deepserve make-random-checkpoint --preset v4-flash-narrow --layers 4 --device cpu`` (the
+    released layout at narrow width: FP8 linears, FP4 experts, every layer kind; 145 MB), written
+    through the CLI once for the run and shared by the files that read it (they only read it)."""
+    from deepserve.cli import main
+
+    def build(d: Path) -> Path:
+        out = d / "ckpt"
+        assert main(["make-random-checkpoint", "--preset", "v4-flash-narrow", "--layers", "4", "--out", str(out), "--device", "cpu"]) == 0
+        return out
+
+    return built_once(tmp_path_factory, "narrow", build)
+
+
 # ---- pytest-xdist `--dist loadfile` (make test): scheduling hints, no test changes ----------------
 TESTS = Path(__file__).resolve().parent
 # Files by their measured share of the suite (seconds summed over setup, call and teardown on the

@@ -10,17 +10,17 @@ from deepserve.protocol import SamplingParams
 from engine.errors import CheckpointError
 from engine.generate import generate
 from engine.model.loader import DummyTensors, FileTensors, load_model
-from engine.model.random_checkpoint import make_random_checkpoint, preset_config, write_config_dir
+from engine.model.random_checkpoint import preset_config, write_config_dir
 
 LAYERS = 4  # sliding, sliding, CSA, HCA; the first three hash-routed
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dummy")
-    files = make_random_checkpoint(root / "files", "v4-flash-narrow", layers=LAYERS, device="cpu")
-    config_only = write_config_dir(root / "config", preset_config("v4-flash-narrow", LAYERS))
-    return files, config_only
+def dirs(tmp_path_factory, narrow_checkpoint_dir):
+    """The written checkpoint (``make-random-checkpoint``, the run's shared one: LAYERS layers,
+    seed 0, CPU) and the config-only directory of the same preset."""
+    config_only = write_config_dir(tmp_path_factory.mktemp("dummy") / "config", preset_config("v4-flash-narrow", LAYERS))
+    return narrow_checkpoint_dir, config_only
 
 
 def test_dummy_tensors_are_the_written_checkpoint(dirs) -> None:

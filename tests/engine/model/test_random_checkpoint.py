@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deepserve.cli import main
 from engine.model.fp8 import Fp8Linear
 from engine.model.loader import load_model
 from engine.model.random_checkpoint import DTYPES, config_dict, shard_specs
@@ -55,10 +54,22 @@ def test_full_layout_matches_the_release() -> None:
 
 
 @pytest.fixture(scope="module")
-def narrow_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("random") / "ckpt"
-    assert main(["make-random-checkpoint", "--preset", "v4-flash-narrow", "--layers", "4", "--out", str(out), "--device", "cpu"]) == 0
-    return out
+def narrow_dir(narrow_checkpoint_dir: Path) -> Path:
+    """Written by ``make-random-checkpoint`` through the CLI (``narrow_checkpoint_dir``, once per run)."""
+    return narrow_checkpoint_dir
+
+
+@pytest.fixture(scope="module")
+def dequantised(narrow_dir: Path):
+    """The checkpoint loaded dequantised in fp32, once for the module (the tests only read it and
+    run forwards on fresh states)."""
+    return load_model(narrow_dir, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def fp4_kept(narrow_dir: Path):
+    """The checkpoint loaded in fp32 with its FP4 experts kept packed, once for the module."""
+    return load_model(narrow_dir, dtype="float32", progress=False, fp4_experts=True)
 
 
 def test_files_index_and_values(narrow_dir: Path) -> None:
@@ -78,11 +89,11 @@ def test_files_index_and_values(narrow_dir: Path) -> None:
     assert cfg["compress_ratios"] == [0, 0, 4, 128, 0] and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
 
 
-def test_loads_and_runs_a_forward_step(narrow_dir: Path) -> None:
+def test_loads_and_runs_a_forward_step(narrow_dir: Path, dequantised) -> None:
     """The loader reads it (FP8/FP4 dequantised, or FP8 linears kept as ``Fp8Linear``); one step each,
     the FP8 model within its activation-quantisation error of the dequantised one."""
     ids = [0, 17, 4242, 99, 128000, 5]
-    ref_model = load_model(narrow_dir, dtype="float32", progress=False)
+    ref_model = dequantised
     ref = ref_model([(ref_model.new_state(), ids)], logits="all")
     assert torch.isfinite(ref).all() and ref.shape == (len(ids), 129280)
     fp8_model = load_model(narrow_dir, dtype="float32", progress=False, fp8=Fp8GemmConfig())
@@ -112,12 +123,11 @@ def test_gpu_drawn_checkpoint_runs_with_fp8_linears(tmp_path: Path) -> None:
     assert err < 0.15, err
 
 
-def test_fp4_experts_kept_packed(narrow_dir: Path) -> None:
+def test_fp4_experts_kept_packed(dequantised, fp4_kept) -> None:
     """``fp4_experts=True``: the experts stay packed (a quarter of bf16's bytes plus scales) and the
     forward matches the dequantised model's (FP4 × e8m0 dequantises exactly; fp32 sums)."""
     ids = [0, 17, 4242, 99, 128000, 5]
-    ref_model = load_model(narrow_dir, dtype="float32", progress=False)
-    model = load_model(narrow_dir, dtype="float32", progress=False, fp4_experts=True)
+    ref_model, model = dequantised, fp4_kept
     ex = model.model.layers[2].mlp.experts
     assert ex.fp4 is not None and ex.gate_up_proj.numel() == 0
     assert ex.fp4[0].dtype == torch.int8 and ex.fp4[0].shape == (8, 256, 128) and ex.fp4[1].shape == (8, 256, 8)
@@ -142,17 +152,16 @@ def test_fp4_experts_never_allocate_dense_weights(narrow_dir: Path, tiny_model_d
     assert torch.equal(flagged([(flagged.new_state(), ids)], logits="all"), dense([(dense.new_state(), ids)], logits="all"))
 
 
-def test_host_slot_decoder_refuses_native_weights(narrow_dir: Path) -> None:
+def test_host_slot_decoder_refuses_native_weights(fp4_kept) -> None:
     """The CPU slot decoder's compiled loops read dense weights: a native model is refused (the
     engine then decodes it on the general path); ``StaticDecoder`` takes it (test_static_decode_native)."""
     from engine.model.host_decode import HostDecoder
 
-    model = load_model(narrow_dir, dtype="float32", progress=False, fp4_experts=True)
     with pytest.raises(ValueError, match="dequantised weights"):
-        HostDecoder(model, max_slots=2, max_tokens=64)
+        HostDecoder(fp4_kept, max_slots=2, max_tokens=64)
 
 
-def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, tmp_path: Path) -> None:
+def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, dequantised, tmp_path: Path) -> None:
     """Each layer's dequantised experts are held in the model's dtype and stacked once complete
     (a real checkpoint's fp32 experts of every layer would not fit host memory): the bf16 model's
     experts are the fp32 model's rounded once; a missing expert is named, packed FP4 ones too (each
@@ -163,7 +172,7 @@ def test_experts_stacked_per_layer_in_the_model_dtype(narrow_dir: Path, tmp_path
 
     from engine.errors import CheckpointError
 
-    ref = load_model(narrow_dir, dtype="float32", progress=False)
+    ref = dequantised
     half = load_model(narrow_dir, dtype="bfloat16", progress=False)
     for (name, a), (_, b) in zip(ref.named_parameters(), half.named_parameters()):
         if name.endswith(("gate_up_proj", "down_proj")):

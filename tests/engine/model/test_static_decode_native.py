@@ -34,7 +34,6 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from engine.model.random_checkpoint import make_random_checkpoint
 from engine.model.fp8 import Fp8Linear, keeps_native_weights
 from engine.model.loader import load_model
 from engine.model.static_decode import StaticDecoder
@@ -48,8 +47,8 @@ LENGTHS = [0, 3, 5, 130]  # fresh, before and after a CSA close, past a 128-toke
 
 
 @pytest.fixture(scope="module")
-def native_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_checkpoint(tmp_path_factory.mktemp("narrow-native") / "ckpt", "v4-flash-narrow", layers=4, device="cpu")
+def native_dir(narrow_checkpoint_dir: Path) -> Path:
+    return narrow_checkpoint_dir  # make-random-checkpoint --preset v4-flash-narrow --layers 4, once per run
 
 
 def native_model(path: Path, dtype: str = "float32", device: str = "cpu"):

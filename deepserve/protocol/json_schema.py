@@ -9,7 +9,9 @@ built from the client's own schema (never from a normalised copy that dropped ke
 keyword xgrammar ignores or only approximates is refused, not dropped. What xgrammar enforces
 exactly (checked keyword by keyword, and by the property test over random schemas): ``type``,
 ``enum``, ``const``, ``anyOf``, ``$ref`` / ``$defs`` / ``definitions`` (local references),
-``allOf`` with one branch, ``oneOf`` whose branches accept disjoint JSON types, ``properties``,
+``allOf`` with one branch, ``oneOf`` whose branches no value matches twice (disjoint JSON types,
+or objects tagged by a required property's string constants: pydantic's discriminated unions),
+``properties``,
 ``required`` (declared properties only), ``additionalProperties``, ``minProperties`` /
 ``maxProperties``, ``items``, ``prefixItems``, ``minItems`` / ``maxItems``, ``minLength`` /
 ``maxLength`` (without ``pattern``), ``pattern``, ``format`` (``email`` / ``ipv6`` / ``uuid`` by
@@ -261,22 +263,19 @@ class _Audit:
                 raise SchemaError(f"'{word}' must be a non-empty array of schemas.", path + (word,))
         if len(node.get("allOf", ())) > 1:
             raise SchemaError("'allOf' with more than one schema is not supported for constrained output.", path + ("allOf",))
-        branches = node.get("oneOf")
-        if branches:
-            kinds = [_types(b) for b in branches]
-            seen: set[str] = set()
-            for k in kinds:
-                if k is None or seen & k:
-                    raise SchemaError(
-                        "'oneOf' is supported only when its schemas accept different JSON types; use 'anyOf'.",
-                        path + ("oneOf",),
-                    )
-                seen |= k
+        branches = node.get("oneOf") or []
+        for i, a in enumerate(branches):
+            if any(not self._disjoint(a, b) for b in branches[i + 1 :]):
+                raise SchemaError(
+                    "'oneOf' is supported only when no value can match two of its schemas (different JSON types, or "
+                    "objects told apart by a required property's string constants); use 'anyOf'.",
+                    path + ("oneOf",),
+                )
         ref = node.get("$ref")
         if ref is not None:
             self._resolve(ref, path + ("$ref",))
 
-    def _resolve(self, ref: Any, path: Path) -> None:
+    def _resolve(self, ref: Any, path: Path) -> Any:
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise SchemaError("Only local '$ref's ('#/...') are supported.", path)
         target = self.root
@@ -285,6 +284,47 @@ class _Audit:
             if not isinstance(target, dict) or part not in target:
                 raise SchemaError(f"'$ref' {ref!r} does not resolve inside the schema.", path)
             target = target[part]
+        return target
+
+    def _target(self, node: Any) -> Any:
+        """The schema a bare ``$ref`` (annotations aside) stands for, following a few in a row; a
+        reference that does not resolve stays (the walk refuses it where it is)."""
+        for _ in range(8):
+            if not isinstance(node, dict) or "$ref" not in node or any(k != "$ref" and k not in ANNOTATIONS for k in node):
+                return node
+            try:
+                node = self._resolve(node["$ref"], ())
+            except SchemaError:
+                return node
+        return node
+
+    def _disjoint(self, a: Any, b: Any) -> bool:
+        """Whether no value matches both schemas: their JSON types differ, or both accept only
+        objects that require a property whose string constants differ (a tagged union, as
+        pydantic writes a discriminated one); ``oneOf`` is then ``anyOf``, which xgrammar enforces."""
+        a, b = self._target(a), self._target(b)
+        ta, tb = _types(a), _types(b)
+        if ta is not None and tb is not None and not ta & tb:
+            return True
+        if ta != {"object"} or tb != {"object"}:
+            return False
+        shared = set(_names(a.get("required"))) & set(_names(b.get("required")))
+        for name in shared:
+            va, vb = self._tags(a, name), self._tags(b, name)
+            if va is not None and vb is not None and not va & vb:
+                return True
+        return False
+
+    def _tags(self, node: dict[str, Any], name: str) -> frozenset[str] | None:
+        """The strings a property's ``const`` / ``enum`` allows, or None when not only strings."""
+        props = node.get("properties")
+        sub = self._target(props.get(name)) if isinstance(props, dict) else None
+        if not isinstance(sub, dict):
+            return None
+        values = [sub["const"]] if "const" in sub else sub.get("enum")
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+            return None
+        return frozenset(values)
 
     def _string(self, node: dict[str, Any], path: Path) -> None:
         fmt = node.get("format")
@@ -404,6 +444,10 @@ def _without_classes(pattern: str) -> str:
             out.append(c)
         i += 1
     return "".join(out)
+
+
+def _names(required: Any) -> list[str]:
+    return [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
 
 
 def _count(v: Any) -> bool:

@@ -59,6 +59,29 @@ def test_sdk_parse_with_a_pydantic_model(client) -> None:
         assert isinstance(r.choices[0].message.parsed, Answer)
 
 
+class Cat(pydantic.BaseModel):
+    kind: Literal["cat"]
+    lives: int
+
+
+class Dog(pydantic.BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Pet(pydantic.BaseModel):
+    pet: Cat | Dog = pydantic.Field(discriminator="kind")
+
+
+def test_sdk_parse_with_a_discriminated_union(client) -> None:
+    """pydantic writes a tagged union as ``oneOf``; its branches never overlap, so it is enforced."""
+    for seed in range(2):
+        r = client.chat.completions.parse(
+            model=E2E_MODEL, messages=USER, response_format=Pet, max_tokens=64, seed=seed, extra_body=NO_THINK
+        )
+        assert isinstance(r.choices[0].message.parsed, Pet)
+
+
 def test_vllm_and_sglang_extensions_constrain(client) -> None:
     r = client.chat.completions.create(
         model=E2E_MODEL, messages=USER, max_tokens=16, seed=1, extra_body={"guided_choice": ["yes", "no"], **NO_THINK}

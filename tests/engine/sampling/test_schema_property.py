@@ -316,6 +316,13 @@ OPENAI_STRICT: dict[str, dict[str, Any]] = {
             "t": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 2}], "items": False},
         },
     },
+    "discriminated_union": {
+        **OBJ, "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"}}},
+        "$defs": {
+            "Cat": {**OBJ, "properties": {"kind": {"type": "string", "const": "cat"}, "lives": {"type": "integer"}}},
+            "Dog": {**OBJ, "properties": {"kind": {"type": "string", "const": "dog"}, "good": {"type": "boolean"}}},
+        },
+    },
     "multiple_of": {
         **OBJ, "properties": {"a": {"type": "integer", "multipleOf": 7}, "b": {"type": "number", "multipleOf": 5, "minimum": -20, "maximum": 50}},
     },

@@ -15,8 +15,8 @@ or objects tagged by a required property's string constants: pydantic's discrimi
 ``required`` (declared properties only), ``additionalProperties``, ``minProperties`` /
 ``maxProperties``, ``items``, ``prefixItems``, ``minItems`` / ``maxItems``, ``minLength`` /
 ``maxLength`` (without ``pattern``), ``pattern``, ``format`` (``email`` / ``ipv6`` / ``uuid`` by
-xgrammar; ``date``, ``time``, ``date-time``, ``ipv4``, ``hostname`` as stricter patterns of ours,
-since xgrammar's accept invalid values), ``minimum`` /
+xgrammar; ``date``, ``time``, ``date-time``, ``duration``, ``ipv4``, ``hostname`` as stricter
+patterns of ours, since xgrammar's accept invalid values or has none), ``minimum`` /
 ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``, and an integer ``multipleOf`` (of an
 ``integer`` or ``number``, emitted as integers): xgrammar's own up to 1024 without bounds, and
 between two bounds as the ``enum`` of the multiples (at most ``MAX_MULTIPLES``).
@@ -74,7 +74,8 @@ SUPPORTED = GENERAL_KEYWORDS.union(*TYPE_KEYWORDS.values())
 FORMATS = frozenset({"email", "ipv6", "uuid"})  # xgrammar's own grammars for these hold
 # Formats xgrammar gets wrong (its ``date`` allows 2021-02-30 and year 0, its ``ipv4`` leading
 # zeros) or that nothing here checks, replaced by a pattern whose every match is valid: a subset
-# (no leap days, leap seconds or fractions of a second, hostnames of <= 3 short labels).
+# (no leap days, leap seconds or fractions of a second, hostnames of <= 3 short labels, durations
+# of <= 4-digit numbers).
 _DATE = (
     "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})-"
     "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
@@ -82,12 +83,16 @@ _DATE = (
 _TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _LABEL = "[a-z0-9]{1,16}"  # a short label (63 characters and hyphens allowed; counted repeats compile slowly)
+_N = "[0-9]{1,4}"
+_DUR_DATE = f"(?:{_N}Y|{_N}Y{_N}M|{_N}Y{_N}M{_N}D|{_N}M|{_N}M{_N}D|{_N}D)"
+_DUR_TIME = f"T(?:{_N}H|{_N}H{_N}M|{_N}H{_N}M{_N}S|{_N}M|{_N}M{_N}S|{_N}S)"  # RFC 3339 Appendix A: no H without M before S
 FORMAT_PATTERNS: dict[str, str] = {
     "date": f"^{_DATE}$",
     "time": f"^{_TIME}$",
     "date-time": f"^{_DATE}T{_TIME}$",
     "ipv4": f"^{_OCTET}\\.{_OCTET}\\.{_OCTET}\\.{_OCTET}$",
     "hostname": f"^(?:{_LABEL}|{_LABEL}\\.{_LABEL}|{_LABEL}\\.{_LABEL}\\.{_LABEL})$",
+    "duration": f"^P(?:{_DUR_DATE}|{_DUR_DATE}{_DUR_TIME}|{_DUR_TIME}|{_N}W)$",
 }
 # xgrammar compiles a schema ``pattern`` wrongly when a group carries a quantifier: ``(?:a*[0-9])?``
 # also matches "a" (found by fuzzing its schema path against Python's ``re``; its plain regex path

@@ -196,3 +196,10 @@ def test_one_of_tagged_by_a_required_constant_passes() -> None:
     assert spec(schema, strict=True)["$defs"]["Dog"]["additionalProperties"] is False
     enums = {"oneOf": [{**tagged("a", {}), "properties": {"kind": {"enum": ["a", "b"]}}}, tagged("c", {})]}
     assert spec(enums) == enums
+
+
+@pytest.mark.parametrize("text, valid", [("P1D", True), ("PT1H30M", True), ("P1Y2M3DT4H5M6S", True), ("P2W", True), ("PT1H1S", False), ("P", False), ("PT", False), ("P1DT", False)])
+def test_duration_format_is_an_rfc_3339_pattern(text, valid) -> None:
+    """OpenAI strict mode supports ``format: duration``; xgrammar has no grammar for it."""
+    out = spec({"type": "string", "format": "duration"}, strict=True)
+    assert "format" not in out and bool(re.search(out["pattern"], text)) == valid

@@ -29,7 +29,9 @@ from deepserve.protocol import OutputConstraint, SamplingParams
 from engine.sampling import InvalidConstraintError
 
 PATTERNS = ["^[a-z]{1,6}$", "^[0-9]{2,4}-[A-Z]$", "^(?:ab|cd)$", "[xyz]", "^\\d+\\.?\\d{0,2}$", "^[a-f0-9]{8}$"]
-FORMATS = ["email", "ipv4", "ipv6", "date", "uuid", "time", "date-time", "hostname"]
+FORMATS = ["email", "ipv4", "ipv6", "date", "uuid", "time", "date-time", "hostname", "duration"]
+_DUR_TIME = r"T(?:\d+H(?:\d+M(?:\d+S)?)?|\d+M(?:\d+S)?|\d+S)"
+DURATION = re.compile(rf"P(?:(?:\d+D|\d+M(?:\d+D)?|\d+Y(?:\d+M(?:\d+D)?)?)(?:{_DUR_TIME})?|{_DUR_TIME}|\d+W)")  # RFC 3339 Appendix A
 WORDS = ["red", "green", "blue", "a b", 'q"uote', "ünï", ""]
 # keyword -> a node that uses it in a way the grammar cannot enforce (the audit must refuse it)
 PLANTS: dict[str, Any] = {
@@ -210,6 +212,7 @@ def _formats() -> jsonschema.FormatChecker:
     checker.checks("time", ValueError)(lambda v: not isinstance(v, str) or bool(datetime.time.fromisoformat(v).tzinfo))
     label = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
     checker.checks("hostname")(lambda v: not isinstance(v, str) or (len(v) <= 253 and all(label.fullmatch(x) for x in v.split("."))))
+    checker.checks("duration")(lambda v: not isinstance(v, str) or bool(DURATION.fullmatch(v)))
     checker.checks("uri", ValueError)(lambda v: not isinstance(v, str) or bool(urllib.parse.urlsplit(v).scheme and " " not in v))
     return checker
 
@@ -307,7 +310,7 @@ OPENAI_STRICT: dict[str, dict[str, Any]] = {
     "pattern_and_formats": {
         **OBJ, "properties": {
             "p": {"type": "string", "pattern": "^[a-z]{2,4}$"}, "d": {"type": "string", "format": "date-time"},
-            "t": {"type": "string", "format": "date"}
+            "t": {"type": "string", "format": "date"}, "u": {"type": "string", "format": "duration"},
         },
     },
     "array_bounds_and_prefix_items": {

@@ -156,6 +156,17 @@ def test_strict_schemas_the_recipe_refuses_are_honoured(client, name) -> None:
     assert finished, f"{name}: no answer finished"
 
 
+def test_responses_strict_text_format_the_recipe_refuses_is_honoured(client) -> None:
+    schema = STRICT_ACCEPTED["typeless_const_and_enum"]
+    fmt = {"format": {"type": "json_schema", "name": "s", "schema": schema, "strict": True}}
+    r = client.responses.create(
+        model=E2E_MODEL, input="Answer in JSON.", text=fmt, max_output_tokens=96, store=False, extra_body={"reasoning": {"max_tokens": 2}}
+    )
+    value = json.loads(r.output_text)
+    jsonschema.validate(value, schema)
+    assert set(value) == {"k", "e"}
+
+
 def test_strict_tool_the_recipe_refuses_is_honoured(client) -> None:
     params = {**OBJ, "properties": {"mode": {"enum": ["fast", 2]}}}
     tools = [{"type": "function", "function": {"name": "go", "strict": True, "parameters": params}}]

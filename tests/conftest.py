@@ -130,6 +130,23 @@ HEAVY_FIRST = (
     "tests/server/test_e2e_v41.py",  # 33 s
     "tests/engine/sampling/test_sampling_structured.py",  # 27 s
     "tests/kernels/test_interpret.py",  # 35 s: V4.1's kernels under the Triton interpreter, one child
+    # then the files of 10-30 s (their slowest tests, a run on the loaded box), so the run's last
+    # hand-outs are files of a few seconds and both workers end together
+    "tests/engine/runtime/test_grammar_wait.py",
+    "tests/engine/model/test_static_decode.py",
+    "tests/engine/model/test_random_checkpoint.py",
+    "tests/engine/worker/test_worker_boundary.py",
+    "tests/engine/model/v41/test_v41_parity.py",
+    "tests/bench/test_fit_validate.py",
+    "tests/integration/test_error_paths.py",
+    "tests/engine/model/test_static_decode_native.py",
+    "tests/server/test_fuzz.py",
+    "tests/engine/sampling/test_schema_property.py",
+    "tests/engine/worker/test_worker_death.py",
+    "tests/engine/model/v41/test_v41_worker.py",
+    "tests/engine/runtime/test_speculative_slots.py",
+    "tests/server/test_cli.py",
+    "tests/engine/parallel/test_ep.py",
 )
 
 

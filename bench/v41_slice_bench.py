@@ -240,13 +240,15 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
 def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
     (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
-    (``attention``'s fields in order, a prefix of them), ``hcs=N`` (``hc_splits``); those left out
+    (``attention``'s fields in order, a prefix of them), ``wide=0|1`` (its ``wide_loads``), ``hcs=N`` (``hc_splits``); those left out
     take the defaults (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
     dflt = V41SlotTuning()
     moe = replace(dflt.moe_gemv, max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)))
     attn = dflt.attention
     for name, value in zip(("block_h", "block_n", "num_warps", "fill", "max_splits"), kv["attn"].split("x") if kv.get("attn") else ()):
         attn = replace(attn, **{name: type(getattr(attn, name))(value)})
+    if "wide" in kv:
+        attn = replace(attn, wide_loads=kv["wide"] == "1")
     return replace(dflt, moe_gemv=moe, attention=attn, hc_splits=int(kv.get("hcs", dflt.hc_splits)),
                    dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
                    gemv_pdl=kv.get("pdl", "1" if dflt.gemv_pdl else "0") == "1")  # fmt: skip
@@ -292,6 +294,8 @@ def summary(out: dict) -> str:
     for r in out["rows"]:
         if r["kind"] == "decode":
             lines.append(f"decode{' ' + r['variant'] if r.get('variant') else ''} b={r['batch']}: {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms ({r['x_floor']:.2f}x)")
+        elif r["kind"] == "error":
+            lines.append(f"decode {r['variant']}: failed: {r['error'][-160:]}")
         else:
             lines.append(f"prefill {r['tokens']} tokens: {r['seconds'] * 1e3:.1f} ms, {r['tflops']:.0f} TFLOP/s = {100 * r['of_matmul_rate']:.1f}% of the bf16 matmul rate")
             for key in ("attention", "experts", "rest"):
@@ -325,31 +329,12 @@ def run(
         model([(state, ctx)])
         max_tokens = context + (len(batches) + 1) * (iters + 4) * (1 + len(variants)) + 8
         for name, tuning_kv in [("", {}), *variants]:
-            kernels = None if "kern" not in tuning_kv else tuning_kv["kern"] == "1"
-            dec = V41SlotDecoder(model, max(batches), max_tokens, experts=stacks, kernels=kernels, tuning=slot_tuning(tuning_kv))
-            for s in range(dec.max_slots):
-                dec.load(s, state)
-            if dec.use_graphs:
-                dec.capture_graphs()
-            out["slot_pool_bytes"] = dec.nbytes()
-            for b in batches:
-                toks = torch.randint(2, cfg.vocab_size, (b,), generator=gen).tolist()
-                step = _sync_time(lambda b=b, toks=toks: dec.step(list(range(b)), toks), 2, iters)
-                floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context)
-                out["rows"].append({"kind": "decode", "variant": name, "batch": b, "context": context, "step_ms": step * 1e3,
-                                    "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "x_floor": step / (floor_bytes / bw)})  # fmt: skip
-                if profile and dec.use_graphs and not name:
-                    profile_graph(dec, bucket_for(b, dec.buckets), profile)
-            # parity: the slot step against the model's forward on the same states and tokens, at
-            # batch 1 (the dense projections through kernels.gemv) and at 4
-            for n in sorted({1, min(4, dec.max_slots)}):
-                states = [dec.export(s) for s in range(n)]
-                toks = torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()
-                want = model([(st, [t]) for st, t in zip(states, toks)]).float()
-                got = dec.step(list(range(n)), toks).float()
-                out.setdefault("parity", []).append({"variant": name, "rows": n, "max_err_over_max_logit": float((got - want).abs().max() / want.abs().max()),
-                                                     "same_argmax": float((got.argmax(-1) == want.argmax(-1)).float().mean())})  # fmt: skip
-            del dec, states
+            try:
+                decode_rows(out, model, stacks, state, cfg, name, tuning_kv, batches, max_tokens, context, iters, bw, dense, expert, gen, profile)
+            except Exception as e:  # a variant that cannot compile (shared memory, registers): recorded, the others run
+                if not name:
+                    raise
+                out["rows"].append({"kind": "error", "variant": name, "error": repr(e)[-400:]})
             if device == "cuda":
                 torch.cuda.empty_cache()
         ids = torch.randint(2, cfg.vocab_size, (prefill,), generator=gen).tolist()
@@ -357,6 +342,38 @@ def run(
         if profile_prefill_to:
             profile_prefill(model, prefill, cfg.vocab_size, profile_prefill_to)
     return out
+
+
+def decode_rows(
+    out: dict, model: DeepseekV41ForCausalLM, stacks, state, cfg: V41Config, name: str, tuning_kv: dict[str, str],
+    batches: list[int], max_tokens: int, context: int, iters: int, bw: float, dense: float, expert: float,
+    gen: torch.Generator, profile: str | None,
+) -> None:  # fmt: skip
+    """One decoder's rows (variant ``name``): its step at each batch against the floor, its parity rows."""
+    kernels = None if "kern" not in tuning_kv else tuning_kv["kern"] == "1"
+    dec = V41SlotDecoder(model, max(batches), max_tokens, experts=stacks, kernels=kernels, tuning=slot_tuning(tuning_kv))
+    for s in range(dec.max_slots):
+        dec.load(s, state)
+    if dec.use_graphs:
+        dec.capture_graphs()
+    out["slot_pool_bytes"] = dec.nbytes()
+    for b in batches:
+        toks = torch.randint(2, cfg.vocab_size, (b,), generator=gen).tolist()
+        step = _sync_time(lambda b=b, toks=toks: dec.step(list(range(b)), toks), 2, iters)
+        floor_bytes = dense + expert * cfg.num_hidden_layers * touched_experts(cfg, b) + b * state_bytes(cfg, context)
+        out["rows"].append({"kind": "decode", "variant": name, "batch": b, "context": context, "step_ms": step * 1e3,
+                            "floor_ms": floor_bytes / bw * 1e3, "floor_bytes": floor_bytes, "x_floor": step / (floor_bytes / bw)})  # fmt: skip
+        if profile and dec.use_graphs and not name:
+            profile_graph(dec, bucket_for(b, dec.buckets), profile)
+    # parity: the slot step against the model's forward on the same states and tokens, at
+    # batch 1 (the dense projections through kernels.gemv) and at 4
+    for n in sorted({1, min(4, dec.max_slots)}):
+        states = [dec.export(s) for s in range(n)]
+        toks = torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()
+        want = model([(st, [t]) for st, t in zip(states, toks)]).float()
+        got = dec.step(list(range(n)), toks).float()
+        out.setdefault("parity", []).append({"variant": name, "rows": n, "max_err_over_max_logit": float((got - want).abs().max() / want.abs().max()),
+                                             "same_argmax": float((got.argmax(-1) == want.argmax(-1)).float().mean())})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ def config(n: int, k: int) -> tuple[int, int, int]:
     bk = min(1024, triton.next_power_of_2(k)) if HAS_TRITON else 1024
     if n <= 512:  # the router: few rows, keep enough programs in flight
         return 1, min(2048, bk * 2), 4
+    if k % bk and k & -k >= 256:  # no 1024 tile divides K (V4.1's q_lora 1280): the largest power of two that does, no masked tail
+        return 4, k & -k, 4
     return 4, bk, 4
 
 
@@ -58,7 +60,7 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor, groups: int = 1, out_dtype:
 
 def gemv(
     x: torch.Tensor, w: torch.Tensor, groups: int = 1, out_dtype: torch.dtype | None = None,
-    cfg: tuple[int, int, int] | None = None, pdl: bool = True,
+    cfg: tuple[int, int, int] | None = None, pdl: bool = True, round_to_x: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """``x (T, groups·K)``, ``w (N, K)`` → ``(T, N)`` in ``out_dtype`` (default ``x``'s); the
     reference where Triton cannot run, for other than one token, a strided ``w`` or ``x``.
@@ -66,8 +68,12 @@ def gemv(
     ``pdl``: a programmatic dependent launch: the kernel may start while the previous kernel in
     the stream (or CUDA graph) still runs; it loads its first weight tile (no dependency), then
     waits for that kernel (``gdc_wait``) before reading ``x`` or writing ``y``; b=1 step −12 to
-    −16 µs (NOTES run 14)."""
+    −16 µs (NOTES run 14). ``round_to_x`` False (with ``out_dtype`` fp32): the fp32 sum of the
+    products of ``x``'s and ``w``'s values unrounded, ``F.linear(x.float(), w.float())`` without
+    widening ``x`` first."""
     if not use_triton(x) or x.shape[0] != 1 or not w.is_contiguous() or x.stride(-1) != 1:
+        if not round_to_x:
+            return gemv_reference(x.float(), w.float(), groups, out_dtype)
         return gemv_reference(x, w, groups, out_dtype)
     n, k = w.shape
     assert x.shape[1] == groups * k and n % groups == 0
@@ -78,7 +84,7 @@ def gemv(
     pdl = pdl and not INTERPRET
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, out, n, k, rpg,
-        BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0), PDL=pdl,
+        BN=bn, BK=bk, EVEN=(n % bn == 0 and k % bk == 0), RND=_RND.get(x.dtype, 0) if round_to_x else 0, PDL=pdl,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

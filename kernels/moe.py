@@ -47,15 +47,20 @@ def route_reference(
     tid2eid: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     scoring_func: str = "sqrtsoftplus",
+    temp: float = 1.0,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Router.forward`` after its gate GEMM. → weights ``(N, k)`` fp32, indices ``(N, k)`` int64."""
-    scores = score(logits, scoring_func)  # (N, E) in the logits' dtype
+    """``Router.forward`` after its gate GEMM. → weights ``(N, k)`` fp32, indices ``(N, k)`` int64.
+    ``temp``: the logits divided by it before scoring (V4.1's ``gate_temp``); ``normalize``: the
+    picked scores divided by their sum (V4.1 without ``norm_topk_prob`` or at k = 1: not)."""
+    scores = score(logits if temp == 1.0 else logits / temp, scoring_func)  # (N, E) in the logits' dtype
     if tid2eid is not None:
         indices = tid2eid[token_ids].long()
     else:
         indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, indices)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return (weights * scaling).float(), indices
 
 
@@ -67,18 +72,22 @@ def route(
     tid2eid: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     scoring_func: str = "sqrtsoftplus",
+    temp: float = 1.0,
+    normalize: bool = True,
     *,
     block_n: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused routing: score routing (``bias`` given) or hash routing (``tid2eid``, ``token_ids``).
 
-    ``logits (N, E)``; ``bias (E,)`` fp32 correction bias (selection only); ``tid2eid (V, k)``.
-    Ties in ``scores + bias`` go to the lower expert id. → ``(N, k)`` fp32 weights, int64 indices.
+    ``logits (N, E)``; ``bias (E,)`` fp32 correction bias (selection only); ``tid2eid (V, k)``;
+    ``temp`` and ``normalize`` as ``route_reference`` (the division correctly rounded, as torch's).
+    Ties in ``scores + bias`` go to the lower expert id; score-routed picks come in descending
+    ``scores + bias`` (``torch.topk``'s sorted order). → ``(N, k)`` fp32 weights, int64 indices.
     """
     hashed = tid2eid is not None
     assert hashed or bias is not None, "score routing needs the correction bias"
     if not use_triton(logits) or scoring_func not in SCORING_FUNCS:
-        return route_reference(logits, top_k, scaling, bias, tid2eid, token_ids, scoring_func)
+        return route_reference(logits, top_k, scaling, bias, tid2eid, token_ids, scoring_func, temp, normalize)
     n, e = logits.shape
     assert logits.stride(-1) == 1
     weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
@@ -86,12 +95,15 @@ def route(
     if n == 0:
         return weights, indices
     dummy = torch.empty(1, dtype=torch.int64, device=logits.device)  # never read (no fill launch)
+    # at most 4096 scores a program (past it the (rows, E) tiles spill: 46 µs a call at 1 × 512 padded experts in 16-row blocks)
+    block_n = max(1, min(block_n, 4096 // next_pow2(e), next_pow2(n)))
     _route_kernel[(triton.cdiv(n, block_n),)](
         logits, bias if bias is not None else logits, tid2eid.contiguous() if hashed else dummy,
         token_ids if hashed else dummy, weights, indices,
-        n, e, logits.stride(0), float(scaling),
+        n, e, logits.stride(0), float(scaling), float(temp),
         E_PAD=next_pow2(e), K=top_k, K_PAD=next_pow2(top_k), BLOCK_N=block_n,
-        FUNC=SCORING_FUNCS.index(scoring_func), HASH=hashed, RND=_RND.get(logits.dtype, 0), num_warps=4,
+        FUNC=SCORING_FUNCS.index(scoring_func), HASH=hashed, RND=_RND.get(logits.dtype, 0),
+        TEMP=temp != 1.0, NORM=normalize, num_warps=4,
     )  # fmt: skip
     return weights, indices
 
@@ -255,9 +267,9 @@ if HAS_TRITON:
     @triton.jit
     def _route_kernel(
         logits_ptr, bias_ptr, tid2eid_ptr, tok_ptr, w_ptr, idx_ptr,
-        N, E, stride_l, scaling,
+        N, E, stride_l, scaling, temp,
         E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        FUNC: tl.constexpr, HASH: tl.constexpr, RND: tl.constexpr,
+        FUNC: tl.constexpr, HASH: tl.constexpr, RND: tl.constexpr, TEMP: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         cols = tl.arange(0, E_PAD)  # (E_PAD,)
@@ -268,6 +280,8 @@ if HAS_TRITON:
             logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
             mask=r_ok[:, None] & c_ok[None, :], other=0.0,
         ).to(tl.float32)  # (BLOCK_N, E_PAD)
+        if TEMP:
+            x = _round_to(tl.math.div_rn(x, temp + tl.zeros_like(x)), RND)
         if FUNC == 0:  # sqrtsoftplus; softplus = max(x, 0) + log1p(exp(-|x|)), log1p kept accurate
             u = tl.exp(-tl.abs(x))
             v = 1.0 + u
@@ -297,7 +311,9 @@ if HAS_TRITON:
                 sel = tl.where(hit, float("-inf"), sel)
                 wk = tl.where(kc[None, :] == i, w_i[:, None], wk)
                 ik = tl.where(kc[None, :] == i, e_i[:, None], ik)
-        wk = wk / (tl.sum(wk, axis=1)[:, None] + 1e-20) * scaling
+        if NORM:
+            wk = wk / (tl.sum(wk, axis=1)[:, None] + 1e-20)
+        wk = wk * scaling
         out_mask = r_ok[:, None] & (kc < K)[None, :]
         out_off = rows.to(tl.int64)[:, None] * K + kc[None, :]
         tl.store(w_ptr + out_off, wk, mask=out_mask)

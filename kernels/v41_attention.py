@@ -67,7 +67,7 @@ if HAS_TRITON:
         H, W, T, K, NW, NK, TPS, scale,
         s_qb, s_qh, s_wqs, s_wqn, s_wes, s_wen, s_rqs, s_rqn, s_rss, s_rsn, s_pb, s_ob, s_oh,
         D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h0 = tl.program_id(1) * BH
@@ -87,7 +87,11 @@ if HAS_TRITON:
             rows = n0 + tl.arange(0, BN)
             ok = rows < wlen
             codes = tl.load(wq_ptr + slot * s_wqs + rows[:, None] * s_wqn + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + dims[None, :] // 32, mask=ok[:, None], other=127).to(tl.int32)
+            if WIDE:  # one exponent load per 32 channels, broadcast in registers
+                ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + tl.arange(0, D // 32)[None, :], mask=ok[:, None], other=127).to(tl.int32)
+                ex = tl.reshape(tl.broadcast_to(ex[:, :, None], (BN, D // 32, 32)), (BN, D))
+            else:
+                ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + dims[None, :] // 32, mask=ok[:, None], other=127).to(tl.int32)
             k = codes * (ex << 23).to(tl.float32, bitcast=True)  # (BN, D): 2^(e-127) from its bits
             m_i, l_i, acc = _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION)
         if HAS_ROWS:
@@ -96,10 +100,16 @@ if HAS_TRITON:
                 pick = tl.load(pick_ptr + b * s_pb + j, mask=j < K, other=-1)
                 ok = pick >= 0
                 row = tl.where(ok, pick, 0)
-                byte = tl.load(rq_ptr + slot * s_rqs + row[:, None] * s_rqn + dims[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
-                nib = (byte >> ((dims[None, :] % 2) * 4)) & 15
-                sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + dims[None, :] // 16, mask=ok[:, None], other=0.0).to(tl.float32)
-                k = _e2m1(nib) * sc  # (BN, D)
+                if WIDE:  # contiguous byte and scale loads; channel 2i the low nibble, 2i+1 the high one
+                    byte = tl.load(rq_ptr + slot * s_rqs + row[:, None] * s_rqn + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+                    vals = tl.reshape(tl.join(_e2m1(byte & 15), _e2m1(byte >> 4)), (BN, D))
+                    sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+                    k = vals * tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, D // 16, 16)), (BN, D))  # (BN, D)
+                else:
+                    byte = tl.load(rq_ptr + slot * s_rqs + row[:, None] * s_rqn + dims[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
+                    nib = (byte >> ((dims[None, :] % 2) * 4)) & 15
+                    sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + dims[None, :] // 16, mask=ok[:, None], other=0.0).to(tl.float32)
+                    k = _e2m1(nib) * sc  # (BN, D)
                 m_i, l_i, acc = _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION)
         if SPLIT:  # partials: out (B, S, H, D) unnormalised, ml (B, S, 2, H) max and sum
             n_split = tl.num_programs(2)
@@ -140,13 +150,16 @@ class V41AttentionTuning:
     """The decode attention's launch: ``block_h`` heads and ``block_n`` key rows a tile,
     ``num_warps``; the key range is split when the ``B · cdiv(H, block_h)`` programs of a single
     pass fill fewer than ``fill`` × the GPU's SMs: into enough splits to reach it, at most
-    ``max_splits`` and at most one per key tile (``attention_splits``)."""
+    ``max_splits`` and at most one per key tile (``attention_splits``); ``wide_loads``: each
+    tile's codes, scales and exponents read as contiguous rows and broadcast in registers
+    (else one gathered load per channel)."""
 
     block_h: int = 16
     block_n: int = 32
     num_warps: int = 4
     fill: float = 1.0
     max_splits: int = 32
+    wide_loads: bool = True
 
 
 V41_ATTENTION = V41AttentionTuning()  # the default
@@ -215,7 +228,8 @@ def v41_decode_attention(
         h, win_q.shape[1], rq.shape[1], pk.shape[1], nw, nk, tps, float(scale),
         q.stride(0), q.stride(1), win_q.stride(0), win_q.stride(1), win_e.stride(0), win_e.stride(1),
         rq.stride(0), rq.stride(1), rs.stride(0), rs.stride(1), pk.stride(0), out.stride(0), out.stride(1),
-        D=d, BH=bh, BN=bn, HAS_ROWS=has_rows, SPLIT=splits > 1, PRECISION=dot_precision(q.dtype), num_warps=tuning.num_warps,
+        D=d, BH=bh, BN=bn, HAS_ROWS=has_rows, SPLIT=splits > 1, PRECISION=dot_precision(q.dtype), WIDE=tuning.wide_loads,
+        num_warps=tuning.num_warps,
     )  # fmt: skip
     if splits > 1:
         _v41_combine_kernel[(b, h)](part, ml, sinks, out, h, splits, out.stride(0), out.stride(1), D=d, num_warps=4)

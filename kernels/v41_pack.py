@@ -9,7 +9,9 @@ in registers and stores the codes straight into the pool rows:
 - ``write_fp4_rows`` / ``write_fp4_keys``: ``pack_fp4_rows(x)`` / ``pack_fp4_keys(x)`` into rows
   ``flat`` of the compressed-KV / indexer-key pools;
 - ``fp4_indexer_quant``: ``engine.model.v41.quant.fp4_indexer(x)`` of the indexer query
-  (off Triton ``unpack_fp4_keys(pack_fp4_keys(x))``, the same values).
+  (off Triton ``unpack_fp4_keys(pack_fp4_keys(x))``, the same values);
+- ``pool_group``: a compressor's open-group buffers written and pooled at one token per row
+  (fp32 softmax pooling, not bit for bit: ``tl.exp`` is not ATen's ``exp``).
 
 Bit for bit the PyTorch ops' codes: the roundings are integer and exponent arithmetic, not
 Triton's casts (the interpreter's fp32 → e4m3 cast rounds wrongly, see ``kernels.fp8_gemm``).
@@ -147,6 +149,67 @@ if HAS_TRITON:
             dst = tl.load(at_ptr + row).to(tl.int64)
             tl.store(q_ptr + dst * NB * BLOCK // 2 + col // 2, (lo_code | (hi_code << 4)).to(tl.uint8), mask=ok[:, None])
             tl.store(s_ptr + dst * NB + nb, byte.to(tl.uint8), mask=ok)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _pool_kernel(kv_ptr, gate_ptr, bkv_ptr, bgate_ptr, slot_ptr, pos_ptr, out_ptr, D, R, s_kv, s_gate, R_PAD: tl.constexpr, BD: tl.constexpr):
+        b = tl.program_id(0)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        ok = cols < D
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        at = tl.load(pos_ptr + b) % R  # this token's place in its group
+        kv = tl.load(kv_ptr + b * s_kv + cols, mask=ok, other=0.0)
+        gate = tl.load(gate_ptr + b * s_gate + cols, mask=ok, other=0.0)
+        tl.store(bkv_ptr + (slot * R + at) * D + cols, kv, mask=ok)
+        tl.store(bgate_ptr + (slot * R + at) * D + cols, gate, mask=ok)
+        j = tl.arange(0, R_PAD)
+        here = (j == at)[:, None]
+        inside = (j < R)[:, None] & ok[None, :]
+        rows = (slot * R + j)[:, None] * D + cols[None, :]  # (R_PAD, BD): the group's tokens, this one from registers
+        g = tl.where(here, gate[None, :], tl.load(bgate_ptr + rows, mask=inside & ~here, other=float("-inf")))
+        v = tl.where(here, kv[None, :], tl.load(bkv_ptr + rows, mask=inside & ~here, other=0.0))
+        g = tl.where(inside, g, float("-inf"))
+        e = tl.exp(g - tl.max(g, 0)[None, :])
+        w = e / tl.sum(e, 0)[None, :]  # softmax over the group's tokens
+        tl.store(out_ptr + b * D + cols, tl.sum(v * w, 0).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def pool_group_reference(
+    kv: torch.Tensor, gate: torch.Tensor, buf_kv: torch.Tensor, buf_gate: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """``pool_group`` in PyTorch: the writes by ``index_copy_``, then ``Compressor.update``'s pooling."""
+    r, d = buf_kv.shape[1], buf_kv.shape[2]
+    at = slots * r + pos % r
+    buf_kv.view(-1, d).index_copy_(0, at, kv)
+    buf_gate.view(-1, d).index_copy_(0, at, gate)
+    weights = buf_gate[slots].softmax(dim=1)  # (b, r, D) over the group's tokens
+    return (buf_kv[slots] * weights).sum(dim=1).to(dtype)
+
+
+def pool_group(
+    kv: torch.Tensor, gate: torch.Tensor, buf_kv: torch.Tensor, buf_gate: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+    dtype: torch.dtype, kernel: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A compressor's open group at one token per row: the fp32 projections ``kv, gate (b, D)``
+    written at ``pos % r`` of each slot's group buffers ``buf_kv, buf_gate (S, r, D)``, then the
+    group's ``Σ_j softmax_j(gate) · kv_j`` (fp32, over its ``r`` tokens) as ``dtype`` ``(b, D)``:
+    one kernel where Triton runs (``kernel``), else ``pool_group_reference``. Only a group closing
+    at ``pos`` (``pos % r == r − 1``) pools tokens of its own; the caller sends the others' rows
+    to a scratch row."""
+    if not _kernel(kv, kernel):
+        return pool_group_reference(kv, gate, buf_kv, buf_gate, slots, pos, dtype)
+    b, d = kv.shape
+    r = buf_kv.shape[1]
+    assert buf_kv.is_contiguous() and buf_gate.is_contiguous() and kv.stride(-1) == 1 and gate.stride(-1) == 1
+    out = torch.empty(b, d, dtype=dtype, device=kv.device)
+    bd = min(512, next_pow2(d))
+    if b:
+        _pool_kernel[(b, triton.cdiv(d, bd))](
+            kv, gate, buf_kv, buf_gate, slots, pos, out, d, r, kv.stride(0), gate.stride(0), R_PAD=next_pow2(r), BD=bd, num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

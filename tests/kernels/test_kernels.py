@@ -16,6 +16,7 @@ from kernels.compressor import gated_pool, gated_pool_reference
 from kernels.decode_attention import decode_attention, decode_attention_reference
 from kernels.indexer import indexer_scores, indexer_scores_reference, indexer_topk
 from kernels.moe import moe_experts, moe_experts_reference, route, route_reference
+from kernels.reference import score
 from bench.kernel_helpers import (
     TOL,
     attn_inputs,
@@ -201,6 +202,28 @@ def _sorted_by_index(w: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("temp,normalize", [(0.7, True), (1.3, False)], ids=["temp", "unnormalised"])
+def test_route_v41_options(temp, normalize, dtype) -> None:
+    """V4.1's router: logits divided by ``gate_temp`` (correctly rounded) before scoring, the
+    picks' scores left unnormalised without ``norm_topk_prob``; picks in descending order."""
+    n, e, k = (37, 384, 6) if not SMALL else (19, 64, 6)
+    g = torch.Generator().manual_seed(4)
+    logits = (2 * torch.randn(n, e, generator=g)).to(DEV, dtype)
+    bias = (0.1 * torch.randn(e, generator=g)).to(DEV)
+    w_ref, i_ref = route_reference(logits, k, 1.5, bias, temp=temp, normalize=normalize)
+    w, i = route(logits, k, 1.5, bias, temp=temp, normalize=normalize)
+    scores = score(logits / temp, "sqrtsoftplus")
+    sel = (scores + bias).gather(1, i)
+    assert (sel[:, :-1] >= sel[:, 1:]).all()  # torch.topk's sorted order
+    w_ref, i_ref = _sorted_by_index(w_ref, i_ref)
+    w, i = _sorted_by_index(w, i)
+    assert torch.equal(i, i_ref)
+    _check(w, w_ref, dtype)
+    if not normalize:  # the raw scores times the scaling
+        _check(w, 1.5 * scores.gather(1, i).float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("hashed", [False, True], ids=["score", "hash"])
 def test_route(hashed, dtype) -> None:
     n, e, k = (37, 256, 6) if not SMALL else (19, 64, 6)
@@ -265,10 +288,10 @@ def test_moe_gemv(dtype, n, shared) -> None:
 # ---- dense GEMV (kernels.gemv) --------------------------------------------------------------------
 GEMV_CASES = [  # (N, K, groups, cfg): the slice's shapes, masked tails, one grouped
     (2560, 4096, 1, None), (256, 4096, 1, None), (8192, 4096, 8, None), (4096, 8192, 1, (8, 1024, 8)),
-    (1000, 1000, 1, None), (48, 200, 4, (4, 64, 4)),
+    (1000, 1000, 1, None), (48, 200, 4, (4, 64, 4)), (4096, 1280, 1, None),  # V4.1's q_lora: a 256 tile, no tail
 ]  # fmt: skip
 if SMALL:
-    GEMV_CASES = [(96, 256, 1, None), (40, 100, 1, (4, 64, 4)), (64, 128, 4, (8, 64, 4)), (7, 64, 1, (1, 128, 4))]
+    GEMV_CASES = [(96, 256, 1, None), (40, 100, 1, (4, 64, 4)), (64, 128, 4, (8, 64, 4)), (7, 64, 1, (1, 128, 4)), (1024, 1280, 1, None)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
@@ -291,6 +314,8 @@ def test_gemv(dtype, n, k, groups, cfg) -> None:
     _check(got, ref[:1], tol_dtype)
     if dtype == torch.bfloat16:  # rounded to bf16 as F.linear(...).float() is
         assert torch.equal(got, got.to(dtype).float())
+        wide = gm.gemv(x[:1], w, groups, torch.float32, cfg=cfg, round_to_x=False)  # F.linear(x.float(), w.float())
+        _check(wide, ref[:1], torch.float32)
     _check(gm.gemv(x, w, groups).float(), ref, tol_dtype)
 
 

@@ -127,6 +127,28 @@ def test_fp4_indexer_quant_is_fp4_indexer(dtype: torch.dtype, heads: int, d: int
     assert torch.equal(got.view(bits), want.view(bits))  # -0.0 included
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("r,d", [(2, 512), (4, 64), (3, 48)])
+def test_pool_group_is_the_compressors_pooling(dtype: torch.dtype, r: int, d: int) -> None:
+    """``pool_group``: the same buffer writes as ``index_copy_`` (bit for bit) and the group's
+    softmax pooling within fp32 rounding, for groups closing, opening and in between."""
+    _skip_without_triton()
+    g = torch.Generator().manual_seed(11)
+    slots, pos = torch.tensor([3, 0, 2, 5]), torch.tensor([r - 1, 0, 2 * r + 1, 7 * r - 1])
+    bufs = [torch.randn(6, r, d, generator=g) * 3 for _ in range(2)]
+    kv, gate = (torch.randn(4, d, generator=g) * 3 for _ in range(2))
+    want_bufs = [t.clone().to(DEVICE) for t in bufs]
+    got_bufs = [t.clone().to(DEVICE) for t in bufs]
+    args = [t.to(DEVICE) for t in (kv, gate)]
+    want = v41_pack.pool_group_reference(*args, *want_bufs, slots.to(DEVICE), pos.to(DEVICE), dtype)
+    got = v41_pack.pool_group(*args, *got_bufs, slots.to(DEVICE), pos.to(DEVICE), dtype, kernel=True)
+    assert all(torch.equal(a, b) for a, b in zip(got_bufs, want_bufs))
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_off_triton_the_packers_and_index_copy() -> None:
     """The slot step's PyTorch ops (without Triton: CPU, no interpreter)."""
     x = _rows(64, 32, "keys", torch.float32)[:5].cpu()

@@ -177,7 +177,7 @@ def candidate_blocks(scores: torch.Tensor, complete: torch.Tensor, topk_blocks: 
     blocks = padded.view(scores.shape[0], -1, block_size).amax(dim=-1)  # (S, nb)
     newest = torch.div(complete - 1, block_size, rounding_mode="floor")  # (S,) -1: no row yet
     blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=scores.device)[None, :] == newest[:, None], float("inf"))
-    top = blocks.topk(min(topk_blocks, blocks.shape[1]), dim=-1)
+    top = blocks.topk(min(topk_blocks, blocks.shape[1]), dim=-1, sorted=False)  # a set: its order is never read
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
     return keep[:, :, None].expand(-1, -1, block_size).flatten(1)[:, :t]  # (no host sync: a CUDA graph runs it)
 

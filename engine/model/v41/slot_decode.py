@@ -50,6 +50,10 @@ is launch-bound):
   grouped ``o_a`` as gemv's groups, the compressors', the indexer's, the router's fp32 logits)
   and the lm_head through ``kernels.gemv`` (one weight stream, no split-K reduce) instead of
   cuBLAS: H200 4-layer Flash-width slice, b=1 2.32 → 2.22 ms (NOTES run 36);
+- the router after its logits: ``kernels.moe.route`` (scores, bias, top-k, weights in one launch);
+- the index tensors several layers share (window slots, group rows, complete-row counts): once a
+  step (``_once``);
+- a ratio > 1 source's open group: its buffers written and pooled in one kernel (``pool_group``);
 - the KV writes: each token's window KV, compressed row and indexer keys packed and stored
   straight into their pool rows, and the indexer query's FP4 rounding, one kernel each
   (``kernels.v41_pack``, the same codes as ``kernels.v41_kv``'s packers with ``index_copy_``).
@@ -85,13 +89,13 @@ from kernels._common import use_triton
 from kernels.fused import hc_pre_parts, norm_rope
 from kernels.gemv import gemv
 from kernels.mhc import hc_mix_parts
-from kernels.moe import has_grouped_mm, moe_experts
+from kernels.moe import SCORING_FUNCS, has_grouped_mm, moe_experts, route
 from kernels.moe_gemv import MoEGemvTuning, moe_gemv, use_gemv
 from kernels.reference import apply_rope_eager as apply_rope
 from kernels.v41_attention import V41AttentionTuning, v41_decode_attention
 from kernels.v41_indexer import v41_indexer_scores
 from kernels.v41_kv import unpack_fp4_keys, unpack_fp4_rows, unpack_fp8_window
-from kernels.v41_pack import fp4_indexer_quant, write_fp4_keys, write_fp4_rows, write_fp8_window
+from kernels.v41_pack import fp4_indexer_quant, pool_group, write_fp4_keys, write_fp4_rows, write_fp8_window
 
 E4M3 = torch.float8_e4m3fn
 
@@ -194,6 +198,7 @@ class V41SlotDecoder:
         self.num_tokens = [0] * max_slots
         self.token_ids: list[list[int]] = [[] for _ in range(max_slots)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._memo: dict[tuple, torch.Tensor] = {}  # see _once
 
     def _stack_experts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's routed-expert stacks (``MoE.stack``: the parameters become views of them)."""
@@ -332,6 +337,7 @@ class V41SlotDecoder:
         """The step over the first ``b`` input columns → float32 logits ``(b, V)``."""
         model, cfg = self.model, self.cfg
         ids, pos, slots = self._inputs[0, :b], self._inputs[1, :b], self._inputs[2, :b]  # (b,) each
+        self._memo = {}  # this step's index tensors, each computed once for the layers that share it (_once)
         hash_ids = self._engram_hashes(ids, slots) if self.history.shape[1] else None
         embeds = model.model.embed(ids)  # (b, H)
         streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
@@ -353,6 +359,14 @@ class V41SlotDecoder:
             return gemv(hidden, model.lm_head.weight, out_dtype=torch.float32, pdl=self.tuning.gemv_pdl)
         return model.head.logits(hidden)  # (b, V)
 
+    def _once(self, key: tuple, make) -> torch.Tensor:
+        """The step's index tensor ``key`` (``make()`` the first time a layer asks in this step):
+        the positions' window slots, the groups' rows and counts are the same for every layer
+        of a window or a compress ratio."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
     def _gemv(self, x: torch.Tensor) -> bool:
         """Whether a dense projection of ``x (b, ·)`` runs through ``kernels.gemv`` (one token)."""
         return self.dense_gemv and x.shape[0] == 1
@@ -364,7 +378,9 @@ class V41SlotDecoder:
     def _linear32(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``F.linear(x.float(), w.float())`` (fp32); at one token ``kernels.gemv`` over ``w`` as
         stored (the same products, no fp32 copy of ``w``; other summation order)."""
-        return gemv(x.float(), w, pdl=self.tuning.gemv_pdl) if self._gemv(x) else F.linear(x.float(), w.float())
+        if self._gemv(x):
+            return gemv(x, w, out_dtype=torch.float32, pdl=self.tuning.gemv_pdl, round_to_x=False)
+        return F.linear(x.float(), w.float())
 
     def _collapse_norm(self, norm: RMSNorm, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """``norm(collapse(pre, streams))`` → ``(b, H)``: one kernel with the kernels."""
@@ -430,7 +446,7 @@ class V41SlotDecoder:
         q = self._rope(self._linear(attn.wq_b, q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
         kv = self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes)  # (b, D)
         win_q, win_e = self.win_q[i], self.win_e[i]
-        at = slots * w + pos % w
+        at = self._once(("window_at", w), lambda: slots * w + pos % w)
         write_fp8_window(kv, win_q, win_e, at, self.kernels)
         picks = None
         if attn.ratio:
@@ -441,7 +457,7 @@ class V41SlotDecoder:
         if self.kernels:
             sp = self.sources.get(self.cfg.kv_source_of(i)) if picks is not None else None
             out = v41_decode_attention(
-                q, win_q.view(E4M3), win_e, torch.clamp(pos + 1, max=w), slots,
+                q, win_q.view(E4M3), win_e, self._once(("window_len", w), lambda: torch.clamp(pos + 1, max=w)), slots,
                 None if sp is None else sp.rows_q[:, :-1], None if sp is None else sp.rows_s[:, :-1].view(E4M3),
                 picks, attn.attn_sink, attn.scaling, q.dtype, self.tuning.attention,
             )  # fmt: skip
@@ -498,14 +514,11 @@ class V41SlotDecoder:
         if r == 1:
             latents, done = self._norm(comp.norm, self._linear(comp.wkv, x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
         else:
-            at = slots * r + pos % r
-            sp.buf_kv.view(-1, sp.buf_kv.shape[-1]).index_copy_(0, at, self._linear32(comp.wkv.weight, x))
-            sp.buf_gate.view(-1, sp.buf_gate.shape[-1]).index_copy_(0, at, self._linear32(comp.wgate.weight, x))
-            weights = sp.buf_gate[slots].softmax(dim=1)  # (b, r, D) over the group's tokens
-            latents = self._norm(comp.norm, (sp.buf_kv[slots] * weights).sum(dim=1).to(x.dtype))  # (b, D)
-            done = pos % r == r - 1
+            kv, gate = self._linear32(comp.wkv.weight, x), self._linear32(comp.wgate.weight, x)  # (b, D) fp32
+            latents = self._norm(comp.norm, pool_group(kv, gate, sp.buf_kv, sp.buf_gate, slots, pos, x.dtype, self.kernels))  # (b, D)
+            done = self._once(("group_done", r), lambda: pos % r == r - 1)
         tc = sp.rows_q.shape[1] - 1
-        flat = slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc)  # (b,)
+        flat = self._once(("row_at", r, tc), lambda: slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc))  # (b,)
         if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated at the group's first position
             idx = attn.indexer
             keys = self._rope(self._norm(idx.k_norm, self._linear(idx.wk, latents)), "compress", pos, ropes, r)  # (b, Di)
@@ -522,7 +535,7 @@ class V41SlotDecoder:
         q = self._rope(self._linear(idx.wq_b, q_res).view(b, idx.n_heads, idx.head_dim), "compress", pos, ropes)
         q = fp4_indexer_quant(q) if self.kernels else fp4_indexer(q)  # (b, Hi, Di)
         weights = self._linear(idx.weights_proj, x).float() * idx.heads_scaling  # (b, Hi)
-        complete = torch.div(pos + 1, idx.ratio, rounding_mode="floor")  # (b,) rows < this are complete
+        complete = self._once(("complete", idx.ratio), lambda: torch.div(pos + 1, idx.ratio, rounding_mode="floor"))  # (b,) rows < this are complete
         if self.kernels:
             scores = v41_indexer_scores(q, weights, sp.keys_q[:, :-1], sp.keys_e[:, :-1], slots, complete, idx.softmax_scale)  # (b, Tc)
         else:
@@ -537,10 +550,18 @@ class V41SlotDecoder:
         top = scores.topk(min(idx.topk, tc), dim=-1, sorted=False)
         return top.indices, top.values > float("-inf")
 
+    def _route(self, gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Router.forward`` of ``x (b, H)``: the fp32 logits (through gemv at one token), then
+        with the kernels ``kernels.moe.route`` (one launch for the ~12 of ``Router.route``: the
+        same math, picks in the same descending order)."""
+        logits = self._linear32(gate.weight, x) if self._gemv(x) else F.linear(x.float(), gate.weight.float())  # (b, E)
+        if not self.kernels or gate.scoring_func not in SCORING_FUNCS:
+            return gate.route(logits)
+        return route(logits, gate.top_k, gate.scaling, gate.bias, scoring_func=gate.scoring_func, temp=gate.temp, normalize=gate.normalize)
+
     def _moe(self, i: int, moe, x: torch.Tensor) -> torch.Tensor:
         """``MoE.forward`` of ``x (b, H)`` without host syncs (module docstring)."""
-        gate = moe.gate  # the router's fp32 logits through gemv at one token
-        weights, indices = gate.route(self._linear32(gate.weight, x)) if self._gemv(x) else gate(x)  # (b, k) each
+        weights, indices = self._route(moe.gate, x)  # (b, k) each
         gate_up, down = self._experts[i]
         se = moe.shared_experts
         if self.kernels and se.limit > 0 and use_gemv(x, indices.numel(), self.tuning.moe_gemv):

@@ -240,15 +240,13 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
 def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
     (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
-    (``attention``'s fields in order, a prefix of them), ``wide=0|1`` (its ``wide_loads``), ``hcs=N`` (``hc_splits``); those left out
+    (``attention``'s fields in order, a prefix of them), ``hcs=N`` (``hc_splits``); those left out
     take the defaults (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
     dflt = V41SlotTuning()
     moe = replace(dflt.moe_gemv, max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)))
     attn = dflt.attention
     for name, value in zip(("block_h", "block_n", "num_warps", "fill", "max_splits"), kv["attn"].split("x") if kv.get("attn") else ()):
         attn = replace(attn, **{name: type(getattr(attn, name))(value)})
-    if "wide" in kv:
-        attn = replace(attn, wide_loads=kv["wide"] == "1")
     return replace(dflt, moe_gemv=moe, attention=attn, hc_splits=int(kv.get("hcs", dflt.hc_splits)),
                    dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
                    gemv_pdl=kv.get("pdl", "1" if dflt.gemv_pdl else "0") == "1")  # fmt: skip

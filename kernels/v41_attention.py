@@ -17,7 +17,8 @@ fp32 still carries the keys' RoPE (the caller un-rotates it). Layout (``kernels.
 
 The Triton kernel: grid ``(B, cdiv(H, BH), S)``, each program holds ``BH`` heads' queries and walks
 its share of the key tiles (``BN`` rows each: the window's tiles, then the picks') with an online
-softmax in fp32; codes become values in registers (e4m3 through a cast, e2m1 from its three bits,
+softmax in fp32 (the products' operands in ``q``'s dtype: bf16 tensor-core dots for a bf16
+model, exact fp32 ones for fp32); codes become values in registers (e4m3 through a cast, e2m1 from its three bits,
 ue8m0 by placing the exponent). ``S`` splits of the key range (flash-decoding) where ``B ·
 cdiv(H, BH)`` programs would leave the GPU mostly idle (batch 1: 4 programs on 132 SMs): each split
 writes its running max, sum and unnormalised output, and a combine kernel (one program per
@@ -52,14 +53,17 @@ if HAS_TRITON:
     @triton.jit
     def _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
         """One online-softmax block: scores of ``q (BH, D)`` against the dequantised keys
-        ``k (BN, D)`` (rows where ``ok``), folded into the running max, sum and output."""
+        ``k (BN, D)`` (rows where ``ok``), folded into the running max, sum and output. The keys
+        in ``q``'s dtype (exact: FP8/FP4 values fit bf16) and the probabilities rounded to it for
+        the value product, as the model's ``probs.to(keys.dtype)``; fp32 accumulation."""
+        k = k.to(q.dtype)
         s = mma(q, tl.trans(k), PRECISION) * scale  # (BH, BN)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no row yet (a split's first tiles): no NaN
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
-        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + mma(p, k, PRECISION)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + mma(p.to(q.dtype), k, PRECISION)
 
     @triton.jit
     def _v41_decode_kernel(
@@ -67,7 +71,7 @@ if HAS_TRITON:
         H, W, T, K, NW, NK, TPS, scale,
         s_qb, s_qh, s_wqs, s_wqn, s_wes, s_wen, s_rqs, s_rqn, s_rss, s_rsn, s_pb, s_ob, s_oh,
         D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr,
-        PRECISION: tl.constexpr, WIDE: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h0 = tl.program_id(1) * BH
@@ -75,7 +79,7 @@ if HAS_TRITON:
         heads = h0 + tl.arange(0, BH)
         dims = tl.arange(0, D)
         hmask = heads < H
-        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)  # (BH, D)
+        q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dims[None, :], mask=hmask[:, None], other=0.0)  # (BH, D) in its dtype
         slot = tl.load(slot_ptr + b)
         wlen = tl.load(wlen_ptr + b)
         m_i = tl.full((BH,), float("-inf"), tl.float32)
@@ -87,11 +91,7 @@ if HAS_TRITON:
             rows = n0 + tl.arange(0, BN)
             ok = rows < wlen
             codes = tl.load(wq_ptr + slot * s_wqs + rows[:, None] * s_wqn + dims[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            if WIDE:  # one exponent load per 32 channels, broadcast in registers
-                ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + tl.arange(0, D // 32)[None, :], mask=ok[:, None], other=127).to(tl.int32)
-                ex = tl.reshape(tl.broadcast_to(ex[:, :, None], (BN, D // 32, 32)), (BN, D))
-            else:
-                ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + dims[None, :] // 32, mask=ok[:, None], other=127).to(tl.int32)
+            ex = tl.load(we_ptr + slot * s_wes + rows[:, None] * s_wen + dims[None, :] // 32, mask=ok[:, None], other=127).to(tl.int32)
             k = codes * (ex << 23).to(tl.float32, bitcast=True)  # (BN, D): 2^(e-127) from its bits
             m_i, l_i, acc = _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION)
         if HAS_ROWS:
@@ -100,16 +100,10 @@ if HAS_TRITON:
                 pick = tl.load(pick_ptr + b * s_pb + j, mask=j < K, other=-1)
                 ok = pick >= 0
                 row = tl.where(ok, pick, 0)
-                if WIDE:  # contiguous byte and scale loads; channel 2i the low nibble, 2i+1 the high one
-                    byte = tl.load(rq_ptr + slot * s_rqs + row[:, None] * s_rqn + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-                    vals = tl.reshape(tl.join(_e2m1(byte & 15), _e2m1(byte >> 4)), (BN, D))
-                    sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-                    k = vals * tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, D // 16, 16)), (BN, D))  # (BN, D)
-                else:
-                    byte = tl.load(rq_ptr + slot * s_rqs + row[:, None] * s_rqn + dims[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
-                    nib = (byte >> ((dims[None, :] % 2) * 4)) & 15
-                    sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + dims[None, :] // 16, mask=ok[:, None], other=0.0).to(tl.float32)
-                    k = _e2m1(nib) * sc  # (BN, D)
+                byte = tl.load(rq_ptr + slot * s_rqs + row[:, None] * s_rqn + dims[None, :] // 2, mask=ok[:, None], other=0).to(tl.int32)
+                nib = (byte >> ((dims[None, :] % 2) * 4)) & 15
+                sc = tl.load(rs_ptr + slot * s_rss + row[:, None] * s_rsn + dims[None, :] // 16, mask=ok[:, None], other=0.0).to(tl.float32)
+                k = _e2m1(nib) * sc  # (BN, D)
                 m_i, l_i, acc = _online_step(q, k, ok, scale, m_i, l_i, acc, PRECISION)
         if SPLIT:  # partials: out (B, S, H, D) unnormalised, ml (B, S, 2, H) max and sum
             n_split = tl.num_programs(2)
@@ -150,16 +144,13 @@ class V41AttentionTuning:
     """The decode attention's launch: ``block_h`` heads and ``block_n`` key rows a tile,
     ``num_warps``; the key range is split when the ``B · cdiv(H, block_h)`` programs of a single
     pass fill fewer than ``fill`` × the GPU's SMs: into enough splits to reach it, at most
-    ``max_splits`` and at most one per key tile (``attention_splits``); ``wide_loads``: each
-    tile's codes, scales and exponents read as contiguous rows and broadcast in registers
-    (else one gathered load per channel)."""
+    ``max_splits`` and at most one per key tile (``attention_splits``)."""
 
     block_h: int = 16
     block_n: int = 32
     num_warps: int = 4
     fill: float = 1.0
     max_splits: int = 32
-    wide_loads: bool = True
 
 
 V41_ATTENTION = V41AttentionTuning()  # the default
@@ -201,7 +192,7 @@ def v41_decode_attention(
     rows_q: torch.Tensor | None, rows_s: torch.Tensor | None, picks: torch.Tensor | None, sinks: torch.Tensor, scale: float,
     out_dtype: torch.dtype = torch.float32, tuning: V41AttentionTuning = V41_ATTENTION,
 ) -> torch.Tensor:  # fmt: skip
-    """Decode attention over stored codes → ``(B, H, D)`` in ``out_dtype`` (fp32 math, one cast at
+    """Decode attention over stored codes → ``(B, H, D)`` in ``out_dtype`` (fp32 softmax and sums, one cast at
     the end; module docstring): the Triton kernel where it runs, else
     ``v41_decode_attention_reference``."""
     if not use_triton(q):
@@ -228,8 +219,7 @@ def v41_decode_attention(
         h, win_q.shape[1], rq.shape[1], pk.shape[1], nw, nk, tps, float(scale),
         q.stride(0), q.stride(1), win_q.stride(0), win_q.stride(1), win_e.stride(0), win_e.stride(1),
         rq.stride(0), rq.stride(1), rs.stride(0), rs.stride(1), pk.stride(0), out.stride(0), out.stride(1),
-        D=d, BH=bh, BN=bn, HAS_ROWS=has_rows, SPLIT=splits > 1, PRECISION=dot_precision(q.dtype), WIDE=tuning.wide_loads,
-        num_warps=tuning.num_warps,
+        D=d, BH=bh, BN=bn, HAS_ROWS=has_rows, SPLIT=splits > 1, PRECISION=dot_precision(q.dtype), num_warps=tuning.num_warps,
     )  # fmt: skip
     if splits > 1:
         _v41_combine_kernel[(b, h)](part, ml, sinks, out, h, splits, out.stride(0), out.stride(1), D=d, num_warps=4)

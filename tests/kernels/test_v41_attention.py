@@ -60,6 +60,11 @@ def test_kernel_matches_the_reference(shape, rows: bool) -> None:
     args = (q, wq, we, win_len, slot, rq, rs, picks if rows else None, sinks, shape[2] ** -0.5)
     got, want = v41_decode_attention(*args), v41_decode_attention_reference(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # a bf16 query: bf16 dots with the exact key values, the probabilities rounded to bf16 for
+    # the value product (as the model's probs.to(keys.dtype)): within bf16 rounding of fp32
+    half = v41_decode_attention(q.to(torch.bfloat16), *args[1:])
+    want16 = v41_decode_attention_reference(q.to(torch.bfloat16).float(), *args[1:])
+    torch.testing.assert_close(half, want16, rtol=2e-2, atol=2e-2)
 
 
 def test_splits_fill_the_gpu_at_batch_1_and_not_at_batch_64() -> None:

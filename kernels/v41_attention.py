@@ -147,7 +147,7 @@ class V41AttentionTuning:
     ``max_splits`` and at most one per key tile (``attention_splits``)."""
 
     block_h: int = 16
-    block_n: int = 32
+    block_n: int = 16
     num_warps: int = 4
     fill: float = 1.0
     max_splits: int = 32

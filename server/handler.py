@@ -118,7 +118,7 @@ async def serve_recipe(request: Request, proto: RecipeProtocol, make_hooks: Call
             f"n ({extras.n}) exceeds the server's concurrent request limit ({gw.config.max_concurrent_requests}).", param="n"
         )
     size = len(req.raw) + (hooks.added_bytes if hooks is not None else 0)
-    conv, make_generator, prompt = await gw.render.run(size, _convert, gw, proto, recipe_body)
+    conv, make_generator, prompt = await gw.render.run(size, convert_request, gw, proto, recipe_body)
     prompt = truncated(prompt, extras.truncate_prompt_tokens, catalog.context_len)
     capped = cap_sampling(cap, conv, catalog.thinking_end_id)
     if capped:
@@ -247,8 +247,8 @@ def refusal(proto: RecipeProtocol, catalog: Any, body: dict[str, Any], exc: Exce
     return err
 
 
-def _convert(gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
-    """``convert_and_encode`` of the (parsed, maybe rewritten) body, its strict response schema
+def convert_request(gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
+    """What every route sends to the engine (the token routes too): ``convert_and_encode`` of the (parsed, maybe rewritten) body, its strict response schema
     handed over as non-strict, falling back to ``convert_forcing_tools``, then to both with the
     strict tools translated (``server.structured``; runs on the render pool for large bodies)."""
     recipe_body = with_non_strict_response_schema(recipe_body)

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from server.decode import decode_tokens
 from server.errors import InvalidRequest
 from server.fields import check_fields
-from server.handler import convert_and_encode
+from server.handler import convert_request
 from server.request_flow import check_model, read_object
 from server.inputs import prepare_messages
 from server.routes.chat import CHAT
@@ -54,7 +54,7 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
 
 def _chat_ids(gw: Gateway, body: dict[str, Any]) -> tuple[Any, list[int]]:
     """(converted request, prompt ids) of a chat body, as ``/v1/chat/completions`` encodes it."""
-    conv, _, prompt = convert_and_encode(gw, CHAT, CHAT.prepare_body(body))
+    conv, _, prompt = convert_request(gw, CHAT, CHAT.prepare_body(body))
     return conv, prompt
 
 
@@ -111,5 +111,5 @@ def _rendered(gw: Gateway, body: dict[str, Any]) -> tuple[str, list[int]]:
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token count of a Messages request: ``{"input_tokens": N}``."""
     gw, body, size = await _body(request, "/v1/messages/count_tokens")
-    _, _, ids = await gw.render.run(size, convert_and_encode, gw, MESSAGES_PROTOCOL, prepare_messages(body, count_only=True))
+    _, _, ids = await gw.render.run(size, convert_request, gw, MESSAGES_PROTOCOL, prepare_messages(body, count_only=True))
     return _json({"input_tokens": len(ids)})

@@ -35,6 +35,18 @@ def test_chat_tokenize_and_render_match_what_the_engine_gets(gateway):
     assert len(gateway.engine.requests) == 1  # neither generates
 
 
+def test_tokenize_takes_a_strict_schema_the_recipe_refuses_as_chat_does(gateway):
+    """A strict response schema deepseek-recipe's own strict rewrite refuses (an enum without a
+    type) is answered by chat; /tokenize and render give the very prompt the engine got."""
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", 1]}}, "required": ["c"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": USER, "thinking": {"type": "disabled"},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": schema}}}  # fmt: skip
+    assert httpx.post(gateway.url + "/v1/chat/completions", json=body).status_code == 200
+    engine_prompt = gateway.engine.requests[-1].prompt_token_ids
+    assert httpx.post(gateway.url + "/tokenize", json=body).json()["tokens"] == engine_prompt
+    assert httpx.post(gateway.url + "/v1/chat/completions/render", json=body).json()["prompt_token_ids"] == engine_prompt
+
+
 def test_anthropic_count_tokens(gateway):
     client = anthropic.Anthropic(base_url=gateway.url, api_key="none", max_retries=0)
     client.messages.create(model=MODEL, max_tokens=5, messages=USER, system="Be brief.")

@@ -260,12 +260,15 @@ def test_moe_experts(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-@pytest.mark.parametrize("n,shared", [(1, True), (2, False), (3, True), (10, True)])
-def test_moe_gemv(dtype, n, shared) -> None:
-    """Few-token experts (GEMV kernels, shared expert as slot k) against the fp32 reference."""
+@pytest.mark.parametrize("n,shared,v41", [(1, True, False), (2, False, False), (3, True, False), (10, True, False), (1, True, True)])
+def test_moe_gemv(dtype, n, shared, v41) -> None:
+    """Few-token experts (GEMV kernels, shared expert as slot k) against the fp32 reference;
+    ``v41``: an intermediate size no 1024 tile divides (V4.1-Flash's 2304: a masked tail tile)."""
     from kernels.moe_gemv import moe_gemv, moe_gemv_reference, shared_act
 
     e, k, hidden, inter = (8, 6, 4096, 2048) if not SMALL else (16, 4, 96, 40)  # SMALL: masked tails
+    if v41:
+        hidden, inter = (5120, 2304) if not SMALL else (96, 768)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(n, hidden, generator=g).to(DEV, dtype)
     gate_up = (torch.randn(e, 2 * inter, hidden, generator=g) * hidden**-0.5).to(DEV, dtype)

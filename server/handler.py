@@ -248,9 +248,10 @@ def refusal(proto: RecipeProtocol, catalog: Any, body: dict[str, Any], exc: Exce
 
 
 def convert_request(gw: Gateway, proto: RecipeProtocol, recipe_body: dict[str, Any]) -> tuple[Any, MakeGenerator, list[int]]:
-    """What every route sends to the engine (the token routes too): ``convert_and_encode`` of the (parsed, maybe rewritten) body, its strict response schema
-    handed over as non-strict, falling back to ``convert_forcing_tools``, then to both with the
-    strict tools translated (``server.structured``; runs on the render pool for large bodies)."""
+    """The conversion every route makes, the token routes too: ``convert_and_encode`` of the
+    (parsed, maybe rewritten) body, its strict response schema handed over as non-strict,
+    falling back to ``convert_forcing_tools``, then to both with the strict tools translated
+    (``server.structured``; runs on the render pool for large bodies)."""
     recipe_body = with_non_strict_response_schema(recipe_body)
     try:
         return _convert_or_force(gw, proto, recipe_body)

@@ -214,7 +214,7 @@ def decode_tuning(kv: dict[str, str]):
     def flag(key: str, default: bool) -> bool:
         return kv[key] == "1" if key in kv else default
 
-    def ints(key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    def ints(key: str, default: tuple[int, ...] | None) -> tuple[int, ...] | None:
         return tuple(int(v) for v in kv[key].split(".")) if key in kv else default
 
     moe = MoEGemvTuning(max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)), up=ints("up", dflt.moe_gemv.up), down=ints("down", dflt.moe_gemv.down))

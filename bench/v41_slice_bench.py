@@ -239,11 +239,16 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
 
 def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
-    (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
+    (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``), ``up=`` / ``down=ROWSxBKxWARPS``
+    (``moe_gemv.up`` / ``down``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
     (``attention``'s fields in order, a prefix of them), ``hcs=N`` (``hc_splits``); those left out
     take the defaults (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
     dflt = V41SlotTuning()
-    moe = replace(dflt.moe_gemv, max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)))
+    def cfg(key: str, default: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        return tuple(int(v) for v in kv[key].split("x")) if key in kv else default  # type: ignore[return-value]
+
+    moe = replace(dflt.moe_gemv, max_slots=int(kv.get("gemv", dflt.moe_gemv.max_slots)),
+                  up=cfg("up", dflt.moe_gemv.up), down=cfg("down", dflt.moe_gemv.down))  # fmt: skip
     attn = dflt.attention
     for name, value in zip(("block_h", "block_n", "num_warps", "fill", "max_splits"), kv["attn"].split("x") if kv.get("attn") else ()):
         attn = replace(attn, **{name: type(getattr(attn, name))(value)})

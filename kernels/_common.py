@@ -36,6 +36,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def even_tile(k: int, block: int, least: int = 256) -> int:
+    """A K tile for a weight-streaming loop over ``k`` columns: ``block`` when it divides ``k`` (or
+    ``k`` is smaller), else the largest power of two that divides ``k`` if it is at least ``least``
+    (no masked tail: V4.1's q_lora 1280 and moe_intermediate 2304 end a 1024 tile a quarter full),
+    else ``block``."""
+    if k <= block or k % block == 0 or (k & -k) < least:
+        return block
+    return k & -k
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """Exact fp32 products for fp32 inputs (tests ask 1e-4); bf16/fp16 use the tensor cores anyway.
     ``"interpret"`` tells ``mma`` to widen its operands (see there)."""

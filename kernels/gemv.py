@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._common import HAS_TRITON, INTERPRET, tl, triton, use_triton
+from kernels._common import HAS_TRITON, INTERPRET, even_tile, tl, triton, use_triton
 from kernels.moe import _RND
 
 
@@ -42,9 +42,7 @@ def config(n: int, k: int) -> tuple[int, int, int]:
     bk = min(1024, triton.next_power_of_2(k)) if HAS_TRITON else 1024
     if n <= 512:  # the router: few rows, keep enough programs in flight
         return 1, min(2048, bk * 2), 4
-    if k % bk and k & -k >= 256:  # no 1024 tile divides K (V4.1's q_lora 1280): the largest power of two that does, no masked tail
-        return 4, k & -k, 4
-    return 4, bk, 4
+    return 4, even_tile(k, bk), 4
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, groups: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:

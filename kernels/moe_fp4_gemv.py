@@ -22,7 +22,7 @@ import torch
 from kernels._common import HAS_TRITON, tl, triton, use_triton
 from kernels.moe import _RND
 from kernels.moe_fp4 import GROUP, moe_experts_fp4
-from kernels.moe_gemv import MOE_GEMV, MoEGemvTuning
+from kernels.moe_gemv import MOE_GEMV, MoEGemvTuning, resolved
 
 
 def moe_fp4_gemv(
@@ -44,13 +44,13 @@ def moe_fp4_gemv(
     if n == 0:
         return out
     act = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)
-    bi, bk, warps = tuning.up
+    bi, bk, warps = resolved(tuning.up, hidden)
     bk = min(bk, triton.next_power_of_2(hidden))
     assert hidden % bk == 0 and inter % bi == 0, "moe_fp4_gemv: H a multiple of the K tile, I of the row tile"
     _fp4_up_kernel[(n * k, inter // bi)](
         x, idx, gq, gs, act, hidden, inter, float(limit), K=k, BI=bi, BK=bk, G=GROUP, RND=_RND.get(x.dtype, 0), num_warps=warps,
     )  # fmt: skip
-    bh, bk, warps = tuning.down
+    bh, bk, warps = resolved(tuning.down, inter)
     bk = min(bk, triton.next_power_of_2(inter))
     assert inter % bk == 0 and hidden % bh == 0, "moe_fp4_gemv: I a multiple of the K tile, H of the row tile"
     _fp4_down_kernel[(n, hidden // bh)](

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels._common import HAS_TRITON, tl, triton, use_triton
+from kernels._common import HAS_TRITON, even_tile, tl, triton, use_triton
 from kernels.moe import _RND, moe_experts_reference
 
 GemvConfig = tuple[int, int, int]  # (rows per program, K block, num_warps)
@@ -50,18 +50,26 @@ class MoEGemvTuning:
     took 11.07 ms against 8.38 on the grouped kernel in run 24, b=32 21.20 ms; the FP4 GEMVs were
     10.1 / 20.0 ms of it). Where between 16 and 96 slots the grouped kernel starts to win is not
     measured. ``up``/``down``: ``GemvConfig`` of the gate/up
-    and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them.
+    and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them. None
+    (the default): 4 rows a program, 4 warps, a 1024-column K block where it divides the hidden
+    size (gate/up) or the intermediate size (down), else ``_common.even_tile``'s (V4.1's 2304:
+    256, not a 1024 block ending a quarter full).
     """
 
     max_slots: int = 192
     fp4_max_slots: int = 16
-    up: GemvConfig = (4, 1024, 4)
-    down: GemvConfig = (4, 1024, 4)
+    up: GemvConfig | None = None
+    down: GemvConfig | None = None
 
 
 MOE_GEMV = MoEGemvTuning()  # the default
 
 Shared = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate (I, H), up (I, H), down (H, I)
+
+
+def resolved(cfg: GemvConfig | None, k: int) -> GemvConfig:
+    """``cfg``, or for None the default for a K of ``k`` columns (``MoEGemvTuning``)."""
+    return cfg or (4, even_tile(k, 1024), 4)
 
 
 def use_gemv(x: torch.Tensor, slots: int, tuning: MoEGemvTuning = MOE_GEMV) -> bool:
@@ -110,7 +118,7 @@ def moe_gemv(
     else:
         assert shared is not None and act.shape == (n * ks, inter)
         _launch_up(x, idx, gate_up, sg, su, act, k, ks, limit, 1, tuning.up)
-    bh, bk, warps = tuning.down
+    bh, bk, warps = resolved(tuning.down, inter)
     _gemv_down_kernel[(n, triton.cdiv(hidden, bh))](
         act, idx, w, down, sd, out, hidden, inter, down.stride(0), out.stride(0),
         K=k, KS=ks, BH=bh, BK=bk, RND=_RND.get(x.dtype, 0), num_warps=warps,
@@ -128,11 +136,11 @@ def shared_act(x: torch.Tensor, shared: Shared, k: int, limit: float, tuning: Mo
     return act
 
 
-def _launch_up(x, idx, gate_up, sg, su, act, k: int, ks: int, limit: float, mode: int, cfg: GemvConfig) -> None:
+def _launch_up(x, idx, gate_up, sg, su, act, k: int, ks: int, limit: float, mode: int, cfg: GemvConfig | None) -> None:
     """The gate/up kernel over every slot (mode 0), the routed slots (1) or the shared slot (2)."""
     n, hidden = x.shape
     inter = act.shape[1]
-    bi, bk, warps = cfg
+    bi, bk, warps = resolved(cfg, hidden)
     rows = (n * ks, n * k, n)[mode]
     _gemv_up_kernel[(rows, triton.cdiv(inter, bi))](
         x, idx, gate_up, sg, su, act, hidden, inter, x.stride(0), gate_up.stride(0), float(limit),

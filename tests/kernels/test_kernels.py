@@ -263,12 +263,12 @@ def test_moe_experts(dtype) -> None:
 @pytest.mark.parametrize("n,shared,v41", [(1, True, False), (2, False, False), (3, True, False), (10, True, False), (1, True, True)])
 def test_moe_gemv(dtype, n, shared, v41) -> None:
     """Few-token experts (GEMV kernels, shared expert as slot k) against the fp32 reference;
-    ``v41``: an intermediate size no 1024 tile divides (V4.1-Flash's 2304: a masked tail tile)."""
+    ``v41``: an intermediate size no 1024 tile divides (V4.1-Flash's 2304: a 256 K block)."""
     from kernels.moe_gemv import moe_gemv, moe_gemv_reference, shared_act
 
     e, k, hidden, inter = (8, 6, 4096, 2048) if not SMALL else (16, 4, 96, 40)  # SMALL: masked tails
     if v41:
-        hidden, inter = (5120, 2304) if not SMALL else (96, 768)
+        hidden, inter = (5120, 2304) if not SMALL else (96, 1280)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(n, hidden, generator=g).to(DEV, dtype)
     gate_up = (torch.randn(e, 2 * inter, hidden, generator=g) * hidden**-0.5).to(DEV, dtype)
@@ -295,6 +295,16 @@ GEMV_CASES = [  # (N, K, groups, cfg): the slice's shapes, masked tails, one gro
 ]  # fmt: skip
 if SMALL:
     GEMV_CASES = [(96, 256, 1, None), (40, 100, 1, (4, 64, 4)), (64, 128, 4, (8, 64, 4)), (7, 64, 1, (1, 128, 4)), (1024, 1280, 1, None)]
+
+
+def test_even_tile() -> None:
+    """A K block without a masked tail where a large enough power of two divides K."""
+    from kernels._common import even_tile
+
+    assert [even_tile(k, 1024) for k in (4096, 2048, 1000, 1024, 512)] == [1024] * 5  # divides, or K fits one block
+    assert even_tile(2304, 1024) == 256 and even_tile(1280, 1024) == 256 and even_tile(5632, 1024) == 512
+    assert even_tile(1100, 1024) == 1024  # 4 divides 1100: too small a block, the masked tail stays
+    assert even_tile(2304, 1024, least=512) == 1024
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])

@@ -8,6 +8,13 @@ At prefill sizes (8K tokens: ~192 rows per expert) this module's kernel replaces
                                         (M, 2I) never reaches memory
     y   = act @ down[e]ᵀ               the same kernel without the SwiGLU
 
+The epilogue rounds both accumulators to the output dtype first (the unfused path's ``(M, 2I)``
+GEMM output), then in fp32: V4's ``swiglu_rows`` (clamps always, ``tl.exp``), or with a per-row
+routing weight V4.1's ``kernels.v41_moe.weighted_swiglu`` (``w · (silu(min(g, L)) · clamp(u, -L,
+L))``, no clamps where L ≤ 0, ``g / (1 + expf(-g))`` with libdevice's ``expf`` and a correctly
+rounded division on CUDA, plain ``/`` and ``tl.exp`` under the interpreter). One kernel; constexpr
+switches pick the epilogue.
+
 Tile schedule without a host sync: the launch covers an upper bound of tiles
 (``cdiv(M, BM) + E`` row tiles × column tiles), each program finds its expert by a binary search
 over the per-expert program offsets (computed on the device), programs past the end exit. Programs
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._common import HAS_TRITON, dot_precision, mma, tl, triton, use_triton
+from kernels._common import HAS_TRITON, INTERPRET, dot_precision, mma, tl, triton, use_triton
 
 GemmConfig = tuple[int, int, int, int, int]  # (BM, BN, BK, num_warps, num_stages)
 
@@ -59,14 +66,20 @@ def _schedule(offs: torch.Tensor, bm: int, n_tiles: int) -> tuple[torch.Tensor, 
 
 def grouped_mm(
     xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu_limit: float | None = None,
-    cfg: tuple[int, int, int, int, int] = (64, 128, 64, 4, 4),
+    row_weight: torch.Tensor | None = None, cfg: GemmConfig = (64, 128, 64, 4, 4),
 ) -> torch.Tensor:  # fmt: skip
     """Rows ``xs (M, K)`` sorted by group (group ``g`` = rows ``[offs[g-1], offs[g])``) times
     ``w[g]ᵀ`` (``w (E, N, K)``) → ``(M, N)``; with ``swiglu_limit`` ``w`` holds gate rows ``[:N/2]``
-    and up rows ``[N/2:]`` and the result is the clamped SwiGLU ``(M, N/2)``. Triton only."""
+    and up rows ``[N/2:]`` and the result is the clamped SwiGLU ``(M, N/2)`` (``swiglu_rows``);
+    with ``row_weight (M,)`` fp32 as well, V4.1's weighted SwiGLU (``weighted_swiglu``, module
+    docstring). Triton only."""
     m, k = xs.shape
     e, n, k2 = w.shape
     assert k == k2 and xs.stride(-1) == 1 and w.stride(-1) == 1
+    weighted = row_weight is not None
+    assert not weighted or (swiglu_limit is not None and row_weight.shape == (m,) and row_weight.dtype == torch.float32), (
+        "row_weight: (M,) fp32, with swiglu_limit"
+    )
     bm, bn, bk, warps, stages = cfg
     if xs.element_size() == 4:  # fp32 tiles (tests) take twice the shared memory per stage
         stages = min(stages, 2)
@@ -78,10 +91,12 @@ def grouped_mm(
     n_tiles = triton.cdiv(n_out, bn)
     starts, pstart = _schedule(offs, bm, n_tiles)
     grid = ((triton.cdiv(m, bm) + e) * n_tiles,)
+    limit = float(swiglu_limit or 0.0)
     _gmm_kernel[grid](
-        xs, w, out, starts, offs, pstart, e, m, n_out, k, xs.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        float(swiglu_limit or 0.0), n_tiles, n_out,
-        BM=bm, BN=bn, BK=bk, SWIGLU=swiglu_limit is not None, LOG_E=max(1, (e - 1).bit_length()) + 1,
+        xs, w, out, starts, offs, pstart, row_weight.contiguous() if weighted else out, e, m, n_out, k,
+        xs.stride(0), w.stride(0), w.stride(1), out.stride(0), limit, n_tiles, n_out,
+        BM=bm, BN=bn, BK=bk, SWIGLU=swiglu_limit is not None, WEIGHTED=weighted, CLAMP=not weighted or limit > 0,
+        EXACT=weighted and not INTERPRET, LOG_E=max(1, (e - 1).bit_length()) + 1,
         PRECISION=dot_precision(xs.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -133,13 +148,14 @@ def use_prefill_gemm(x: torch.Tensor, indices: torch.Tensor, tuning: GroupedMoET
 
 
 if HAS_TRITON:
+    from triton.language.extra.cuda import libdevice
 
     @triton.jit
     def _gmm_kernel(
-        x_ptr, w_ptr, out_ptr, start_ptr, end_ptr, pstart_ptr,
+        x_ptr, w_ptr, out_ptr, start_ptr, end_ptr, pstart_ptr, rw_ptr,
         E, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o, limit, n_tiles, up_off,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, LOG_E: tl.constexpr,
-        PRECISION: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
+        CLAMP: tl.constexpr, EXACT: tl.constexpr, LOG_E: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         total = tl.load(pstart_ptr + E)
@@ -187,10 +203,18 @@ if HAS_TRITON:
                     else:
                         acc2 = tl.dot(a, u, acc2, input_precision=PRECISION)
             ty = out_ptr.dtype.element_ty
-            if SWIGLU:  # as kernels.moe: the GEMM's bf16 outputs, then the clamped SwiGLU in fp32
-                g = tl.minimum(acc.to(ty).to(tl.float32), limit)
-                up = tl.minimum(tl.maximum(acc2.to(ty).to(tl.float32), -limit), limit)
-                res = g / (1.0 + tl.exp(-g)) * up
+            if SWIGLU:  # the GEMM's outputs in the output dtype, then the SwiGLU in fp32 (module docstring)
+                g = acc.to(ty).to(tl.float32)
+                up = acc2.to(ty).to(tl.float32)
+                if CLAMP:
+                    g = tl.minimum(g, limit)
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                if EXACT:  # PyTorch's CUDA silu: x / (1 + expf(-x)), IEEE exp and division
+                    res = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * up
+                else:
+                    res = g / (1.0 + tl.exp(-g)) * up
+                if WEIGHTED:
+                    res = tl.load(rw_ptr + rows_c)[:, None] * res
             else:
                 res = acc
             o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
@@ -200,19 +224,34 @@ if HAS_TRITON:
 __all__ = ["grouped_mm", "grouped_mm_reference", "moe_experts_prefill", "use_prefill_gemm"]
 
 
-def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device only
-    """Microbench on the bench's shapes (H 4096, I 2048, 256 experts, top-6, uniform random
-    routing): each GEMM per config against ``torch._grouped_mm`` (+ the SwiGLU kernel for gate/up).
-    Writes the fastest config of each GEMM to ``best_up`` / ``best_down`` (``torch`` if it wins)."""
+SHAPES = {"v4": (256, 4096, 2048, 6), "v41": (384, 5120, 2304, 6)}  # (experts, hidden, inter, top-k)
+UP_CONFIGS: list[GemmConfig] = [  # BN: gate columns (the tile is BM × 2·BN); 8 warps for BM 128
+    (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4), (64, 256, 64, 8, 3),
+]  # fmt: skip
+DOWN_CONFIGS: list[GemmConfig] = [
+    (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+]  # fmt: skip
+
+
+def _sweep(shape: str, tokens: list[int], iters: int = 10) -> list[dict]:  # pragma: no cover - device only
+    """Microbench at ``SHAPES[shape]``, uniform random top-k routing: each GEMM per config of
+    ``UP_CONFIGS`` / ``DOWN_CONFIGS`` against the torch path (``torch._grouped_mm``, then for gate|up
+    V4's ``swiglu_rows`` or V4.1's ``weighted_swiglu``; the fused kernel takes the same epilogue).
+    A config that does not compile or fit the shared memory prints its error and is skipped.
+    Returns one row per (tokens, GEMM, config); ``err``: max |Δ| / max |torch path|."""
     from kernels.moe import swiglu_rows
+    from kernels.v41_moe import weighted_swiglu
 
     torch.manual_seed(0)
-    dev = "cuda"
-    e, h, i, top = 256, 4096, 2048, 6
-    gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=torch.bfloat16) * h**-0.5
-    down = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16) * i**-0.5
+    dev, bf16 = "cuda", torch.bfloat16
+    e, h, i, top = SHAPES[shape]
+    v41, limit = shape == "v41", 10.0 if shape == "v41" else 7.0
+    gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=bf16) * h**-0.5
+    down = torch.randn(e, h, i, device=dev, dtype=bf16) * i**-0.5
 
-    def t_ms(fn, iters=10):
+    def t_ms(fn):
         fn()
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -223,51 +262,56 @@ def _sweep(out_dir: str = ".") -> None:  # pragma: no cover - device only
         torch.cuda.synchronize()
         return a.elapsed_time(b) / iters
 
-    ups = [(64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 5)]
-    downs = [(64, 256, 64, 4, 4), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
-    best = {}
-    for n in (8192, 2048):
-        idx = torch.rand(n, e, device=dev).argsort(dim=-1)[:, :top]
-        flat = idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=e)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = []
+    for n in tokens:
+        flat = torch.rand(n, e, device=dev).argsort(dim=-1)[:, :top].reshape(-1)
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
         m = flat.numel()
-        xs = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
-        act = torch.randn(m, i, device=dev, dtype=torch.bfloat16)
-        f_up, f_dn = 2.0 * m * h * 2 * i, 2.0 * m * i * h
-        ref_up = t_ms(lambda: swiglu_rows(torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs), 7.0))
-        ref_dn = t_ms(lambda: torch._grouped_mm(act, down.transpose(-2, -1), offs=offs))
-        print(f"n={n} rows={m}: torch up+swiglu {ref_up:.3f} ms ({f_up / ref_up / 1e9:.0f} TF/s), down {ref_dn:.3f} ms ({f_dn / ref_dn / 1e9:.0f} TF/s)", flush=True)
-        cand_up, cand_dn = [("torch", ref_up)], [("torch", ref_dn)]
-        want = swiglu_rows(torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs), 7.0).float()
-        for c in ups:
-            try:
-                got = grouped_mm(xs, gate_up, offs, swiglu_limit=7.0, cfg=c)
-                err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                t = t_ms(lambda c=c: grouped_mm(xs, gate_up, offs, swiglu_limit=7.0, cfg=c))
-                print(f"  up {c}: {t:.3f} ms ({f_up / t / 1e9:.0f} TF/s) err {err:.1e}", flush=True)
-                cand_up.append((".".join(map(str, c)), t if err < 1e-2 else 1e9))
-            except Exception as exc:  # noqa: BLE001
-                print(f"  up {c}: failed {exc!r}"[:300], flush=True)
-        want = torch._grouped_mm(act, down.transpose(-2, -1), offs=offs).float()
-        for c in downs:
-            try:
-                got = grouped_mm(act, down, offs, cfg=c)
-                err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                t = t_ms(lambda c=c: grouped_mm(act, down, offs, cfg=c))
-                print(f"  down {c}: {t:.3f} ms ({f_dn / t / 1e9:.0f} TF/s) err {err:.1e}", flush=True)
-                cand_dn.append((".".join(map(str, c)), t if err < 1e-2 else 1e9))
-            except Exception as exc:  # noqa: BLE001
-                print(f"  down {c}: failed {exc!r}"[:300], flush=True)
-        best[n] = (min(cand_up, key=lambda a: a[1])[0], min(cand_dn, key=lambda a: a[1])[0])
-        print(f"n={n} best up {best[n][0]} down {best[n][1]}", flush=True)
-    with open(f"{out_dir}/best_up", "w") as f:
-        f.write(best[8192][0])
-    with open(f"{out_dir}/best_down", "w") as f:
-        f.write(best[8192][1])
+        xs = torch.randn(m, h, device=dev, dtype=bf16)
+        act = torch.randn(m, i, device=dev, dtype=bf16)
+        rw = torch.rand(m, device=dev) if v41 else None
+
+        def torch_up():
+            hh = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)
+            return weighted_swiglu(hh, rw, limit) if v41 else swiglu_rows(hh, limit)
+
+        gemms = {
+            "up": (2.0 * m * h * 2 * i, gate_up.numel() * 2, UP_CONFIGS, torch_up,
+                   lambda c: grouped_mm(xs, gate_up, offs, swiglu_limit=limit, row_weight=rw, cfg=c)),
+            "down": (2.0 * m * i * h, down.numel() * 2, DOWN_CONFIGS, lambda: torch._grouped_mm(act, down.transpose(-2, -1), offs=offs),
+                     lambda c: grouped_mm(act, down, offs, cfg=c)),
+        }  # fmt: skip
+        for name, (flop, nbytes, configs, ref, fused) in gemms.items():
+            want = ref().float()
+            for c in [None, *configs]:
+                try:
+                    fn = ref if c is None else (lambda c=c: fused(c))
+                    err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+                    t = t_ms(fn)
+                except Exception as exc:  # noqa: BLE001 - a config that cannot compile or fit
+                    print(f"{shape} n={n} {name} {c}: failed {exc!r}"[:300], flush=True)
+                    continue
+                row = {"shape": shape, "tokens": n, "rows": m, "gemm": name, "config": c or "torch", "ms": t,
+                       "tflops": flop / t / 1e9, "weight_gbps": nbytes / t / 1e6, "err": err}  # fmt: skip
+                rows.append(row)
+                print(f"{shape} n={n} rows={m} {name} {row['config']}: {t:.3f} ms {row['tflops']:.0f} TF/s "
+                      f"{row['weight_gbps']:.0f} GB/s err {err:.1e}", flush=True)  # fmt: skip
+            best = min((r for r in rows if r["shape"] == shape and r["tokens"] == n and r["gemm"] == name and r["err"] < 1e-2), key=lambda r: r["ms"])
+            print(f"{shape} n={n} {name} best {best['config']} {best['ms']:.3f} ms", flush=True)
+    return rows
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import sys
+    import argparse
+    import json
 
-    _sweep(sys.argv[1] if len(sys.argv) > 1 else ".")
+    ap = argparse.ArgumentParser(description="grouped GEMM configs against torch._grouped_mm (CUDA)")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["v41"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 2048])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", help="JSON of every row")
+    args = ap.parse_args()
+    results = [r for s in args.shapes for r in _sweep(s, args.tokens, args.iters)]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)

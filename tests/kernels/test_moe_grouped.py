@@ -64,3 +64,29 @@ def test_moe_experts_prefill(dtype) -> None:
     got = moe_grouped.moe_experts_prefill(x, weights, indices, gate_up, down, 1.0, tuning=tuning)
     want = moe_experts_reference(x.float(), weights, indices, gate_up.float(), down.float(), 1.0)
     assert rel_err(got, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("limit", [1.5, 0.0])
+def test_weighted_swiglu_epilogue(dtype, limit) -> None:
+    """With ``row_weight``: V4.1's ``weighted_swiglu`` of the GEMM's output rounded to ``dtype``
+    (an empty group, one group longer than BM); the same bits but for the GEMM's summation order
+    (and the interpreter's truncating bf16 casts): fp32 noise; bf16 up to ~3 ulps (gate, up and
+    the output each rounded once more or less)."""
+    from kernels.moe_grouped import grouped_mm, grouped_mm_reference
+    from kernels.v41_moe import weighted_swiglu_reference
+
+    m, e, n, k = (70, 5, 32, 32) if SMALL else (3000, 16, 512, 1024)
+    cfg = (16, 16, 16, 4, 1) if SMALL else (64, 128, 64, 4, 4 if dtype != torch.float32 else 2)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    xs = torch.randn(m, k, generator=g, device=DEV).to(dtype)
+    w = (torch.randn(e, n, k, generator=g, device=DEV) * 2 * k**-0.5).to(dtype)  # |h| up to ~8: the clamps bite at 1.5
+    rw = torch.rand(m, generator=g, device=DEV)
+    offs = _groups(m, e, 3)
+    sizes = torch.diff(offs.cpu(), prepend=offs.new_zeros(1).cpu())
+    assert sizes.min() == 0 and sizes.max() > cfg[0]
+    got = grouped_mm(xs, w, offs, swiglu_limit=limit, row_weight=rw, cfg=cfg)
+    want = weighted_swiglu_reference(grouped_mm_reference(xs, w, offs), rw, limit)
+    assert got.shape == (m, n // 2) and got.dtype == dtype
+    rtol, atol = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2**-5, 2**-10)}[dtype]  # atol: of the largest |output|
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol * want.float().abs().max().item())

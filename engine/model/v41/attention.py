@@ -33,6 +33,7 @@ from engine.model.v41.layers import RMSNorm
 from engine.model.v41.prefill import use_fast
 from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
+from kernels.moe_grouped import GemmConfig
 from kernels.reference import apply_rope_eager as apply_rope
 
 
@@ -42,11 +43,18 @@ class V41Tuning:
     each layer. ``query_tile``: queries per attention / indexer tile of the general path, bounds
     the ``(nh, tile, L)`` logits of long prefills. ``fast``: take ``engine.model.v41.prefill``'s
     kernels (True), the general path (False), or the kernels on CUDA only (None).
-    ``fast_index_tile``: queries per indexer tile of the fast path (``(tile, T)`` fp32 scores)."""
+    ``fast_index_tile``: queries per indexer tile of the fast path (``(tile, T)`` fp32 scores).
+    ``expert_gemm``: the fast path's routed-expert GEMMs in bf16, ``(gate|up, down)``, each a
+    ``kernels.moe_grouped.GemmConfig`` ``(BM, BN, BK, num_warps, num_stages)`` for its Triton
+    grouped GEMM (gate|up: BN gate columns, the tile BM × 2·BN, the weighted SwiGLU in its
+    epilogue) or None for ``torch._grouped_mm`` (+ ``kernels.v41_moe.weighted_swiglu``). None
+    until the device sweep (``python -m kernels.moe_grouped --shapes v41``) shows a config
+    faster at V4.1's shapes; fp32 always keeps the torch path."""
 
     query_tile: int = 256
     fast: bool | None = None
     fast_index_tile: int = 4096
+    expert_gemm: tuple[GemmConfig | None, GemmConfig | None] = (None, None)
 
 
 V41_TUNING = V41Tuning()  # the default

@@ -18,12 +18,14 @@ takes these instead, on the same values:
   commutes) and the gates and Sinkhorn in one kernel (``kernels.mhc.hc_mix_parts``); the collapse
   with the block's RMSNorm and the expand in one pass each (``kernels.v41_mhc``);
 - routed experts: over the layer's stacked weights (``MoE.stack``), tokens sorted by expert, one
-  grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA), the weighted SwiGLU and the
-  per-token sum in one pass each (``kernels.v41_moe``) in ``MoE.forward``'s own rounding order: the
-  routing weight before the down projection, the picks summed in ascending expert order, then the
-  shared expert. (``kernels.moe.moe_experts`` applies the weight after the down projection: same
-  math, other last bits, and on these models a last bit that moves one FP8/FP4 KV rounding or
-  one top-k pick moves later logits by far more than 1e-4.)
+  grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA; ``kernels.moe_grouped``'s
+  where ``V41Tuning.expert_gemm`` gives a config, the weighted SwiGLU then in the gate|up GEMM's
+  epilogue), the weighted SwiGLU and the per-token sum in one pass each (``kernels.v41_moe``) in
+  ``MoE.forward``'s own rounding order: the routing weight before the down projection, the picks
+  summed in ascending expert order, then the shared expert. (``kernels.moe.moe_experts`` applies
+  the weight after the down projection: same math, other last bits, and on these models a last
+  bit that moves one FP8/FP4 KV rounding or one top-k pick moves later logits by far more than
+  1e-4.)
 
 Off CUDA without the Triton interpreter every kernel above runs its PyTorch reference, so the
 fast path's torch parts are testable on the CPU (there the MoE gives the general path's bits).
@@ -47,8 +49,13 @@ from kernels._common import use_triton
 from kernels.indexer import indexer_scores_prefill
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import grouped_linear, has_grouped_mm
+from kernels.moe_grouped import GemmConfig, grouped_mm
 from kernels.v41_moe import combine_in_order, weighted_swiglu
 from kernels.prefill import hc_pre_block_parts, prefill_attention
+
+
+ExpertGemm = tuple[GemmConfig | None, GemmConfig | None]  # gate|up, down (see V41Tuning.expert_gemm)
+TORCH_GEMMS: ExpertGemm = (None, None)
 
 
 def use_fast(flag: bool | None, t: torch.Tensor) -> bool:
@@ -101,13 +108,14 @@ def collapse_norm(pre: torch.Tensor, streams: torch.Tensor, norm: RMSNorm) -> to
     return v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps)
 
 
-def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm = TORCH_GEMMS) -> torch.Tensor:
     """``MoE.forward`` of ``x (N, H)`` with grouped expert GEMMs in its rounding order → ``(N, H)``.
 
     The (token, pick) slots sorted by expert (tokens ascending inside an expert: the rows the
     general path hands each expert), one grouped GEMM for gate|up and one for down; between them
     ``weight · silu(gate) · up`` in fp32 as ``Expert.forward``; each token's outputs summed in fp32 in
-    ascending expert order, then the shared expert's, as ``MoE.forward``."""
+    ascending expert order, then the shared expert's, as ``MoE.forward``. ``expert_gemm``: the
+    Triton launch configs of the bf16 GEMMs (``V41Tuning.expert_gemm``; None: ``torch._grouped_mm``)."""
     weights, indices = layer.gate(x)  # (N, k) each
     indices, order = indices.sort(dim=-1)  # a token's picks in ascending expert order
     weights = weights.gather(1, order)
@@ -117,19 +125,34 @@ def moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     slots = torch.argsort(flat, stable=True)  # sorted row -> flat (token, j) slot
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
-    act = _weighted_act(x.index_select(0, slots // k), weights.reshape(-1)[slots], gate_up, offs, counts, layer.shared_experts.limit)  # (N·k, I)
-    y = grouped_linear(act, down, offs, counts)  # (N·k, H)
+    up_cfg, down_cfg = expert_gemm
+    xs, w = x.index_select(0, slots // k), weights.reshape(-1)[slots]  # (N·k, H), (N·k,)
+    act = _weighted_act(xs, w, gate_up, offs, counts, layer.shared_experts.limit, up_cfg)  # (N·k, I)
+    if _triton_gemm(act, down_cfg):
+        y = grouped_mm(act, down, offs, cfg=down_cfg)  # (N·k, H)
+    else:
+        y = grouped_linear(act, down, offs, counts)
     row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=x.device))
     return combine_in_order(y, row_of_slot, k, layer.shared_experts(x))
 
 
+def _triton_gemm(xs: torch.Tensor, cfg: GemmConfig | None) -> bool:
+    """Whether a grouped GEMM of ``xs`` takes ``grouped_mm``: a config given and bf16 rows on CUDA
+    (or under the interpreter); fp32 keeps its torch path, bit for bit."""
+    return cfg is not None and xs.dtype == torch.bfloat16 and use_triton(xs)
+
+
 def _weighted_act(
-    xs: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, limit: float
+    xs: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, limit: float,
+    cfg: GemmConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``w · silu(gate) · up`` of the sorted rows ``xs (M, H)`` → ``(M, I)`` (``kernels.v41_moe``):
-    one grouped GEMM for gate|up where ``grouped_linear`` takes ``torch._grouped_mm``, else the gate and
-    up halves as separate GEMMs per expert (``Expert``'s own ``w1`` and ``w3`` calls, their last
-    bits included)."""
+    with a ``cfg`` (bf16) ``grouped_mm`` with the weighted SwiGLU in its epilogue (the same rounding
+    order: the GEMM's bf16 outputs, then fp32); else one grouped GEMM for gate|up where
+    ``grouped_linear`` takes ``torch._grouped_mm``, else the gate and up halves as separate GEMMs per
+    expert (``Expert``'s own ``w1`` and ``w3`` calls, their last bits included)."""
+    if _triton_gemm(xs, cfg):
+        return grouped_mm(xs, gate_up, offs, swiglu_limit=limit, row_weight=w.float(), cfg=cfg)
     if xs.is_cuda and has_grouped_mm(xs.dtype):
         return weighted_swiglu(grouped_linear(xs, gate_up, offs, counts), w, limit)
     inter = gate_up.shape[1] // 2
@@ -143,8 +166,13 @@ class LayerOps(NamedTuple):
     gates: Callable[[HyperSite, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     collapse_norm: Callable[[torch.Tensor, torch.Tensor, RMSNorm], torch.Tensor]
     expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    moe: Callable[[MoE, torch.Tensor], torch.Tensor]
+    moe: Callable[[MoE, torch.Tensor, ExpertGemm], torch.Tensor]
 
 
-GENERAL = LayerOps(HyperSite.gates, lambda pre, streams, norm: norm(collapse(pre, streams)), expand, MoE.__call__)
+def _general_moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm = TORCH_GEMMS) -> torch.Tensor:
+    """``MoE.forward`` (its per-expert loop takes no GEMM configs)."""
+    return layer(x)
+
+
+GENERAL = LayerOps(HyperSite.gates, lambda pre, streams, norm: norm(collapse(pre, streams)), expand, _general_moe)
 FAST = LayerOps(gates, collapse_norm, v41_mhc.expand, moe)

@@ -12,7 +12,7 @@ import torch
 
 from engine.model.v41.attention import V41Tuning
 from engine.model.v41.loader import load_v41_model
-from engine.model.v41.prefill import use_fast
+from engine.model.v41.prefill import moe, use_fast
 from tests.engine.model.v41.conftest import BAR, CASES, KNIFE_EDGE_BAR, prompt_bar, fixture_case, stepwise_diffs
 from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 
@@ -30,6 +30,48 @@ def test_fast_is_taken_on_cuda_by_default() -> None:
     assert use_fast(None, torch.zeros(1)) is False and use_fast(True, torch.zeros(1)) is True
     if ON_GPU:
         assert use_fast(None, torch.zeros(1, device="cuda")) is True
+
+
+def _tiny_moe(dtype: torch.dtype, limit: float, device: str = "cpu"):
+    """A random ``MoE`` of 8 experts (top-3, H 32, I 16) and 40 tokens for it."""
+    from engine.model.v41.config import V41Config
+    from engine.model.v41.layers import MoE
+
+    cfg = V41Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3, swiglu_limit=limit,
+                    num_hidden_layers=4, compress_ratios=(0, 2, 2, 2), kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3),
+                    candidate_source_layer_id=1)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    layer = MoE(cfg, dtype)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.5).to(p.dtype)
+    return layer.to(device), torch.randn(40, 32, generator=g).to(dtype).to(device)
+
+
+TILES = ((16, 16, 16, 4, 1), (16, 16, 16, 4, 1))  # (gate|up, down) GemmConfigs for the tiny shapes
+
+
+def test_fast_moe_fp32_ignores_expert_gemm() -> None:
+    """``V41Tuning.expert_gemm`` is for bf16: fp32 keeps the torch GEMMs, bit for bit."""
+    layer, x = _tiny_moe(torch.float32, 10.0)
+    assert torch.equal(moe(layer, x, TILES), moe(layer, x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [1.0, 0.0])
+def test_fast_moe_triton_expert_gemm_matches_torch(limit: float) -> None:
+    """bf16 routed experts through ``kernels.moe_grouped`` (weighted SwiGLU fused into gate|up)
+    against the torch GEMMs (``torch._grouped_mm`` on CUDA, per-expert ``F.linear`` under the
+    interpreter): the same math in the same rounding order, bf16 ulps apart."""
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from bench.kernel_helpers import rel_err
+
+    layer, x = _tiny_moe(torch.bfloat16, limit, DEVICE)
+    with torch.inference_mode():
+        want = moe(layer, x)
+        for tiles in (TILES, (TILES[0], None), (None, TILES[1])):
+            got = moe(layer, x, tiles)
+            assert got.dtype == torch.bfloat16 and rel_err(got, want) <= 1e-2, tiles
 
 
 @pytest.mark.parametrize("case", CASES)

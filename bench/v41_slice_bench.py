@@ -240,10 +240,11 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
 def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
     (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``), ``up=`` / ``down=ROWSxBKxWARPS``
-    (``moe_gemv.up`` / ``down``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
+    (``moe_gemv.up`` / ``down``), ``fuse=0|1`` (``fuse_sites``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
     (``attention``'s fields in order, a prefix of them), ``hcs=N`` (``hc_splits``); those left out
     take the defaults (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
     dflt = V41SlotTuning()
+
     def cfg(key: str, default: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
         return tuple(int(v) for v in kv[key].split("x")) if key in kv else default  # type: ignore[return-value]
 
@@ -254,7 +255,19 @@ def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
         attn = replace(attn, **{name: type(getattr(attn, name))(value)})
     return replace(dflt, moe_gemv=moe, attention=attn, hc_splits=int(kv.get("hcs", dflt.hc_splits)),
                    dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
-                   gemv_pdl=kv.get("pdl", "1" if dflt.gemv_pdl else "0") == "1")  # fmt: skip
+                   gemv_pdl=kv.get("pdl", "1" if dflt.gemv_pdl else "0") == "1",
+                   fuse_sites=kv.get("fuse", "1" if dflt.fuse_sites else "0") == "1")  # fmt: skip
+
+
+def prefill_tuning(kv: dict[str, str], base: V41Tuning) -> V41Tuning:
+    """``base`` with ``expert_gemm`` from variant options ``up=`` / ``down=BM.BN.BK.WARPS.STAGES``
+    (``torch``, or left out: ``torch._grouped_mm``)."""
+
+    def cfg(key: str):
+        v = kv.get(key, "torch")
+        return None if v == "torch" else tuple(int(a) for a in v.split("."))
+
+    return replace(base, expert_gemm=(cfg("up"), cfg("down")))
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
@@ -277,13 +290,15 @@ def main() -> None:
     ap.add_argument("--profile", metavar="PREFIX", help="write each batch's graph replay, kernel by kernel, to PREFIX_b<B>_graph.txt")
     ap.add_argument("--profile-prefill", metavar="PREFIX", help="write the prefill's kernels by total time to PREFIX_prefill<N>.txt")
     ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N,attn=BHxBNxW,hcs=N,kern=0;...", help="also time the decode batches with these slot tunings (slot_tuning)")
+    ap.add_argument("--prefill-variants", default="", metavar="NAME:up=BM.BN.BK.W.S,down=BM.BN.BK.W.S;...", help="also time the prefill with these V41Tuning.expert_gemm configs (prefill_tuning)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.perf_counter()
     bw, mm = copy_bandwidth(), matmul_rate()
     torch.cuda.empty_cache()
-    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general, profile=args.profile, variants=parse_variants(args.variants), profile_prefill_to=args.profile_prefill)
+    out = run(V41Config(**SLICE), "cuda", batches, args.context, args.prefill, args.iters, bw, mm, args.general, profile=args.profile, variants=parse_variants(args.variants), profile_prefill_to=args.profile_prefill,
+              prefill_variants=parse_variants(args.prefill_variants))  # fmt: skip
     out["wall_s"] = time.perf_counter() - t0
     with open(args.output, "w") as f:
         json.dump(out, f, indent=2)
@@ -298,9 +313,9 @@ def summary(out: dict) -> str:
         if r["kind"] == "decode":
             lines.append(f"decode{' ' + r['variant'] if r.get('variant') else ''} b={r['batch']}: {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms ({r['x_floor']:.2f}x)")
         elif r["kind"] == "error":
-            lines.append(f"decode {r['variant']}: failed: {r['error'][-160:]}")
+            lines.append(f"variant {r['variant']}: failed: {r['error'][-160:]}")
         else:
-            lines.append(f"prefill {r['tokens']} tokens: {r['seconds'] * 1e3:.1f} ms, {r['tflops']:.0f} TFLOP/s = {100 * r['of_matmul_rate']:.1f}% of the bf16 matmul rate")
+            lines.append(f"prefill{' ' + r['variant'] if r.get('variant') else ''} {r['tokens']} tokens: {r['seconds'] * 1e3:.1f} ms, {r['tflops']:.0f} TFLOP/s = {100 * r['of_matmul_rate']:.1f}% of the bf16 matmul rate")
             for key in ("attention", "experts", "rest"):
                 b = r["breakdown"][key]
                 lines.append(f"  {key}: {b['seconds'] * 1e3:.1f} ms ({100 * b['share']:.0f}% of the synced run), {100 * b['of_matmul_rate']:.1f}% of the rate")
@@ -316,11 +331,13 @@ def run(
     cfg: V41Config, device: str, batches: list[int], context: int, prefill: int, iters: int, bw: float, mm: float,
     general: bool = False, tuning: V41Tuning = V41_TUNING, profile: str | None = None,
     variants: Sequence[tuple[str, dict[str, str]]] = (), profile_prefill_to: str | None = None,
+    prefill_variants: Sequence[tuple[str, dict[str, str]]] = (),
 ) -> dict:  # fmt: skip
     """The rows of one run (module docstring) of ``cfg``'s slice on ``device``, the model built with ``tuning``;
     ``profile``: a path prefix for each batch's graph replay, kernel by kernel (``gpu_slice_bench.profile_graph``);
     ``variants``: (name, options) of more decoders timed at the same batches (``slot_tuning``);
-    ``profile_prefill_to``: a path prefix for the prefill's kernels by total time (``gpu_slice_bench.profile_prefill``)."""
+    ``profile_prefill_to``: a path prefix for the prefill's kernels by total time (``gpu_slice_bench.profile_prefill``);
+    ``prefill_variants``: (name, options) of more prefills timed on the same tokens (``prefill_tuning``)."""
     model, stacks = random_slice(cfg, device, torch.bfloat16, tuning)
     dense, expert = dense_bytes(model)
     out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else device, "copy_bw": bw, "matmul_flops": mm,
@@ -341,7 +358,17 @@ def run(
             if device == "cuda":
                 torch.cuda.empty_cache()
         ids = torch.randint(2, cfg.vocab_size, (prefill,), generator=gen).tolist()
-        out["rows"].append(prefill_rows(model, ids, prefill_flops(cfg, dense / 2, prefill), mm, general))
+        flops = prefill_flops(cfg, dense / 2, prefill)
+        out["rows"].append(prefill_rows(model, ids, flops, mm, general))
+        for name, kv in prefill_variants:
+            for layer in model.model.layers:
+                _set_tuning(layer, prefill_tuning(kv, tuning))
+            try:
+                out["rows"].append({**prefill_rows(model, ids, flops, mm, False), "variant": name})
+            except Exception as e:  # a config that cannot compile: recorded, the others run
+                out["rows"].append({"kind": "error", "variant": name, "error": repr(e)[-400:]})
+            for layer in model.model.layers:
+                _set_tuning(layer, tuning)
         if profile_prefill_to:
             profile_prefill(model, prefill, cfg.vocab_size, profile_prefill_to)
     return out

@@ -76,7 +76,23 @@ def hc_mix_parts(
     ``post`` and ``comb`` come back empty). More than ``PRESUM_SPLITS`` splits are added in
     vectorised tiles first (decode at batch 1-2 splits the dot 64 ways). Triton only (the caller
     checks ``use_triton``)."""
+    n = parts.shape[0]
+    gates, args, consts, warps = mix_parts_launch(parts, k, norm_eps, scale, base, hc, iters, eps, block_n, head)
+    if n:
+        _hc_mix_kernel[(triton.cdiv(n, consts["BLOCK_N"]),)](*args, **consts, num_warps=warps)
+    return gates
+
+
+def mix_parts_launch(
+    parts: torch.Tensor, k: int, norm_eps: float, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+    eps: float, block_n: int = 32, head: bool = False,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple, dict, int]:  # fmt: skip
+    """``hc_mix_parts``' outputs (empty), ``hc_mix_block``'s arguments after ``block`` as
+    positional values and constexpr keywords (``BLOCK_N``: rows per program), and the warps per
+    program of ``_hc_mix_kernel``'s launch (its presum tiles are sized for them)."""
     n, splits, mp = parts.shape
+    block_n = min(block_n, max(2, next_pow2(n)))  # few rows: a small tile, one warp
+    warps = 1 if block_n <= 4 else 4
     m = hc if head else (2 + hc) * hc
     assert mp > m and parts.is_contiguous() and parts.dtype == torch.float32
     pre = torch.empty(n, hc, dtype=torch.float32, device=parts.device)
@@ -84,18 +100,12 @@ def hc_mix_parts(
     comb = torch.empty(0 if head else n, hc, hc, dtype=torch.float32, device=parts.device)
     presum = splits > PRESUM_SPLITS
     sums = torch.empty(n, mp, dtype=torch.float32, device=parts.device) if presum else parts
-    block_n = min(block_n, max(2, next_pow2(n)))  # few rows: a small tile, one warp
-    warps = 1 if block_n <= 4 else 4
     # splits added per step of the presum loop: a (block_n, sb, mp) tile of ~64 values per thread
     sb = min(next_pow2(splits), max(1, 64 * 32 * warps // (block_n * mp)))
-    if n:
-        _hc_mix_kernel[(triton.cdiv(n, block_n),)](
-            parts, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
-            n, splits * mp, iters, eps, mp, splits, k, norm_eps, sums,
-            HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, NORM=True, SQ=m, MP=mp, PRESUM=presum, SB=sb,
-            HEAD=head, num_warps=warps,
-        )  # fmt: skip
-    return pre, post, comb
+    args = (parts, scale.float().contiguous(), base.float().contiguous(), pre, post, comb,
+            n, splits * mp, iters, eps, mp, splits, k, norm_eps, sums)  # fmt: skip
+    consts = dict(HC=hc, HC_PAD=next_pow2(hc), BLOCK_N=block_n, NORM=True, SQ=m, MP=mp, PRESUM=presum, SB=sb, HEAD=head)
+    return (pre, post, comb), args, consts, warps
 
 
 if HAS_TRITON:
@@ -115,7 +125,22 @@ if HAS_TRITON:
         HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
         SQ: tl.constexpr, MP: tl.constexpr, PRESUM: tl.constexpr, SB: tl.constexpr, HEAD: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+        hc_mix_block(
+            tl.program_id(0), mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+            N, stride_m, iters, eps, stride_s, splits, norm_k, norm_eps, sum_ptr,
+            HC, HC_PAD, BLOCK_N, NORM, SQ, MP, PRESUM, SB, HEAD,
+        )  # fmt: skip
+
+    @triton.jit
+    def hc_mix_block(
+        block, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+        N, stride_m, iters, eps, stride_s, splits, norm_k, norm_eps, sum_ptr,
+        HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+        SQ: tl.constexpr, MP: tl.constexpr, PRESUM: tl.constexpr, SB: tl.constexpr, HEAD: tl.constexpr,
+    ):  # fmt: skip
+        """The gates of rows ``[block·BLOCK_N, (block+1)·BLOCK_N)`` (``_hc_mix_kernel``'s program
+        ``block``; a fused kernel calls it from some of its programs, ``kernels.v41_mhc``)."""
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         r_ok = rows < N
         c = tl.arange(0, HC_PAD)  # (HCP,)
         c_ok = c < HC
@@ -175,4 +200,4 @@ if HAS_TRITON:
             )
 
 
-__all__ = ["hc_mix", "hc_mix_parts", "hc_mix_reference"]
+__all__ = ["hc_mix", "hc_mix_parts", "hc_mix_reference", "mix_parts_launch"]

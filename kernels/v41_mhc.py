@@ -11,6 +11,17 @@ cast where it casts) and write the result once:
 
 Grid: one program per token (``collapse_norm``: the whole row in registers for its norm) or per
 token and ``BH`` channels (``expand``). Off CUDA without the interpreter: the general path's ops.
+
+At decode a site is four launches (the next site's split-K dot ``fused.hc_pre_parts``, its gates
+``mhc.hc_mix_parts``, ``collapse_norm``, ``expand``), latency-bound at batch 1. Two fused forms
+halve that, each the same arithmetic as the kernels it replaces (the same bits):
+
+- ``expand_pre_parts``: ``expand`` and the next site's ``hc_pre_parts`` in one launch, over
+  ``hc_pre_split``'s slices of the flat ``hc·H`` axis: a program expands its slice, stores it
+  and adds its rounded values into the partial dots (the streams are read once);
+- ``mix_collapse_norm``: the site's gates (``mhc.hc_mix_block``) and ``collapse_norm`` with the
+  previous site's ``pre``, which do not depend on each other, side by side in one grid: programs
+  ``[0, N)`` collapse a token each, the rest compute the gates of ``BLOCK_N`` tokens each.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from __future__ import annotations
 import torch
 
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
+from kernels.fused import hc_pre_split
+from kernels.mhc import mix_parts_launch
 
 
 def collapse_norm_reference(pre: torch.Tensor, streams: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,11 +73,108 @@ def expand(x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: tor
     return out
 
 
+def expand_pre_parts(
+    x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, *,
+    block_k: int = 128, target_programs: int = 128, max_splits: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``expand(x, streams, post, comb)`` and ``fused.hc_pre_parts`` of its result with the next
+    site's ``fn (M, hc·H)`` fp32 (same split arguments) → new streams ``(N, hc, H)``, partials
+    ``(N, S, MP)``. Triton only (the caller checks ``use_triton``)."""
+    n, hc, h = streams.shape
+    streams, x = streams.contiguous(), x.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    assert fn.is_contiguous() and fn.dtype == torch.float32 and fn.shape[1] == hc * h
+    m = fn.shape[0]
+    mp = next_pow2(m + 1)
+    bk, per, splits = hc_pre_split(n, hc * h, block_k, target_programs, max_splits)
+    out = torch.empty_like(streams)
+    parts = torch.empty(n, splits, mp, dtype=torch.float32, device=streams.device)
+    if n:
+        _expand_pre_kernel[(n, splits)](x, streams, post, comb, out, fn, parts, h, hc * h, m, per, HC=hc, MP=mp, BK=bk, num_warps=4)
+    return out, parts
+
+
+def mix_collapse_norm(
+    parts: torch.Tensor, k: int, norm_eps: float, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+    hc_eps: float, pre: torch.Tensor, streams: torch.Tensor, weight: torch.Tensor, eps: float, *, block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``mhc.hc_mix_parts(parts, k, norm_eps, scale, base, hc, iters, hc_eps)`` and
+    ``collapse_norm(pre, streams, weight, eps)`` in one launch → the gates' ``pre, post, comb`` and
+    the normed collapse ``(N, H)``. Triton only. The gates' programs run with the collapse's warps:
+    their sums are the same terms, in a reduction tree that may differ in the last bit."""
+    n, _, h = streams.shape
+    streams, pre, weight = streams.contiguous(), pre.float().contiguous(), weight.contiguous()
+    out = torch.empty(n, h, dtype=streams.dtype, device=streams.device)
+    bh = next_pow2(h)
+    warps = 8 if bh >= 2048 else 4
+    gates, args, consts, _ = mix_parts_launch(parts, k, norm_eps, scale, base, hc, iters, hc_eps, block_n)
+    if n:
+        _mix_collapse_norm_kernel[(n + triton.cdiv(n, consts["BLOCK_N"]),)](
+            pre, streams, weight, out, h, float(eps), *args, BH=bh, **consts, num_warps=warps
+        )  # fmt: skip
+    return (*gates, out)
+
+
 if HAS_TRITON:
+    from kernels.mhc import hc_mix_block
 
     @triton.jit
     def _collapse_norm_kernel(pre_ptr, s_ptr, w_ptr, out_ptr, H, eps, HC: tl.constexpr, BH: tl.constexpr):
+        _collapse_norm_row(tl.program_id(0).to(tl.int64), pre_ptr, s_ptr, w_ptr, out_ptr, H, eps, HC, BH)
+
+    @triton.jit
+    def _mix_collapse_norm_kernel(
+        pre_ptr, s_ptr, w_ptr, out_ptr, H, eps,
+        mix_ptr, scale_ptr, base_ptr, gpre_ptr, post_ptr, comb_ptr,
+        N, stride_m, iters, hc_eps, stride_s, splits, norm_k, norm_eps, sum_ptr,
+        BH: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+        SQ: tl.constexpr, MP: tl.constexpr, PRESUM: tl.constexpr, SB: tl.constexpr, HEAD: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        if pid < N:
+            _collapse_norm_row(pid.to(tl.int64), pre_ptr, s_ptr, w_ptr, out_ptr, H, eps, HC, BH)
+        else:
+            hc_mix_block(
+                pid - N, mix_ptr, scale_ptr, base_ptr, gpre_ptr, post_ptr, comb_ptr,
+                N, stride_m, iters, hc_eps, stride_s, splits, norm_k, norm_eps, sum_ptr,
+                HC, HC_PAD, BLOCK_N, NORM, SQ, MP, PRESUM, SB, HEAD,
+            )  # fmt: skip
+
+    @triton.jit
+    def _expand_pre_kernel(
+        x_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, H, K, M, PER,
+        HC: tl.constexpr, MP: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
         n = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        splits = tl.num_programs(1)
+        ty = out_ptr.dtype.element_ty
+        m = tl.arange(0, MP)
+        m_ok = m < M
+        acc = tl.zeros((MP, BK), tl.float32)
+        sq = tl.zeros((BK,), tl.float32)
+        for kk in range(0, PER, BK):
+            f = s * PER + kk + tl.arange(0, BK)  # flat (stream, channel) index
+            ok = f < K
+            k = f // H  # the stream written
+            h = f % H
+            x = tl.load(x_ptr + n * H + h, mask=ok, other=0.0).to(tl.float32)
+            mixed = tl.zeros((BK,), tl.float32)
+            for j in tl.static_range(HC):  # _expand_kernel's sum, term by term
+                c = tl.load(comb_ptr + (n * HC + j) * HC + k, mask=ok, other=0.0)  # comb[n, j, k]
+                mixed += c * tl.load(s_ptr + (n * HC + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+            v = (tl.load(post_ptr + n * HC + k, mask=ok, other=0.0) * x + mixed).to(ty)
+            tl.store(out_ptr + n * K + f, v, mask=ok)
+            v = v.to(tl.float32)  # the stored streams, as hc_pre_parts reads them
+            w = tl.load(fn_ptr + m[:, None] * K + f[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
+            acc += w * v[None, :]
+            sq += v * v
+        res = tl.where(m == M, tl.sum(sq, axis=0), tl.sum(acc, axis=1))
+        tl.store(part_ptr + (n * splits + s) * MP + m, res)
+
+    @triton.jit
+    def _collapse_norm_row(n, pre_ptr, s_ptr, w_ptr, out_ptr, H, eps, HC: tl.constexpr, BH: tl.constexpr):
+        """``collapse_norm`` of token ``n``."""
         h = tl.arange(0, BH)
         ok = h < H
         ty = out_ptr.dtype.element_ty

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.v41_slice_bench import parse_variants, slot_tuning
+from bench.v41_slice_bench import parse_variants, prefill_tuning, slot_tuning
 from engine.model.v41.slot_decode import V41SlotTuning
 
 
@@ -18,3 +18,15 @@ def test_options_set_only_the_fields_they_name() -> None:
     assert name2 == "cuda" and not t2.dense_gemv and not t2.gemv_pdl and t2.moe_gemv.max_slots == 64 and t2.attention == dflt.attention
     full = slot_tuning({"attn": "32x16x2x2.5x8"})
     assert (full.attention.block_h, full.attention.block_n, full.attention.num_warps, full.attention.fill, full.attention.max_splits) == (32, 16, 2, 2.5, 8)
+
+
+def test_expert_gemv_sites_and_prefill_gemm_options() -> None:
+    """``up=``/``down=`` set the expert GEMV configs, ``fuse=0`` the unfused mHC sites; a prefill
+    variant's ``up=``/``down=`` the fast path's grouped GEMM configs (``torch``: ``_grouped_mm``)."""
+    from engine.model.v41.attention import V41_TUNING
+
+    t = slot_tuning({"down": "4x1024x4", "fuse": "0"})
+    assert t.moe_gemv.down == (4, 1024, 4) and t.moe_gemv.up is None and not t.fuse_sites
+    assert slot_tuning({}).fuse_sites
+    assert prefill_tuning({"up": "128.128.64.8.3"}, V41_TUNING).expert_gemm == ((128, 128, 64, 8, 3), None)
+    assert prefill_tuning({"down": "torch"}, V41_TUNING) == V41_TUNING

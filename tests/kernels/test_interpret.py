@@ -25,7 +25,9 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_prefill.py", "tests/kernels/test_moe_grouped.py"]
 FAST_PREFILL = "tests/engine/model/test_fast_prefill_gpu.py"
-V41_KERNEL_TESTS = ["tests/kernels/test_v41_attention.py", "tests/kernels/test_v41_indexer.py", "tests/kernels/test_v41_pack.py"]
+V41_KERNEL_TESTS = [
+    "tests/kernels/test_v41_attention.py", "tests/kernels/test_v41_indexer.py", "tests/kernels/test_v41_pack.py", "tests/kernels/test_v41_mhc.py",
+]
 
 
 def run_interpreted(targets: list[str], timeout: float) -> None:

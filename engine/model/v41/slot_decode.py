@@ -39,6 +39,8 @@ is launch-bound):
 - each mHC site: the input norm and dot as split-K partials (``kernels.fused.hc_pre_parts``), the
   gates and Sinkhorn (``kernels.mhc.hc_mix_parts``), collapse + the block's norm and expand
   (``kernels.v41_mhc``; a lone ``RMSNorm`` is ``collapse_norm`` of one stream with weight 1);
+  with ``V41SlotTuning.fuse_sites`` two launches: the expand with the next site's partials, the
+  gates beside the collapse (``v41_mhc.expand_pre_parts``, ``mix_collapse_norm``);
 - RoPE (and its inverse on the attention output): ``kernels.fused.norm_rope`` from the rotaries'
   position tables (``Rotary.table``), the compressor's group start as ``pos // r · r``;
 - routed + shared experts of at most ``V41SlotTuning.moe_gemv.max_slots`` (token, pick) pairs:
@@ -108,13 +110,15 @@ class V41SlotTuning:
     kernels; ``hc_splits``: split-K ways of each mHC site's input dot at most (as V4's
     ``DecodeTuning.hc_splits``); ``dense_gemv``: the dense projections at batch 1 through
     ``kernels.gemv`` (a programmatic dependent launch with ``gemv_pdl``) instead of cuBLAS, as
-    V4's ``DecodeTuning.dense_gemv``."""
+    V4's ``DecodeTuning.dense_gemv``; ``fuse_sites``: each mHC site in two launches
+    (``v41_mhc.expand_pre_parts``, ``mix_collapse_norm``) instead of four."""
 
     attention: V41AttentionTuning = field(default_factory=V41AttentionTuning)
     moe_gemv: MoEGemvTuning = field(default_factory=MoEGemvTuning)
     hc_splits: int = 64
     dense_gemv: bool = True
     gemv_pdl: bool = True
+    fuse_sites: bool = True
 
 
 @dataclass
@@ -345,15 +349,16 @@ class V41SlotDecoder:
         pre[:, 0] = 1.0
         ropes = None if self.kernels else {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
         group: dict = {}  # the KV group: its source layer, its rows (unpacked when asked), picks, candidates
-        for i, layer in enumerate(model.model.layers):
+        layers = model.model.layers
+        parts = None  # the next site's split-K partials, when the expand before it computed them
+        for i, layer in enumerate(layers):
             if layer.engram is not None:
-                streams = layer.engram(streams, hash_ids[:, layer.engram.slot])
-            attn_pre, post, comb = self._gates(layer.hc_attn, streams)
-            x = self._collapse_norm(layer.attn_norm, pre, streams)  # (b, H)
-            streams = self._expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb)
-            ffn_pre, post, comb = self._gates(layer.hc_ffn, streams)
-            x = self._collapse_norm(layer.ffn_norm, attn_pre, streams)
-            streams, pre = self._expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
+                streams, parts = layer.engram(streams, hash_ids[:, layer.engram.slot]), None
+            attn_pre, post, comb, x = self._site(layer.hc_attn, layer.attn_norm, pre, streams, parts)  # x (b, H)
+            streams, parts = self._expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb, layer.hc_ffn)
+            ffn_pre, post, comb, x = self._site(layer.hc_ffn, layer.ffn_norm, attn_pre, streams, parts)
+            nxt = layers[i + 1].hc_attn if i + 1 < len(layers) and layers[i + 1].engram is None else None
+            (streams, parts), pre = self._expand(self._moe(i, layer.ffn, x), streams, post, comb, nxt), ffn_pre
         hidden = self._collapse_norm(model.model.norm, pre, streams)
         if self._gemv(hidden):  # LMHead.logits: F.linear, then fp32
             return gemv(hidden, model.lm_head.weight, out_dtype=torch.float32, pdl=self.tuning.gemv_pdl)
@@ -388,9 +393,16 @@ class V41SlotDecoder:
             return norm(collapse(pre, streams))
         return v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps)
 
-    def _expand(self, x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """``layers.expand``: one kernel with the kernels."""
-        return v41_mhc.expand(x, streams, post, comb) if self.kernels else expand(x, streams, post, comb)
+    def _expand(
+        self, x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, site=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """``layers.expand`` → (new streams, None); one kernel with the kernels; with ``fuse_sites``
+        and the next mHC ``site`` also that site's split-K partials (``v41_mhc.expand_pre_parts``)."""
+        if not self.kernels:
+            return expand(x, streams, post, comb), None
+        if site is not None and self.tuning.fuse_sites:
+            return v41_mhc.expand_pre_parts(x, streams, post, comb, site.fn, max_splits=self.tuning.hc_splits)
+        return v41_mhc.expand(x, streams, post, comb), None
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """``norm(x)`` of ``x (b, n)``; with the kernels ``collapse_norm`` of the one stream ``x``
@@ -412,14 +424,23 @@ class V41SlotDecoder:
         cos, sin = ropes[kind] if group_of == 1 else self.model.rotary[kind].cos_sin(pos - pos % group_of, x.dtype)
         return apply_rope(x, cos, -sin if inverse else sin)
 
-    def _gates(self, site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``HyperSite.gates``; with the kernels two Triton kernels (split-K norm and dot, then the
-        gates and Sinkhorn: ``mix_gates``' math) instead of ~100 small ops."""
+    def _site(
+        self, site, norm: RMSNorm, pre: torch.Tensor, streams: torch.Tensor, parts: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """An mHC site before a block: ``HyperSite.gates`` (pre, post, comb) and the block's input
+        ``norm(collapse(pre, streams))`` with the previous site's ``pre``. With the kernels the
+        gates come from split-K partials of the norm and dot (``parts`` when the expand before
+        computed them, else ``hc_pre_parts``) and ``mix_gates``' math in a kernel, instead of
+        ~100 small ops; with ``fuse_sites`` the gates and the collapse share one launch."""
         if not self.kernels:
-            return site.gates(streams)
-        parts = hc_pre_parts(streams, site.fn, max_splits=self.tuning.hc_splits)  # (b, S, MP): dots with the raw streams, Σx²
+            return (*site.gates(streams), norm(collapse(pre, streams)))
+        if parts is None:
+            parts = hc_pre_parts(streams, site.fn, max_splits=self.tuning.hc_splits)  # (b, S, MP): dots with the raw streams, Σx²
         k = streams.shape[1] * streams.shape[2]  # the norm's scale applied to the dots (same math, other last bits)
-        return hc_mix_parts(parts, k, site.norm_eps, site.scale, site.base, site.hc, site.iters, site.hc_eps)
+        gates = (parts, k, site.norm_eps, site.scale, site.base, site.hc, site.iters, site.hc_eps)
+        if self.tuning.fuse_sites:
+            return v41_mhc.mix_collapse_norm(*gates, pre, streams, norm.weight, norm.eps)
+        return (*hc_mix_parts(*gates), v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps))
 
     def _engram_hashes(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``NgramHasher.hash_ids`` of one new token per row → ``(b, L, cols)``; advances each

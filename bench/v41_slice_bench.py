@@ -240,7 +240,7 @@ def _set_tuning(layer: DecoderLayer, tuning: V41Tuning) -> None:
 def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     """A ``V41SlotTuning`` from variant options ``dgemv=0|1`` (``dense_gemv``), ``pdl=0|1``
     (``gemv_pdl``), ``gemv=SLOTS`` (``moe_gemv.max_slots``), ``up=`` / ``down=ROWSxBKxWARPS``
-    (``moe_gemv.up`` / ``down``), ``fuse=0|1`` (``fuse_sites``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
+    (``moe_gemv.up`` / ``down``), ``fuse=0|1`` (``fuse_sites``), ``side=0|1`` (``side_stream``), ``attn=BHxBNxWARPSxFILLxMAXSPLITS``
     (``attention``'s fields in order, a prefix of them), ``hcs=N`` (``hc_splits``); those left out
     take the defaults (``kern=0|1``, the decoder's ``kernels``, is read by ``run``)."""
     dflt = V41SlotTuning()
@@ -256,7 +256,8 @@ def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
     return replace(dflt, moe_gemv=moe, attention=attn, hc_splits=int(kv.get("hcs", dflt.hc_splits)),
                    dense_gemv=kv.get("dgemv", "1" if dflt.dense_gemv else "0") == "1",
                    gemv_pdl=kv.get("pdl", "1" if dflt.gemv_pdl else "0") == "1",
-                   fuse_sites=kv.get("fuse", "1" if dflt.fuse_sites else "0") == "1")  # fmt: skip
+                   fuse_sites=kv.get("fuse", "1" if dflt.fuse_sites else "0") == "1",
+                   side_stream=kv.get("side", "1" if dflt.side_stream else "0") == "1")  # fmt: skip
 
 
 def prefill_tuning(kv: dict[str, str], base: V41Tuning) -> V41Tuning:

@@ -137,18 +137,6 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torc
 # ---- wrappers --------------------------------------------------------------------------------
 
 
-def hc_pre_split(n: int, k: int, block_k: int = 128, target_programs: int = 128, max_splits: int = 8) -> tuple[int, int, int]:
-    """``hc_pre_parts``' split of the ``k = hc·H`` axis for ``n`` tokens → (K block, columns per
-    split (a multiple of it), splits)."""
-    block_k = min(block_k, next_pow2(k))
-    nblocks = triton.cdiv(k, block_k)
-    # hc_mix_parts adds the splits serially per row: few splits (run 5: 128 splits at b=1 made
-    # that kernel 34 µs instead of 9)
-    splits = max(1, min(nblocks, max_splits, triton.cdiv(target_programs, max(n, 1))))
-    per = triton.cdiv(nblocks, splits) * block_k
-    return block_k, per, triton.cdiv(k, per)
-
-
 def hc_pre_parts(streams: torch.Tensor, fn: torch.Tensor, *, block_k: int = 128, target_programs: int = 128, max_splits: int = 8) -> torch.Tensor:
     """``streams (N, hc, H)``, ``fn (M, hc·H)`` fp32 → partials ``(N, S, MP)`` fp32: per split of the
     ``hc·H`` axis, ``fn @ x`` in columns ``[:M]`` and ``Σ x²`` in column ``M`` (x = fp32 streams)."""
@@ -158,7 +146,13 @@ def hc_pre_parts(streams: torch.Tensor, fn: torch.Tensor, *, block_k: int = 128,
     k = x.shape[1]
     m = fn.shape[0]
     mp = next_pow2(m + 1)
-    block_k, per, splits = hc_pre_split(n, k, block_k, target_programs, max_splits)
+    block_k = min(block_k, next_pow2(k))
+    nblocks = triton.cdiv(k, block_k)
+    # hc_mix_parts adds the splits serially per row: few splits (run 5: 128 splits at b=1 made
+    # that kernel 34 µs instead of 9)
+    splits = max(1, min(nblocks, max_splits, triton.cdiv(target_programs, max(n, 1))))
+    per = triton.cdiv(nblocks, splits) * block_k
+    splits = triton.cdiv(k, per)
     parts = torch.empty(n, splits, mp, dtype=torch.float32, device=streams.device)
     if n:
         _hc_pre_kernel[(n, splits)](
@@ -498,6 +492,6 @@ if HAS_TRITON:
 
 
 __all__ = [
-    "collapse_norm", "compress_step", "compress_step_reference", "hc_merge", "hc_pre_parts", "hc_pre_split", "norm_rope", "swiglu",
+    "collapse_norm", "compress_step", "compress_step_reference", "hc_merge", "hc_pre_parts", "norm_rope", "swiglu",
     "collapse_norm_reference", "hc_merge_reference", "norm_rope_reference", "swiglu_reference",
 ]  # fmt: skip

@@ -12,16 +12,12 @@ cast where it casts) and write the result once:
 Grid: one program per token (``collapse_norm``: the whole row in registers for its norm) or per
 token and ``BH`` channels (``expand``). Off CUDA without the interpreter: the general path's ops.
 
-At decode a site is four launches (the next site's split-K dot ``fused.hc_pre_parts``, its gates
-``mhc.hc_mix_parts``, ``collapse_norm``, ``expand``), latency-bound at batch 1. Two fused forms
-halve that, each the same arithmetic as the kernels it replaces (the same bits):
-
-- ``expand_pre_parts``: ``expand`` and the next site's ``hc_pre_parts`` in one launch, over
-  ``hc_pre_split``'s slices of the flat ``hc·H`` axis: a program expands its slice, stores it
-  and adds its rounded values into the partial dots (the streams are read once);
-- ``mix_collapse_norm``: the site's gates (``mhc.hc_mix_block``) and ``collapse_norm`` with the
-  previous site's ``pre``, which do not depend on each other, side by side in one grid: programs
-  ``[0, N)`` collapse a token each, the rest compute the gates of ``BLOCK_N`` tokens each.
+At decode a site is four launches (``fused.hc_pre_parts``, ``mhc.hc_mix_parts``, ``collapse_norm``,
+``expand``), latency-bound at batch 1. ``mix_collapse_norm`` runs the site's gates
+(``mhc.hc_mix_block``) and ``collapse_norm`` with the previous site's ``pre``, which do not depend
+on each other, side by side in one grid: programs ``[0, N)`` collapse a token each, the rest
+compute the gates of ``BLOCK_N`` tokens each. (Fusing ``expand`` into the next site's split-K
+dot as well was slower at batch 1 and 64 on the H200, NOTES run 51.)
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from kernels._common import HAS_TRITON, next_pow2, tl, triton, use_triton
-from kernels.fused import hc_pre_split
 from kernels.mhc import mix_parts_launch
 
 
@@ -71,27 +66,6 @@ def expand(x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: tor
     if n:
         _expand_kernel[(n, triton.cdiv(h, bh))](x, streams, post, comb, out, h, HC=hc, BH=bh, num_warps=4)
     return out
-
-
-def expand_pre_parts(
-    x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, *,
-    block_k: int = 128, target_programs: int = 128, max_splits: int = 8,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``expand(x, streams, post, comb)`` and ``fused.hc_pre_parts`` of its result with the next
-    site's ``fn (M, hc·H)`` fp32 (same split arguments) → new streams ``(N, hc, H)``, partials
-    ``(N, S, MP)``. Triton only (the caller checks ``use_triton``)."""
-    n, hc, h = streams.shape
-    streams, x = streams.contiguous(), x.contiguous()
-    post, comb = post.float().contiguous(), comb.float().contiguous()
-    assert fn.is_contiguous() and fn.dtype == torch.float32 and fn.shape[1] == hc * h
-    m = fn.shape[0]
-    mp = next_pow2(m + 1)
-    bk, per, splits = hc_pre_split(n, hc * h, block_k, target_programs, max_splits)
-    out = torch.empty_like(streams)
-    parts = torch.empty(n, splits, mp, dtype=torch.float32, device=streams.device)
-    if n:
-        _expand_pre_kernel[(n, splits)](x, streams, post, comb, out, fn, parts, h, hc * h, m, per, HC=hc, MP=mp, BK=bk, num_warps=4)
-    return out, parts
 
 
 def mix_collapse_norm(
@@ -139,38 +113,6 @@ if HAS_TRITON:
                 N, stride_m, iters, hc_eps, stride_s, splits, norm_k, norm_eps, sum_ptr,
                 HC, HC_PAD, BLOCK_N, NORM, SQ, MP, PRESUM, SB, HEAD,
             )  # fmt: skip
-
-    @triton.jit
-    def _expand_pre_kernel(
-        x_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, H, K, M, PER,
-        HC: tl.constexpr, MP: tl.constexpr, BK: tl.constexpr,
-    ):  # fmt: skip
-        n = tl.program_id(0).to(tl.int64)
-        s = tl.program_id(1)
-        splits = tl.num_programs(1)
-        ty = out_ptr.dtype.element_ty
-        m = tl.arange(0, MP)
-        m_ok = m < M
-        acc = tl.zeros((MP, BK), tl.float32)
-        sq = tl.zeros((BK,), tl.float32)
-        for kk in range(0, PER, BK):
-            f = s * PER + kk + tl.arange(0, BK)  # flat (stream, channel) index
-            ok = f < K
-            k = f // H  # the stream written
-            h = f % H
-            x = tl.load(x_ptr + n * H + h, mask=ok, other=0.0).to(tl.float32)
-            mixed = tl.zeros((BK,), tl.float32)
-            for j in tl.static_range(HC):  # _expand_kernel's sum, term by term
-                c = tl.load(comb_ptr + (n * HC + j) * HC + k, mask=ok, other=0.0)  # comb[n, j, k]
-                mixed += c * tl.load(s_ptr + (n * HC + j) * H + h, mask=ok, other=0.0).to(tl.float32)
-            v = (tl.load(post_ptr + n * HC + k, mask=ok, other=0.0) * x + mixed).to(ty)
-            tl.store(out_ptr + n * K + f, v, mask=ok)
-            v = v.to(tl.float32)  # the stored streams, as hc_pre_parts reads them
-            w = tl.load(fn_ptr + m[:, None] * K + f[None, :], mask=m_ok[:, None] & ok[None, :], other=0.0)
-            acc += w * v[None, :]
-            sq += v * v
-        res = tl.where(m == M, tl.sum(sq, axis=0), tl.sum(acc, axis=1))
-        tl.store(part_ptr + (n * splits + s) * MP + m, res)
 
     @triton.jit
     def _collapse_norm_row(n, pre_ptr, s_ptr, w_ptr, out_ptr, H, eps, HC: tl.constexpr, BH: tl.constexpr):

@@ -56,7 +56,6 @@ columns may break them differently from the general path's ``topk`` over the row
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,7 +67,7 @@ from engine.model import slot_rewind
 from engine.model.attention import Attention, Compressor
 from engine.model.layers import HyperConnection, collapse, swiglu, unweighted_rms_norm
 from engine.model.moe import MoE
-from engine.model.slots.graphs import capture
+from engine.model.slots.graphs import branch, capture
 from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, PooledDecoder, SlotPool
 from kernels import fused as fk
 from kernels._common import use_triton
@@ -495,18 +494,10 @@ class StaticDecoder(PooledDecoder):
             out = fk.norm_rope(out, None, 0, 0.0, cos, sin, pos, sign=-1.0)  # undo the values' rotation
         return self._output(attn, out)
 
-    @contextmanager
     def _branch(self, side: bool = True):
-        """Run the ``with`` body on the side stream (after the current stream's work so far);
-        yields ``join``, which makes the current stream wait for the body's work. Without a side
-        stream (or ``side`` False) the body runs in place and ``join`` does nothing."""
-        if self._side is None or not side:
-            yield lambda: None
-            return
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            yield lambda: main.wait_stream(self._side)
+        """``slots.graphs.branch`` on this decoder's side stream (in place without one, or with
+        ``side`` False)."""
+        return branch(self._side if side else None)
 
     def _compress(
         self, comp: Compressor, cp: CompPool, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,

@@ -21,12 +21,12 @@ def test_options_set_only_the_fields_they_name() -> None:
 
 
 def test_expert_gemv_sites_and_prefill_gemm_options() -> None:
-    """``up=``/``down=`` set the expert GEMV configs, ``fuse=0`` the unfused mHC sites; a prefill
+    """``up=``/``down=`` set the expert GEMV configs, ``fuse=0`` the unfused mHC sites, ``side=0`` no side stream; a prefill
     variant's ``up=``/``down=`` the fast path's grouped GEMM configs (``torch``: ``_grouped_mm``)."""
     from engine.model.v41.attention import V41_TUNING
 
-    t = slot_tuning({"down": "4x1024x4", "fuse": "0"})
-    assert t.moe_gemv.down == (4, 1024, 4) and t.moe_gemv.up is None and not t.fuse_sites
-    assert slot_tuning({}).fuse_sites
+    t = slot_tuning({"down": "4x1024x4", "fuse": "0", "side": "0"})
+    assert t.moe_gemv.down == (4, 1024, 4) and t.moe_gemv.up is None and not t.fuse_sites and not t.side_stream
+    assert slot_tuning({}).fuse_sites and slot_tuning({}).side_stream
     assert prefill_tuning({"up": "128.128.64.8.3"}, V41_TUNING).expert_gemm == ((128, 128, 64, 8, 3), None)
     assert prefill_tuning({"down": "torch"}, V41_TUNING) == V41_TUNING

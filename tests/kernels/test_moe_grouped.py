@@ -88,5 +88,5 @@ def test_weighted_swiglu_epilogue(dtype, limit) -> None:
     got = grouped_mm(xs, w, offs, swiglu_limit=limit, row_weight=rw, cfg=cfg)
     want = weighted_swiglu_reference(grouped_mm_reference(xs, w, offs), rw, limit)
     assert got.shape == (m, n // 2) and got.dtype == dtype
-    rtol, atol = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2**-5, 2**-10)}[dtype]  # atol: of the largest |output|
+    rtol, atol = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-5, 2**-10)}[dtype]  # atol: of the largest |output| (K = 1024 fp32 sums in another order)
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol * want.float().abs().max().item())

@@ -57,11 +57,11 @@ def test_kernels_match_the_references(dtype: torch.dtype, h: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("n,h,max_splits", [(1, 96, 64), (3, 100, 8), (1, 5120, 64), (40, 5120, 64)])
-def test_fused_site_kernels_are_the_separate_ones(dtype: torch.dtype, n: int, h: int, max_splits: int) -> None:
-    """``expand_pre_parts`` = ``expand`` then ``hc_pre_parts``, and ``mix_collapse_norm`` =
-    ``hc_mix_parts`` and ``collapse_norm``, bit for bit (the same arithmetic in one launch; on
-    the GPU the gates' sums may take another reduction tree: there within 1e-6): one token with
-    the dot split 64 ways (the gates' presum), a width no tile divides, a batch."""
+def test_mix_collapse_norm_is_the_separate_kernels(dtype: torch.dtype, n: int, h: int, max_splits: int) -> None:
+    """``mix_collapse_norm`` = ``hc_mix_parts`` and ``collapse_norm``: the collapse bit for bit,
+    the gates too under the interpreter (on the GPU their sums may take another reduction tree:
+    there within 1e-6); one token with the dot split 64 ways (the gates' presum), a width no tile
+    divides, a batch."""
     if not (ON_GPU or INTERPRETED):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     if INTERPRETED and (h > 1000) != (n == 1):
@@ -74,16 +74,12 @@ def test_fused_site_kernels_are_the_separate_ones(dtype: torch.dtype, n: int, h:
     g = torch.Generator().manual_seed(7)
     fn = (torch.randn((2 + hc) * hc, hc * h, generator=g) * (hc * h) ** -0.5).to(DEVICE)
     scale, base = torch.rand(3, generator=g).to(DEVICE), torch.randn((2 + hc) * hc, generator=g).to(DEVICE) * 0.1
-    new, parts = v41_mhc.expand_pre_parts(x, streams, post, comb, fn, max_splits=max_splits)
-    want_new = v41_mhc.expand(x, streams, post, comb)
-    assert torch.equal(new, want_new)
-    want_parts = hc_pre_parts(want_new, fn, max_splits=max_splits)
-    assert parts.shape == want_parts.shape and torch.equal(parts, want_parts)
+    parts = hc_pre_parts(streams, fn, max_splits=max_splits)
     site = (hc * h, 1e-6, scale, base, hc, iters, 1e-6)
-    *gates, y = v41_mhc.mix_collapse_norm(parts, *site, pre, new, weight, 1e-6)
+    *gates, y = v41_mhc.mix_collapse_norm(parts, *site, pre, streams, weight, 1e-6)
     for got, want in zip(gates, hc_mix_parts(parts, *site)):
         assert torch.equal(got, want) if INTERPRETED else torch.allclose(got, want, rtol=1e-6, atol=1e-7)
-    assert torch.equal(y, v41_mhc.collapse_norm(pre, new, weight, 1e-6))
+    assert torch.equal(y, v41_mhc.collapse_norm(pre, streams, weight, 1e-6))
 
 
 @pytest.mark.slow

@@ -1,7 +1,10 @@
-"""CUDA-graph capture of a slot decoder's fixed-shape step (one recipe for every slot decoder)."""
+"""CUDA-graph capture of a slot decoder's fixed-shape step (one recipe for every slot decoder),
+and the side-stream branches such a step forks (captured into its graph as parallel branches)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable, TypeVar
 
 import torch
@@ -24,3 +27,17 @@ def capture(forward: Callable[[], T], device: torch.device, warmups: int = 2) ->
         out = forward()
     torch.cuda.synchronize(device)
     return graph, out
+
+
+@contextmanager
+def branch(side: torch.cuda.Stream | None) -> Iterator[Callable[[], None]]:
+    """Run the ``with`` body on the ``side`` stream, after the current stream's work so far;
+    yields ``join``, which makes the current stream wait for the body's work. With ``side``
+    None the body runs in place and ``join`` does nothing."""
+    if side is None:
+        yield lambda: None
+        return
+    main = torch.cuda.current_stream(side.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield lambda: main.wait_stream(side)

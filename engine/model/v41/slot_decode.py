@@ -39,8 +39,11 @@ is launch-bound):
 - each mHC site: the input norm and dot as split-K partials (``kernels.fused.hc_pre_parts``), the
   gates and Sinkhorn (``kernels.mhc.hc_mix_parts``), collapse + the block's norm and expand
   (``kernels.v41_mhc``; a lone ``RMSNorm`` is ``collapse_norm`` of one stream with weight 1);
-  with ``V41SlotTuning.fuse_sites`` two launches: the expand with the next site's partials, the
-  gates beside the collapse (``v41_mhc.expand_pre_parts``, ``mix_collapse_norm``);
+  with ``V41SlotTuning.fuse_sites`` the gates beside the collapse in one launch
+  (``v41_mhc.mix_collapse_norm``);
+- with ``V41SlotTuning.side_stream`` (CUDA) two branches a layer run on a side stream, captured
+  as parallel graph branches: the KV window write, the compressor and the indexer next to the q
+  projection; the shared expert's SwiGLU rows (``moe_gemv.shared_act``) next to the router;
 - RoPE (and its inverse on the attention output): ``kernels.fused.norm_rope`` from the rotaries'
   position tables (``Rotary.table``), the compressor's group start as ``pos // r · r``;
 - routed + shared experts of at most ``V41SlotTuning.moe_gemv.max_slots`` (token, pick) pairs:
@@ -79,7 +82,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.static_decode import BUCKETS, bucket_for
-from engine.model.slots.graphs import capture
+from engine.model.slots.graphs import branch, capture
 from engine.model.v41.attention import candidate_blocks
 from engine.model.v41.layers import RMSNorm, collapse, expand
 from engine.model.v41.model import DeepseekV41ForCausalLM
@@ -92,7 +95,7 @@ from kernels.fused import hc_pre_parts, norm_rope
 from kernels.gemv import gemv
 from kernels.mhc import hc_mix_parts
 from kernels.moe import SCORING_FUNCS, has_grouped_mm, moe_experts, route
-from kernels.moe_gemv import MoEGemvTuning, moe_gemv, use_gemv
+from kernels.moe_gemv import MoEGemvTuning, moe_gemv, shared_act, use_gemv
 from kernels.reference import apply_rope_eager as apply_rope
 from kernels.v41_attention import V41AttentionTuning, v41_decode_attention
 from kernels.v41_indexer import v41_indexer_scores
@@ -110,8 +113,9 @@ class V41SlotTuning:
     kernels; ``hc_splits``: split-K ways of each mHC site's input dot at most (as V4's
     ``DecodeTuning.hc_splits``); ``dense_gemv``: the dense projections at batch 1 through
     ``kernels.gemv`` (a programmatic dependent launch with ``gemv_pdl``) instead of cuBLAS, as
-    V4's ``DecodeTuning.dense_gemv``; ``fuse_sites``: each mHC site in two launches
-    (``v41_mhc.expand_pre_parts``, ``mix_collapse_norm``) instead of four."""
+    V4's ``DecodeTuning.dense_gemv``; ``fuse_sites``: each mHC site's gates and collapse in one
+    launch (``v41_mhc.mix_collapse_norm``); ``side_stream``: on CUDA the branches that do not
+    feed the next kernel fork onto a side stream (module docstring), as V4's."""
 
     attention: V41AttentionTuning = field(default_factory=V41AttentionTuning)
     moe_gemv: MoEGemvTuning = field(default_factory=MoEGemvTuning)
@@ -119,6 +123,7 @@ class V41SlotTuning:
     dense_gemv: bool = True
     gemv_pdl: bool = True
     fuse_sites: bool = True
+    side_stream: bool = True
 
 
 @dataclass
@@ -195,6 +200,7 @@ class V41SlotDecoder:
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
         self.kernels = use_triton(self._inputs) if kernels is None else kernels  # the step's glue in Triton (module docstring)
         self.dense_gemv = self.kernels and tuning.dense_gemv
+        self._side = torch.cuda.Stream(dev) if tuning.side_stream and dev.type == "cuda" else None
         if self.kernels:
             with torch.inference_mode():  # the rotaries' tables and a column of ones, built before any capture
                 self._tables = {kind: rot.table(max_tokens, dt, dev) for kind, rot in model.rotary.items()}
@@ -349,16 +355,13 @@ class V41SlotDecoder:
         pre[:, 0] = 1.0
         ropes = None if self.kernels else {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
         group: dict = {}  # the KV group: its source layer, its rows (unpacked when asked), picks, candidates
-        layers = model.model.layers
-        parts = None  # the next site's split-K partials, when the expand before it computed them
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(model.model.layers):
             if layer.engram is not None:
-                streams, parts = layer.engram(streams, hash_ids[:, layer.engram.slot]), None
-            attn_pre, post, comb, x = self._site(layer.hc_attn, layer.attn_norm, pre, streams, parts)  # x (b, H)
-            streams, parts = self._expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb, layer.hc_ffn)
-            ffn_pre, post, comb, x = self._site(layer.hc_ffn, layer.ffn_norm, attn_pre, streams, parts)
-            nxt = layers[i + 1].hc_attn if i + 1 < len(layers) and layers[i + 1].engram is None else None
-            (streams, parts), pre = self._expand(self._moe(i, layer.ffn, x), streams, post, comb, nxt), ffn_pre
+                streams = layer.engram(streams, hash_ids[:, layer.engram.slot])
+            attn_pre, post, comb, x = self._site(layer.hc_attn, layer.attn_norm, pre, streams)  # x (b, H)
+            streams = self._expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb)
+            ffn_pre, post, comb, x = self._site(layer.hc_ffn, layer.ffn_norm, attn_pre, streams)
+            streams, pre = self._expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
         hidden = self._collapse_norm(model.model.norm, pre, streams)
         if self._gemv(hidden):  # LMHead.logits: F.linear, then fp32
             return gemv(hidden, model.lm_head.weight, out_dtype=torch.float32, pdl=self.tuning.gemv_pdl)
@@ -393,16 +396,9 @@ class V41SlotDecoder:
             return norm(collapse(pre, streams))
         return v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps)
 
-    def _expand(
-        self, x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, site=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """``layers.expand`` → (new streams, None); one kernel with the kernels; with ``fuse_sites``
-        and the next mHC ``site`` also that site's split-K partials (``v41_mhc.expand_pre_parts``)."""
-        if not self.kernels:
-            return expand(x, streams, post, comb), None
-        if site is not None and self.tuning.fuse_sites:
-            return v41_mhc.expand_pre_parts(x, streams, post, comb, site.fn, max_splits=self.tuning.hc_splits)
-        return v41_mhc.expand(x, streams, post, comb), None
+    def _expand(self, x: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """``layers.expand``: one kernel with the kernels."""
+        return v41_mhc.expand(x, streams, post, comb) if self.kernels else expand(x, streams, post, comb)
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """``norm(x)`` of ``x (b, n)``; with the kernels ``collapse_norm`` of the one stream ``x``
@@ -425,17 +421,16 @@ class V41SlotDecoder:
         return apply_rope(x, cos, -sin if inverse else sin)
 
     def _site(
-        self, site, norm: RMSNorm, pre: torch.Tensor, streams: torch.Tensor, parts: torch.Tensor | None,
+        self, site, norm: RMSNorm, pre: torch.Tensor, streams: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """An mHC site before a block: ``HyperSite.gates`` (pre, post, comb) and the block's input
         ``norm(collapse(pre, streams))`` with the previous site's ``pre``. With the kernels the
-        gates come from split-K partials of the norm and dot (``parts`` when the expand before
-        computed them, else ``hc_pre_parts``) and ``mix_gates``' math in a kernel, instead of
-        ~100 small ops; with ``fuse_sites`` the gates and the collapse share one launch."""
+        gates come from split-K partials of the norm and dot (``hc_pre_parts``) and
+        ``mix_gates``' math in a kernel, instead of ~100 small ops; with ``fuse_sites`` the gates
+        and the collapse share one launch."""
         if not self.kernels:
             return (*site.gates(streams), norm(collapse(pre, streams)))
-        if parts is None:
-            parts = hc_pre_parts(streams, site.fn, max_splits=self.tuning.hc_splits)  # (b, S, MP): dots with the raw streams, Σx²
+        parts = hc_pre_parts(streams, site.fn, max_splits=self.tuning.hc_splits)  # (b, S, MP): dots with the raw streams, Σx²
         k = streams.shape[1] * streams.shape[2]  # the norm's scale applied to the dots (same math, other last bits)
         gates = (parts, k, site.norm_eps, site.scale, site.base, site.hc, site.iters, site.hc_eps)
         if self.tuning.fuse_sites:
@@ -464,17 +459,19 @@ class V41SlotDecoder:
         b, nh, d, w = x.shape[0], attn.n_heads, attn.head_dim, attn.window
         kind = attn.rope_kind
         q_res = self._norm(attn.q_norm, self._linear(attn.wq_a, x))  # (b, qr)
-        q = self._rope(self._linear(attn.wq_b, q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
-        kv = self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes)  # (b, D)
         win_q, win_e = self.win_q[i], self.win_e[i]
-        at = self._once(("window_at", w), lambda: slots * w + pos % w)
-        write_fp8_window(kv, win_q, win_e, at, self.kernels)
         picks = None
-        if attn.ratio:
-            self._compressed(i, attn, x, q_res, pos, slots, ropes, group)
-            if group.get("top") is not None:  # a pick that is not a complete row: -1
-                top, valid = group["top"]
-                picks = torch.where(valid, top, -1)  # (b, k)
+        with branch(self._side) as join:  # the window write, the compressor and the indexer next to the q projection
+            kv = self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes)  # (b, D)
+            at = self._once(("window_at", w), lambda: slots * w + pos % w)
+            write_fp8_window(kv, win_q, win_e, at, self.kernels)
+            if attn.ratio:
+                self._compressed(i, attn, x, q_res, pos, slots, ropes, group)
+                if group.get("top") is not None:  # a pick that is not a complete row: -1
+                    top, valid = group["top"]
+                    picks = torch.where(valid, top, -1)  # (b, k)
+        q = self._rope(self._linear(attn.wq_b, q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
+        join()
         if self.kernels:
             sp = self.sources.get(self.cfg.kv_source_of(i)) if picks is not None else None
             out = v41_decode_attention(
@@ -582,12 +579,16 @@ class V41SlotDecoder:
 
     def _moe(self, i: int, moe, x: torch.Tensor) -> torch.Tensor:
         """``MoE.forward`` of ``x (b, H)`` without host syncs (module docstring)."""
-        weights, indices = self._route(moe.gate, x)  # (b, k) each
         gate_up, down = self._experts[i]
-        se = moe.shared_experts
-        if self.kernels and se.limit > 0 and use_gemv(x, indices.numel(), self.tuning.moe_gemv):
+        se, k = moe.shared_experts, moe.gate.top_k
+        if self.kernels and se.limit > 0 and use_gemv(x, x.shape[0] * k, self.tuning.moe_gemv):
             shared_w = (se.w1.weight, se.w3.weight, se.w2.weight)  # gate (I, H), up (I, H), down (H, I)
-            return moe_gemv(x, weights, indices, gate_up, down, se.limit, shared_w, tuning=self.tuning.moe_gemv)
+            with branch(self._side) as join:  # the shared expert's SwiGLU rows next to the router
+                act = shared_act(x, shared_w, k, se.limit, self.tuning.moe_gemv)
+            weights, indices = self._route(moe.gate, x)  # (b, k) each
+            join()
+            return moe_gemv(x, weights, indices, gate_up, down, se.limit, shared_w, act=act, tuning=self.tuning.moe_gemv)
+        weights, indices = self._route(moe.gate, x)  # (b, k) each
         shared = se(x).float()  # (b, H)
         if self.grouped_moe:
             return moe_experts(x, weights, indices, gate_up, down, moe.shared_experts.limit, add=shared.to(x.dtype))

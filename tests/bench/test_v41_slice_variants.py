@@ -29,4 +29,4 @@ def test_expert_gemv_sites_and_prefill_gemm_options() -> None:
     assert t.moe_gemv.down == (4, 1024, 4) and t.moe_gemv.up is None and not t.fuse_sites and not t.side_stream
     assert slot_tuning({}).fuse_sites and slot_tuning({}).side_stream
     assert prefill_tuning({"up": "128.128.64.8.3"}, V41_TUNING).expert_gemm == ((128, 128, 64, 8, 3), None)
-    assert prefill_tuning({"down": "torch"}, V41_TUNING) == V41_TUNING
+    assert prefill_tuning({"down": "torch"}, V41_TUNING).expert_gemm == (None, None)  # the torch GEMMs, on any device

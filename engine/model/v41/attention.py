@@ -47,14 +47,14 @@ class V41Tuning:
     ``expert_gemm``: the fast path's routed-expert GEMMs in bf16, ``(gate|up, down)``, each a
     ``kernels.moe_grouped.GemmConfig`` ``(BM, BN, BK, num_warps, num_stages)`` for its Triton
     grouped GEMM (gate|up: BN gate columns, the tile BM × 2·BN, the weighted SwiGLU in its
-    epilogue) or None for ``torch._grouped_mm`` (+ ``kernels.v41_moe.weighted_swiglu``). None
-    until the device sweep (``python -m kernels.moe_grouped --shapes v41``) shows a config
-    faster at V4.1's shapes; fp32 always keeps the torch path."""
+    epilogue) or None for ``torch._grouped_mm`` (+ ``kernels.v41_moe.weighted_swiglu``); None
+    for both: by device (``prefill.expert_gemms``: the H200 sweep's configs on Hopper,
+    ``python -m kernels.moe_grouped --shapes v41``); fp32 always keeps the torch path."""
 
     query_tile: int = 256
     fast: bool | None = None
     fast_index_tile: int = 4096
-    expert_gemm: tuple[GemmConfig | None, GemmConfig | None] = (None, None)
+    expert_gemm: tuple[GemmConfig | None, GemmConfig | None] | None = None
 
 
 V41_TUNING = V41Tuning()  # the default
@@ -185,8 +185,11 @@ def candidate_blocks(scores: torch.Tensor, complete: torch.Tensor, topk_blocks: 
     blocks = padded.view(scores.shape[0], -1, block_size).amax(dim=-1)  # (S, nb)
     newest = torch.div(complete - 1, block_size, rounding_mode="floor")  # (S,) -1: no row yet
     blocks = blocks.masked_fill(torch.arange(blocks.shape[1], device=scores.device)[None, :] == newest[:, None], float("inf"))
-    top = blocks.topk(min(topk_blocks, blocks.shape[1]), dim=-1, sorted=False)  # a set: its order is never read
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    if topk_blocks >= blocks.shape[1]:  # every block is in the top-k: the kept ones are those with a reachable row
+        keep = blocks > float("-inf")
+    else:
+        top = blocks.topk(topk_blocks, dim=-1, sorted=False)  # a set: its order is never read
+        keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
     return keep[:, :, None].expand(-1, -1, block_size).flatten(1)[:, :t]  # (no host sync: a CUDA graph runs it)
 
 

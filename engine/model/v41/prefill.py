@@ -19,8 +19,8 @@ takes these instead, on the same values:
   with the block's RMSNorm and the expand in one pass each (``kernels.v41_mhc``);
 - routed experts: over the layer's stacked weights (``MoE.stack``), tokens sorted by expert, one
   grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA; ``kernels.moe_grouped``'s
-  where ``V41Tuning.expert_gemm`` gives a config, the weighted SwiGLU then in the gate|up GEMM's
-  epilogue), the weighted SwiGLU and the per-token sum in one pass each (``kernels.v41_moe``) in
+  on Hopper or where ``V41Tuning.expert_gemm`` gives a config, the weighted SwiGLU then in the
+  gate|up GEMM's epilogue), the weighted SwiGLU and the per-token sum in one pass each (``kernels.v41_moe``) in
   ``MoE.forward``'s own rounding order: the routing weight before the down projection, the picks
   summed in ascending expert order, then the shared expert. (``kernels.moe.moe_experts`` applies
   the weight after the down projection: same math, other last bits, and on these models a last
@@ -56,6 +56,17 @@ from kernels.prefill import hc_pre_block_parts, prefill_attention
 
 ExpertGemm = tuple[GemmConfig | None, GemmConfig | None]  # gate|up, down (see V41Tuning.expert_gemm)
 TORCH_GEMMS: ExpertGemm = (None, None)
+# the H200 sweep at V4.1-Flash's shapes, 8K tokens (NOTES run 51): gate|up + weighted SwiGLU 6.13 ms
+# against 8.13 for torch._grouped_mm + weighted_swiglu, down 3.00 against 4.09
+HOPPER_GEMMS: ExpertGemm = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 4))
+
+
+def expert_gemms(choice: ExpertGemm | None, x: torch.Tensor) -> ExpertGemm:
+    """``V41Tuning.expert_gemm`` for rows on ``x``'s device: the choice, or (None) ``HOPPER_GEMMS``
+    on a Hopper GPU (the configs need its shared memory) and the torch GEMMs elsewhere."""
+    if choice is not None:
+        return choice
+    return HOPPER_GEMMS if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 else TORCH_GEMMS
 
 
 def use_fast(flag: bool | None, t: torch.Tensor) -> bool:
@@ -108,14 +119,14 @@ def collapse_norm(pre: torch.Tensor, streams: torch.Tensor, norm: RMSNorm) -> to
     return v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps)
 
 
-def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm = TORCH_GEMMS) -> torch.Tensor:
+def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> torch.Tensor:
     """``MoE.forward`` of ``x (N, H)`` with grouped expert GEMMs in its rounding order → ``(N, H)``.
 
     The (token, pick) slots sorted by expert (tokens ascending inside an expert: the rows the
     general path hands each expert), one grouped GEMM for gate|up and one for down; between them
     ``weight · silu(gate) · up`` in fp32 as ``Expert.forward``; each token's outputs summed in fp32 in
     ascending expert order, then the shared expert's, as ``MoE.forward``. ``expert_gemm``: the
-    Triton launch configs of the bf16 GEMMs (``V41Tuning.expert_gemm``; None: ``torch._grouped_mm``)."""
+    Triton launch configs of the bf16 GEMMs (``V41Tuning.expert_gemm``, ``expert_gemms``)."""
     weights, indices = layer.gate(x)  # (N, k) each
     indices, order = indices.sort(dim=-1)  # a token's picks in ascending expert order
     weights = weights.gather(1, order)
@@ -125,7 +136,7 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm = TORCH_GEMMS) -> t
     slots = torch.argsort(flat, stable=True)  # sorted row -> flat (token, j) slot
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
-    up_cfg, down_cfg = expert_gemm
+    up_cfg, down_cfg = expert_gemms(expert_gemm, x)
     xs, w = x.index_select(0, slots // k), weights.reshape(-1)[slots]  # (N·k, H), (N·k,)
     act = _weighted_act(xs, w, gate_up, offs, counts, layer.shared_experts.limit, up_cfg)  # (N·k, I)
     if _triton_gemm(act, down_cfg):
@@ -137,9 +148,10 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm = TORCH_GEMMS) -> t
 
 
 def _triton_gemm(xs: torch.Tensor, cfg: GemmConfig | None) -> bool:
-    """Whether a grouped GEMM of ``xs`` takes ``grouped_mm``: a config given and bf16 rows on CUDA
-    (or under the interpreter); fp32 keeps its torch path, bit for bit."""
-    return cfg is not None and xs.dtype == torch.bfloat16 and use_triton(xs)
+    """Whether a grouped GEMM of ``xs`` takes ``grouped_mm``: a config given whose K block divides
+    the rows' width, and bf16 rows on CUDA (or under the interpreter); fp32 keeps its torch path,
+    bit for bit."""
+    return cfg is not None and xs.dtype == torch.bfloat16 and use_triton(xs) and xs.shape[1] % cfg[2] == 0
 
 
 def _weighted_act(
@@ -169,7 +181,7 @@ class LayerOps(NamedTuple):
     moe: Callable[[MoE, torch.Tensor, ExpertGemm], torch.Tensor]
 
 
-def _general_moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm = TORCH_GEMMS) -> torch.Tensor:
+def _general_moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> torch.Tensor:
     """``MoE.forward`` (its per-expert loop takes no GEMM configs)."""
     return layer(x)
 

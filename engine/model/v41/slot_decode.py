@@ -41,9 +41,11 @@ is launch-bound):
   (``kernels.v41_mhc``; a lone ``RMSNorm`` is ``collapse_norm`` of one stream with weight 1);
   with ``V41SlotTuning.fuse_sites`` the gates beside the collapse in one launch
   (``v41_mhc.mix_collapse_norm``);
-- with ``V41SlotTuning.side_stream`` (CUDA) two branches a layer run on a side stream, captured
-  as parallel graph branches: the KV window write, the compressor and the indexer next to the q
-  projection; the shared expert's SwiGLU rows (``moe_gemv.shared_act``) next to the router;
+- with ``V41SlotTuning.side_stream`` (CUDA) branches that do not feed the next kernel run on
+  side streams, captured as parallel graph branches: next to the q projection the KV window
+  write and a KV source's compressor on one, the indexer's query and then (after that
+  compressor's keys) its picks on another; the shared expert's SwiGLU rows
+  (``moe_gemv.shared_act``) next to the router;
 - RoPE (and its inverse on the attention output): ``kernels.fused.norm_rope`` from the rotaries'
   position tables (``Rotary.table``), the compressor's group start as ``pos // r · r``;
 - routed + shared experts of at most ``V41SlotTuning.moe_gemv.max_slots`` (token, pick) pairs:
@@ -200,7 +202,8 @@ class V41SlotDecoder:
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
         self.kernels = use_triton(self._inputs) if kernels is None else kernels  # the step's glue in Triton (module docstring)
         self.dense_gemv = self.kernels and tuning.dense_gemv
-        self._side = torch.cuda.Stream(dev) if tuning.side_stream and dev.type == "cuda" else None
+        side = tuning.side_stream and dev.type == "cuda"
+        self._side, self._side2 = (torch.cuda.Stream(dev), torch.cuda.Stream(dev)) if side else (None, None)  # see _attention
         if self.kernels:
             with torch.inference_mode():  # the rotaries' tables and a column of ones, built before any capture
                 self._tables = {kind: rot.table(max_tokens, dt, dev) for kind, rot in model.rotary.items()}
@@ -460,18 +463,31 @@ class V41SlotDecoder:
         kind = attn.rope_kind
         q_res = self._norm(attn.q_norm, self._linear(attn.wq_a, x))  # (b, qr)
         win_q, win_e = self.win_q[i], self.win_e[i]
-        picks = None
-        with branch(self._side) as join:  # the window write, the compressor and the indexer next to the q projection
+        with branch(self._side) as join_kv:  # the window write and a KV source's new row, next to the q projection
             kv = self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes)  # (b, D)
             at = self._once(("window_at", w), lambda: slots * w + pos % w)
             write_fp8_window(kv, win_q, win_e, at, self.kernels)
-            if attn.ratio:
-                self._compressed(i, attn, x, q_res, pos, slots, ropes, group)
-                if group.get("top") is not None:  # a pick that is not a complete row: -1
-                    top, valid = group["top"]
-                    picks = torch.where(valid, top, -1)  # (b, k)
+            if attn.compressor is not None:
+                self._compress(i, attn, x, pos, slots, ropes)
+        if attn.compressor is not None:  # a KV source starts a new group: its rows (unpacked when asked)
+            group.clear()
+            group["source"] = i
+            group["rows"] = lambda sp=self.sources[i]: sp.rows(slots, x.dtype)
+        sp = self.sources[group["source"]] if attn.ratio else None
+        index = attn.indexer is not None and sp is not None and sp.keys_q is not None
+        with branch(self._side2 if index else None) as join_index:  # the indexer: its query, then (after the new keys) its picks
+            if index:
+                query = self._index_query(attn.indexer, x, q_res, pos, ropes)
+                if self._side is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self._side)
+                group["top"] = self._select(attn.indexer, sp, *query, pos, slots, group)
         q = self._rope(self._linear(attn.wq_b, q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
-        join()
+        join_kv()
+        join_index()
+        picks = None
+        if attn.ratio and group.get("top") is not None:  # a pick that is not a complete row: -1
+            top, valid = group["top"]
+            picks = torch.where(valid, top, -1)  # (b, k)
         if self.kernels:
             sp = self.sources.get(self.cfg.kv_source_of(i)) if picks is not None else None
             out = v41_decode_attention(
@@ -509,22 +525,6 @@ class V41SlotDecoder:
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # sink only in the denominator
         return torch.matmul(probs, keys)  # (b, nh, D)
 
-    def _compressed(
-        self, i: int, attn, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        ropes: dict | None, group: dict,
-    ) -> None:  # fmt: skip
-        """A KV source adds the group closing now and starts a new ``group`` (its rows, unpacked
-        when asked); an index source publishes its picks ``group["top"]``."""
-        if attn.compressor is not None:
-            self._compress(i, attn, x, pos, slots, ropes)
-            sp = self.sources[i]
-            group.clear()
-            group["source"] = i
-            group["rows"] = lambda sp=sp: sp.rows(slots, x.dtype)
-        sp = self.sources[group["source"]]
-        if attn.indexer is not None and sp.keys_q is not None:
-            group["top"] = self._select(attn.indexer, sp, x, q_res, pos, slots, ropes, group)
-
     def _compress(self, i: int, attn, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ropes: dict | None) -> None:
         """``Compressor.update`` for one token per row: the group closing at ``pos`` (every row
         at ratio 1) rotated, packed and written to its row (the scratch row for open groups)."""
@@ -543,24 +543,30 @@ class V41SlotDecoder:
             write_fp4_keys(keys, sp.keys_q, sp.keys_e, flat, self.kernels)
         write_fp4_rows(self._rope(latents, "compress", pos, ropes, r), sp.rows_q, sp.rows_s, flat, self.kernels)
 
-    def _select(
-        self, idx, sp: SourcePool, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-        ropes: dict | None, group: dict,
+    def _index_query(
+        self, idx, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, ropes: dict | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``Indexer.select`` over all ``Tc`` columns: chosen rows ``(b, k)`` and ``(b, k)`` True
-        where the choice is a complete row; the candidate source publishes ``group["candidates"]``."""
-        b, tc = x.shape[0], sp.keys_q.shape[1] - 1
+        """``Indexer.select``'s query: its FP4-rounded heads ``(b, Hi, Di)`` and head weights ``(b, Hi)`` fp32."""
+        b = x.shape[0]
         q = self._rope(self._linear(idx.wq_b, q_res).view(b, idx.n_heads, idx.head_dim), "compress", pos, ropes)
         q = fp4_indexer_quant(q) if self.kernels else fp4_indexer(q)  # (b, Hi, Di)
-        weights = self._linear(idx.weights_proj, x).float() * idx.heads_scaling  # (b, Hi)
+        return q, self._linear(idx.weights_proj, x).float() * idx.heads_scaling
+
+    def _select(
+        self, idx, sp: SourcePool, q: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, group: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``Indexer.select`` of the query ``q, weights`` (``_index_query``) over all ``Tc``
+        columns: chosen rows ``(b, k)`` and ``(b, k)`` True where the choice is a complete row;
+        the candidate source publishes ``group["candidates"]``."""
+        b, tc = q.shape[0], sp.keys_q.shape[1] - 1
         complete = self._once(("complete", idx.ratio), lambda: torch.div(pos + 1, idx.ratio, rounding_mode="floor"))  # (b,) rows < this are complete
         if self.kernels:
             scores = v41_indexer_scores(q, weights, sp.keys_q[:, :-1], sp.keys_e[:, :-1], slots, complete, idx.softmax_scale)  # (b, Tc)
         else:
-            keys = sp.keys(slots, x.dtype)  # (b, Tc, Di)
+            keys = sp.keys(slots, self.dtype)  # (b, Tc, Di)
             scores = torch.einsum("shd,std->sht", q.float(), keys.float()).relu_() * idx.softmax_scale  # (b, Hi, Tc)
             scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # (b, Tc)
-            scores = scores.masked_fill(torch.arange(tc, device=x.device)[None, :] >= complete[:, None], float("-inf"))
+            scores = scores.masked_fill(torch.arange(tc, device=q.device)[None, :] >= complete[:, None], float("-inf"))
         if idx.is_candidate_source:
             group["candidates"] = candidate_blocks(scores, complete, idx.block_topk, idx.block_size)  # (b, Tc)
         elif idx.uses_candidates and group.get("candidates") is not None:

@@ -42,10 +42,10 @@ is launch-bound):
   with ``V41SlotTuning.fuse_sites`` the gates beside the collapse in one launch
   (``v41_mhc.mix_collapse_norm``);
 - with ``V41SlotTuning.side_stream`` (CUDA) branches that do not feed the next kernel run on
-  side streams, captured as parallel graph branches: next to the q projection the KV window
-  write and a KV source's compressor on one, the indexer's query and then (after that
-  compressor's keys) its picks on another; the shared expert's SwiGLU rows
-  (``moe_gemv.shared_act``) next to the router;
+  side streams, captured as parallel graph branches: the step's index tensors next to the first
+  mHC site; next to the q projection the KV window write, a KV source's compressor, and the
+  indexer's query and then (after that compressor's keys) its picks, each on its own stream;
+  the shared expert's SwiGLU rows (``moe_gemv.shared_act``) next to the router;
 - RoPE (and its inverse on the attention output): ``kernels.fused.norm_rope`` from the rotaries'
   position tables (``Rotary.table``), the compressor's group start as ``pos // r · r``;
 - routed + shared experts of at most ``V41SlotTuning.moe_gemv.max_slots`` (token, pick) pairs:
@@ -202,8 +202,8 @@ class V41SlotDecoder:
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
         self.kernels = use_triton(self._inputs) if kernels is None else kernels  # the step's glue in Triton (module docstring)
         self.dense_gemv = self.kernels and tuning.dense_gemv
-        side = tuning.side_stream and dev.type == "cuda"
-        self._side, self._side2 = (torch.cuda.Stream(dev), torch.cuda.Stream(dev)) if side else (None, None)  # see _attention
+        side = tuning.side_stream and dev.type == "cuda"  # the side streams of _attention's branches
+        self._streams = {name: torch.cuda.Stream(dev) for name in ("kv", "compress", "index")} if side else {}
         if self.kernels:
             with torch.inference_mode():  # the rotaries' tables and a column of ones, built before any capture
                 self._tables = {kind: rot.table(max_tokens, dt, dev) for kind, rot in model.rotary.items()}
@@ -358,10 +358,14 @@ class V41SlotDecoder:
         pre[:, 0] = 1.0
         ropes = None if self.kernels else {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}
         group: dict = {}  # the KV group: its source layer, its rows (unpacked when asked), picks, candidates
+        with branch(self._streams.get("kv")) as indices_ready:  # next to the first mHC site
+            self._indices(pos, slots)
         for i, layer in enumerate(model.model.layers):
             if layer.engram is not None:
                 streams = layer.engram(streams, hash_ids[:, layer.engram.slot])
             attn_pre, post, comb, x = self._site(layer.hc_attn, layer.attn_norm, pre, streams)  # x (b, H)
+            if i == 0:
+                indices_ready()
             streams = self._expand(self._attention(i, layer.attn, x, pos, slots, ropes, group), streams, post, comb)
             ffn_pre, post, comb, x = self._site(layer.hc_ffn, layer.ffn_norm, attn_pre, streams)
             streams, pre = self._expand(self._moe(i, layer.ffn, x), streams, post, comb), ffn_pre
@@ -377,6 +381,41 @@ class V41SlotDecoder:
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
+
+    def _window_at(self, w: int, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row's flat slot in a ``w``-token window ring → ``(b,)``."""
+        return self._once(("window_at", w), lambda: slots * w + pos % w)
+
+    def _window_len(self, w: int, pos: torch.Tensor) -> torch.Tensor:
+        """Each row's filled window length → ``(b,)``."""
+        return self._once(("window_len", w), lambda: torch.clamp(pos + 1, max=w))
+
+    def _row_at(self, r: int, tc: int, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row's flat compressed row in a ratio-``r`` pool of ``tc`` rows: the group ``pos``
+        closes, else (open) the slot's scratch row ``tc`` → ``(b,)``."""
+
+        def make() -> torch.Tensor:
+            row = torch.div(pos, r, rounding_mode="floor")
+            return slots * (tc + 1) + (row if r == 1 else torch.where(pos % r == r - 1, row, tc))
+
+        return self._once(("row_at", r, tc), make)
+
+    def _complete(self, r: int, pos: torch.Tensor) -> torch.Tensor:
+        """Each row's count of complete ratio-``r`` groups → ``(b,)``."""
+        return self._once(("complete", r), lambda: torch.div(pos + 1, r, rounding_mode="floor"))
+
+    def _indices(self, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """Every index tensor the step's layers ask (``_once``), computed up front (on a side
+        stream next to the first mHC site, with side streams)."""
+        for layer in self.model.model.layers:
+            attn = layer.attn
+            self._window_at(attn.window, pos, slots)
+            self._window_len(attn.window, pos)
+            if attn.compressor is not None:
+                sp = self.sources[attn.layer_idx]
+                self._row_at(sp.ratio, sp.rows_q.shape[1] - 1, pos, slots)
+            if attn.indexer is not None:
+                self._complete(attn.indexer.ratio, pos)
 
     def _gemv(self, x: torch.Tensor) -> bool:
         """Whether a dense projection of ``x (b, ·)`` runs through ``kernels.gemv`` (one token)."""
@@ -463,26 +502,28 @@ class V41SlotDecoder:
         kind = attn.rope_kind
         q_res = self._norm(attn.q_norm, self._linear(attn.wq_a, x))  # (b, qr)
         win_q, win_e = self.win_q[i], self.win_e[i]
-        with branch(self._side) as join_kv:  # the window write and a KV source's new row, next to the q projection
+        with branch(self._streams.get("kv")) as join_kv:  # the window write, next to the q projection
             kv = self._rope(self._norm(attn.kv_norm, self._linear(attn.wkv, x)), kind, pos, ropes)  # (b, D)
-            at = self._once(("window_at", w), lambda: slots * w + pos % w)
-            write_fp8_window(kv, win_q, win_e, at, self.kernels)
-            if attn.compressor is not None:
+            write_fp8_window(kv, win_q, win_e, self._window_at(w, pos, slots), self.kernels)
+        source = attn.compressor is not None
+        with branch(self._streams.get("compress") if source else None) as join_compress:  # a KV source's new row
+            if source:
                 self._compress(i, attn, x, pos, slots, ropes)
-        if attn.compressor is not None:  # a KV source starts a new group: its rows (unpacked when asked)
+        if source:  # a KV source starts a new group: its rows (unpacked when asked)
             group.clear()
             group["source"] = i
             group["rows"] = lambda sp=self.sources[i]: sp.rows(slots, x.dtype)
         sp = self.sources[group["source"]] if attn.ratio else None
         index = attn.indexer is not None and sp is not None and sp.keys_q is not None
-        with branch(self._side2 if index else None) as join_index:  # the indexer: its query, then (after the new keys) its picks
+        with branch(self._streams.get("index") if index else None) as join_index:  # the indexer: query, then picks
             if index:
                 query = self._index_query(attn.indexer, x, q_res, pos, ropes)
-                if self._side is not None:
-                    torch.cuda.current_stream(self.device).wait_stream(self._side)
+                if source and "compress" in self._streams:  # the picks read the keys the compressor writes now
+                    torch.cuda.current_stream(self.device).wait_stream(self._streams["compress"])
                 group["top"] = self._select(attn.indexer, sp, *query, pos, slots, group)
         q = self._rope(self._linear(attn.wq_b, q_res).view(b, nh, d), kind, pos, ropes)  # (b, nh, D)
         join_kv()
+        join_compress()
         join_index()
         picks = None
         if attn.ratio and group.get("top") is not None:  # a pick that is not a complete row: -1
@@ -491,7 +532,7 @@ class V41SlotDecoder:
         if self.kernels:
             sp = self.sources.get(self.cfg.kv_source_of(i)) if picks is not None else None
             out = v41_decode_attention(
-                q, win_q.view(E4M3), win_e, self._once(("window_len", w), lambda: torch.clamp(pos + 1, max=w)), slots,
+                q, win_q.view(E4M3), win_e, self._window_len(w, pos), slots,
                 None if sp is None else sp.rows_q[:, :-1], None if sp is None else sp.rows_s[:, :-1].view(E4M3),
                 picks, attn.attn_sink, attn.scaling, q.dtype, self.tuning.attention,
             )  # fmt: skip
@@ -530,13 +571,11 @@ class V41SlotDecoder:
         at ratio 1) rotated, packed and written to its row (the scratch row for open groups)."""
         comp, sp, r = attn.compressor, self.sources[i], self.sources[i].ratio
         if r == 1:
-            latents, done = self._norm(comp.norm, self._linear(comp.wkv, x)), torch.ones_like(pos, dtype=torch.bool)  # (b, D)
+            latents = self._norm(comp.norm, self._linear(comp.wkv, x))  # (b, D)
         else:
             kv, gate = self._linear32(comp.wkv.weight, x), self._linear32(comp.wgate.weight, x)  # (b, D) fp32
             latents = self._norm(comp.norm, pool_group(kv, gate, sp.buf_kv, sp.buf_gate, slots, pos, x.dtype, self.kernels))  # (b, D)
-            done = self._once(("group_done", r), lambda: pos % r == r - 1)
-        tc = sp.rows_q.shape[1] - 1
-        flat = self._once(("row_at", r, tc), lambda: slots * (tc + 1) + torch.where(done, torch.div(pos, r, rounding_mode="floor"), tc))  # (b,)
+        flat = self._row_at(r, sp.rows_q.shape[1] - 1, pos, slots)  # (b,)
         if sp.keys_q is not None:  # Indexer.keys before its rounding: projected, normed, rotated at the group's first position
             idx = attn.indexer
             keys = self._rope(self._norm(idx.k_norm, self._linear(idx.wk, latents)), "compress", pos, ropes, r)  # (b, Di)
@@ -559,7 +598,7 @@ class V41SlotDecoder:
         columns: chosen rows ``(b, k)`` and ``(b, k)`` True where the choice is a complete row;
         the candidate source publishes ``group["candidates"]``."""
         b, tc = q.shape[0], sp.keys_q.shape[1] - 1
-        complete = self._once(("complete", idx.ratio), lambda: torch.div(pos + 1, idx.ratio, rounding_mode="floor"))  # (b,) rows < this are complete
+        complete = self._complete(idx.ratio, pos)  # (b,) rows < this are complete
         if self.kernels:
             scores = v41_indexer_scores(q, weights, sp.keys_q[:, :-1], sp.keys_e[:, :-1], slots, complete, idx.softmax_scale)  # (b, Tc)
         else:
@@ -589,7 +628,7 @@ class V41SlotDecoder:
         se, k = moe.shared_experts, moe.gate.top_k
         if self.kernels and se.limit > 0 and use_gemv(x, x.shape[0] * k, self.tuning.moe_gemv):
             shared_w = (se.w1.weight, se.w3.weight, se.w2.weight)  # gate (I, H), up (I, H), down (H, I)
-            with branch(self._side) as join:  # the shared expert's SwiGLU rows next to the router
+            with branch(self._streams.get("kv")) as join:  # the shared expert's SwiGLU rows next to the router
                 act = shared_act(x, shared_w, k, se.limit, self.tuning.moe_gemv)
             weights, indices = self._route(moe.gate, x)  # (b, k) each
             join()

@@ -464,7 +464,7 @@ def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
     _sync()
     wall = time.perf_counter() - t0
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts, with_stack=True) as prof:
+    with profile(activities=acts) as prof:
         model([(model.new_state(), ids)])
         _sync()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -483,9 +483,6 @@ def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
     for name, (t, c) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:40]:
         lines.append(f"  {t / 1e3:9.2f} ms {c:6d}x  {name}")
     table = prof.key_averages().table(sort_by="cuda_time_total" if events else "cpu_time_total", row_limit=40, max_name_column_width=70)
-    sort = "self_cuda_time_total" if events else "self_cpu_time_total"
-    table += "\n\nby source line (the ops' own device time, grouped by the innermost 4 Python frames):\n"
-    table += prof.key_averages(group_by_stack_n=4).table(sort_by=sort, row_limit=40, max_name_column_width=50)
     text = "\n".join(lines)
     print(text, flush=True)
     with open(f"{out_prefix}_prefill{n}.txt", "w") as f:

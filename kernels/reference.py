@@ -109,16 +109,27 @@ def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 
 
-def apply_rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` in PyTorch ops (any device and dtype)."""
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The trailing ``2·cos.shape[-1]`` channels of ``x`` rotated, in ``x``'s dtype."""
     rope_dim = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c = cos.float().reshape(shape)
     s = sin.float().reshape(shape)
     rope = x[..., -rope_dim:].float()
     even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+    return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2).to(x.dtype)
+
+
+def apply_rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in PyTorch ops (any device and dtype)."""
+    return torch.cat([x[..., : -2 * cos.shape[-1]], _rotated(x, cos, sin)], dim=-1)
+
+
+def apply_rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope_eager`` written into ``x``'s rope channels (the same values; the other
+    channels are not copied: for a large ``x`` the caller owns) → ``x``."""
+    x[..., -2 * cos.shape[-1] :] = _rotated(x, cos, sin)
+    return x
 
 
 def unweighted_rms_norm_eager(x: torch.Tensor, eps: float) -> torch.Tensor:

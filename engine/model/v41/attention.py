@@ -35,6 +35,7 @@ from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
 from kernels.moe_grouped import GemmConfig
 from kernels.reference import apply_rope_eager as apply_rope
+from kernels.reference import apply_rope_inplace
 
 
 @dataclass(frozen=True)
@@ -248,9 +249,9 @@ class Attention(nn.Module):
         n = x.shape[0]
         cos, sin = ropes[self.rope_kind]
         q_res = self.q_norm(self.wq_a(x))  # (N, qr)
-        q = apply_rope(self.wq_b(q_res).view(n, self.n_heads, self.head_dim), cos, sin)  # (N, nh, D)
+        q = apply_rope_inplace(self.wq_b(q_res).view(n, self.n_heads, self.head_dim), cos, sin)  # (N, nh, D), the projection's own tensor
         kv = fp8_window(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # (N, D)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if len(chunks) > 1 else None  # one chunk: its result is the output
         fast = use_fast(self.tuning.fast, x)
         for c in chunks:
             rows = slice(c.start, c.end)
@@ -259,11 +260,15 @@ class Attention(nn.Module):
                 comp_rope = (ropes["compress"][0][rows], ropes["compress"][1][rows])
                 extra = self._compressed(c, x[rows], q_res[rows], positions[rows], comp_rope, compress_rotary)
             if fast:  # the kernel also undoes the rotation the values picked up as keys
-                out[rows] = self._attend_fast(c, q[rows], kv[rows], extra, (cos[rows], sin[rows]))
+                part = self._attend_fast(c, q[rows], kv[rows], extra, (cos[rows], sin[rows]))
             else:
-                out[rows] = self._attend(c, q[rows], kv[rows], positions[rows], None if extra is None else (extra[0], bias(extra, c.end - c.start)))
+                part = self._attend(c, q[rows], kv[rows], positions[rows], None if extra is None else (extra[0], bias(extra, c.end - c.start)))
+            if out is None:
+                out = part
+            else:
+                out[rows] = part
         if not fast:
-            out = apply_rope(out, cos, -sin)  # undo the rotation the values picked up as keys
+            out = apply_rope_inplace(out, cos, -sin)  # undo the rotation the values picked up as keys
         return self.wo_b(self.wo_a(out.view(n, self.o_groups, -1)).flatten(1))
 
     def _compressed(

@@ -150,7 +150,7 @@ class Indexer(nn.Module):
         """Each query's chosen rows: indices ``(S, k)`` into ``keys (T, Di)`` and ``(S, k)`` True
         where the choice is a complete row. Publishes the candidate blocks at the candidate source."""
         s, t = x.shape[0], keys.shape[0]
-        q = fp4_indexer(apply_rope(self.wq_b(q_res).view(s, self.n_heads, self.head_dim), *rope))  # (S, Hi, Di)
+        q = fp4_indexer(apply_rope_inplace(self.wq_b(q_res).view(s, self.n_heads, self.head_dim), *rope))  # (S, Hi, Di)
         weights = self.weights_proj(x).float() * self.heads_scaling  # (S, Hi)
         complete = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # (S,) rows < this are complete
         picks, valid, cands = [], [], []
@@ -250,7 +250,7 @@ class Attention(nn.Module):
         cos, sin = ropes[self.rope_kind]
         q_res = self.q_norm(self.wq_a(x))  # (N, qr)
         q = apply_rope_inplace(self.wq_b(q_res).view(n, self.n_heads, self.head_dim), cos, sin)  # (N, nh, D), the projection's own tensor
-        kv = fp8_window(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # (N, D)
+        kv = fp8_window(apply_rope_inplace(self.kv_norm(self.wkv(x)), cos, sin))  # (N, D)
         out = torch.empty_like(q) if len(chunks) > 1 else None  # one chunk: its result is the output
         fast = use_fast(self.tuning.fast, x)
         for c in chunks:

@@ -4,10 +4,12 @@ The interpreter is chosen when a kernel module is imported, so the kernel tests 
 pytest. Checks the kernels' indexing, masking and split logic in CI, which has no GPU; timing and
 compilation for the real chip are only checked by ``pytest -m gpu tests/kernels`` on the device.
 
-The default run covers every kernel test (attention, indexer, pooling, routing, experts, GEMVs,
-mHC, fused glue, the prefill kernels); the ``slow`` run (``make test-all``) adds the fast-prefill
-model comparisons (``Attention.fast_prefill`` against the exact path on both tiny checkpoints),
-which take minutes under the interpreter and are also run on the GPU by ``pytest -m gpu``.
+The default run covers V4.1's kernel tests (decode attention, indexer, fused packing, mHC); the
+``slow`` run (``make test-all``) adds V4's and the shared kernel files (attention, indexer,
+pooling, routing, experts, GEMVs, mHC, fused glue, the prefill kernels, grouped GEMMs) and the
+fast-prefill model comparisons (``Attention.fast_prefill`` against the exact path on both tiny
+checkpoints), which take minutes under the interpreter and are also run on the GPU by
+``pytest -m gpu``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def run_interpreted(targets: list[str], timeout: float) -> None:
 
 
 def test_v41_kernels_under_triton_interpreter() -> None:
-    """V4.1's KV-code kernels (decode attention, indexer scores, fused packing) at small sizes, one child."""
+    """V4.1's kernels (decode attention, indexer scores, fused packing, mHC) at small sizes, one child."""
     run_gpu_tests_interpreted(*V41_KERNEL_TESTS)
 
 

@@ -84,6 +84,26 @@ def test_slot_steps_match_the_general_path(case: str, alone: bool) -> None:
     assert worst <= BAR, (case, worst)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_up_front_indices_are_every_index_a_step_asks(case: str) -> None:
+    """``_indices`` computes every ``_once`` tensor of a step before the layers run (on CUDA on a
+    side stream, joined before the first attention): a step adds no index tensor of its own,
+    which could otherwise be made on one side stream and read on another."""
+    ckpt, ref = fixture_case(case)
+    model = load_v41_model(ckpt, dtype="float32", device="cpu")
+    p = ref["prompts"][0]
+    st = model.new_state()
+    model([(st, p["prompt_ids"])])
+    dec = V41SlotDecoder(model, max_slots=2, max_tokens=len(p["prompt_ids"]) + 4)
+    dec.load(1, st)
+    dec.step([1], [p["prompt_ids"][-1]])
+    asked = set(dec._memo)
+    dec._memo = {}
+    ids, pos, slots = dec._inputs[:, :1]
+    dec._indices(pos, slots)
+    assert asked and set(dec._memo) == asked
+
+
 def test_load_refuses_states_the_slots_cannot_hold() -> None:
     ckpt, _ = fixture_case("tester")
     model = load_v41_model(ckpt, dtype="float32", device="cpu")

@@ -18,11 +18,12 @@ takes these instead, on the same values:
   commutes) and the gates and Sinkhorn in one kernel (``kernels.mhc.hc_mix_parts``); the collapse
   with the block's RMSNorm and the expand in one pass each (``kernels.v41_mhc``);
 - routed experts: over the layer's stacked weights (``MoE.stack``), tokens sorted by expert, one
-  grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA; ``kernels.moe_grouped``'s
-  on Hopper or where ``V41Tuning.expert_gemm`` gives a config, the weighted SwiGLU then in the
-  gate|up GEMM's epilogue), the weighted SwiGLU and the per-token sum in one pass each (``kernels.v41_moe``) in
-  ``MoE.forward``'s own rounding order: the routing weight before the down projection, the picks
-  summed in ascending expert order, then the shared expert. (``kernels.moe.moe_experts`` applies
+  grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA, then the weighted SwiGLU in
+  one pass, ``kernels.v41_moe``; on Hopper, or where ``V41Tuning.expert_gemm`` gives configs,
+  ``kernels.moe_grouped``'s Triton GEMM with that SwiGLU in its gate|up epilogue) and the
+  per-token sum in one pass (``kernels.v41_moe``), all in ``MoE.forward``'s own rounding order:
+  the routing weight before the down projection, the picks summed in ascending expert order, then
+  the shared expert. (``kernels.moe.moe_experts`` applies
   the weight after the down projection: same math, other last bits, and on these models a last
   bit that moves one FP8/FP4 KV rounding or one top-k pick moves later logits by far more than
   1e-4.)

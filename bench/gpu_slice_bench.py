@@ -452,7 +452,8 @@ def annotate_modules() -> None:
 
 def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
     """CUDA kernels of one ``n``-token general-path prefill, by total time (where prefill goes),
-    plus the time per annotated module (``annotate_modules``)."""
+    plus the time per annotated module (``annotate_modules``), per operator and input shapes, and
+    per function of the project's Python code (its kernels, nested)."""
     from torch.profiler import ProfilerActivity, profile
 
     annotate_modules()
@@ -464,7 +465,7 @@ def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
     _sync()
     wall = time.perf_counter() - t0
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True, with_stack=True) as prof:
         model([(model.new_state(), ids)])
         _sync()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -482,7 +483,16 @@ def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
     lines += ["", "kernels by total device time:"]
     for name, (t, c) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:40]:
         lines.append(f"  {t / 1e3:9.2f} ms {c:6d}x  {name}")
-    table = prof.key_averages().table(sort_by="cuda_time_total" if events else "cpu_time_total", row_limit=40, max_name_column_width=70)
+    sort = "cuda_time_total" if events else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    lines += ["", "operators by input shapes (device time):"]
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    for e in sorted(ops, key=lambda e: -e.device_time_total)[:30]:
+        lines.append(f"  {e.device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key} {str(e.input_shapes)[:160]}")
+    lines += ["", "the project's Python functions (device time of the kernels inside, nested):"]
+    frames = [e for e in prof.key_averages() if ".py(" in e.key and ("engine/" in e.key or "kernels/" in e.key)]
+    for e in sorted(frames, key=lambda e: -e.device_time_total)[:40]:
+        lines.append(f"  {e.device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[-110:]}")
     text = "\n".join(lines)
     print(text, flush=True)
     with open(f"{out_prefix}_prefill{n}.txt", "w") as f:

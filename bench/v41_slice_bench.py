@@ -47,6 +47,7 @@ from engine.model.v41.model import DecoderLayer, DeepseekV41ForCausalLM
 from engine.model.v41.row_codec import FP4_INDEX, FP4_MAIN, FP8_WINDOW, MXFP8_MAIN
 from engine.model.static_decode import bucket_for
 from engine.model.v41.slot_decode import V41SlotDecoder, V41SlotTuning
+from kernels.prefill import AttentionTuning
 
 SLICE = dict(num_hidden_layers=4, compress_ratios=(0, 2, 2, 2), kv_source_layer_ids=(1,), index_source_layer_ids=(1, 3), candidate_source_layer_id=1)
 
@@ -262,13 +263,17 @@ def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
 
 def prefill_tuning(kv: dict[str, str], base: V41Tuning) -> V41Tuning:
     """``base`` with ``expert_gemm`` from variant options ``up=`` / ``down=BM.BN.BK.WARPS.STAGES``
-    (``torch``, or left out: ``torch._grouped_mm``)."""
+    (``torch``: ``torch._grouped_mm``; both left out: ``base``'s) and ``attention`` from
+    ``attn=BH.BN.WARPS.STAGES`` (left out: ``base``'s)."""
 
     def cfg(key: str):
         v = kv.get(key, "torch")
         return None if v == "torch" else tuple(int(a) for a in v.split("."))
 
-    return replace(base, expert_gemm=(cfg("up"), cfg("down")))
+    out = replace(base, expert_gemm=(cfg("up"), cfg("down"))) if "up" in kv or "down" in kv else base
+    if "attn" in kv:
+        out = replace(out, attention=AttentionTuning(*(int(a) for a in kv["attn"].split("."))))
+    return out
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
@@ -291,7 +296,7 @@ def main() -> None:
     ap.add_argument("--profile", metavar="PREFIX", help="write each batch's graph replay, kernel by kernel, to PREFIX_b<B>_graph.txt")
     ap.add_argument("--profile-prefill", metavar="PREFIX", help="write the prefill's kernels by total time to PREFIX_prefill<N>.txt")
     ap.add_argument("--variants", default="", metavar="NAME:dgemv=0,pdl=0,gemv=N,attn=BHxBNxW,hcs=N,kern=0;...", help="also time the decode batches with these slot tunings (slot_tuning)")
-    ap.add_argument("--prefill-variants", default="", metavar="NAME:up=BM.BN.BK.W.S,down=BM.BN.BK.W.S;...", help="also time the prefill with these V41Tuning.expert_gemm configs (prefill_tuning)")
+    ap.add_argument("--prefill-variants", default="", metavar="NAME:up=BM.BN.BK.W.S,down=BM.BN.BK.W.S,attn=BH.BN.W.S;...", help="also time the prefill with these V41Tuning.expert_gemm / attention configs (prefill_tuning)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False

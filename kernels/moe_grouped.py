@@ -20,18 +20,34 @@ Tile schedule without a host sync: the launch covers an upper bound of tiles
 over the per-expert program offsets (computed on the device), programs past the end exit. Programs
 of one expert are consecutive (column tile major, row tile minor), so the row tiles of an expert
 read each weight tile at about the same time (one HBM read) and the expert's rows stay in L2.
-Rows of a tile past the expert's end are clamped on load and masked on store.
+Rows of a tile past the expert's end are clamped on load and masked on store. An expert's last
+tile with at most ``GemmConfig.tail`` rows runs as a ``tail``-row tile (the same tile code with
+fewer rows): at V4.1's ~128 rows per expert about half the experts spill a few rows past one
+128-row tile, and the tensor cores are what bounds the padded 128-row tiles. With ``rows`` the
+loads gather the GEMM's rows from the unsorted token rows (no sorted copy of them in memory).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kernels._common import HAS_TRITON, INTERPRET, dot_precision, mma, tl, triton, use_triton
 
-GemmConfig = tuple[int, int, int, int, int]  # (BM, BN, BK, num_warps, num_stages)
+class GemmConfig(NamedTuple):
+    """One grouped GEMM launch: rows and columns per tile, K step, warps, pipeline stages, and
+    ``tail``: an expert's last tile with at most this many rows runs as a ``tail``-row tile (0:
+    always ``bm`` rows; at ~128 rows per expert half the experts spill a few rows into a second
+    mostly empty 128-row tile). A plain 5- or 6-tuple in this order is taken too."""
+
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+    tail: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,21 +82,22 @@ def _schedule(offs: torch.Tensor, bm: int, n_tiles: int) -> tuple[torch.Tensor, 
 
 def grouped_mm(
     xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu_limit: float | None = None,
-    row_weight: torch.Tensor | None = None, cfg: GemmConfig = (64, 128, 64, 4, 4),
+    row_weight: torch.Tensor | None = None, rows: torch.Tensor | None = None, cfg: GemmConfig | tuple = (64, 128, 64, 4, 4),
 ) -> torch.Tensor:  # fmt: skip
     """Rows ``xs (M, K)`` sorted by group (group ``g`` = rows ``[offs[g-1], offs[g])``) times
     ``w[g]ᵀ`` (``w (E, N, K)``) → ``(M, N)``; with ``swiglu_limit`` ``w`` holds gate rows ``[:N/2]``
     and up rows ``[N/2:]`` and the result is the clamped SwiGLU ``(M, N/2)`` (``swiglu_rows``);
     with ``row_weight (M,)`` fp32 as well, V4.1's weighted SwiGLU (``weighted_swiglu``, module
-    docstring). Triton only."""
-    m, k = xs.shape
+    docstring). ``rows (M,)`` int: the GEMM's row ``i`` is ``xs[rows[i]]`` (the gather done by the
+    loads; ``xs`` then has any number of rows). Triton only."""
+    m, k = xs.shape if rows is None else (rows.numel(), xs.shape[1])
     e, n, k2 = w.shape
     assert k == k2 and xs.stride(-1) == 1 and w.stride(-1) == 1
     weighted = row_weight is not None
     assert not weighted or (swiglu_limit is not None and row_weight.shape == (m,) and row_weight.dtype == torch.float32), (
         "row_weight: (M,) fp32, with swiglu_limit"
     )
-    bm, bn, bk, warps, stages = cfg
+    bm, bn, bk, warps, stages, tail = GemmConfig(*cfg)
     if xs.element_size() == 4:  # fp32 tiles (tests) take twice the shared memory per stage
         stages = min(stages, 2)
     assert k % bk == 0
@@ -93,11 +110,11 @@ def grouped_mm(
     grid = ((triton.cdiv(m, bm) + e) * n_tiles,)
     limit = float(swiglu_limit or 0.0)
     _gmm_kernel[grid](
-        xs, w, out, starts, offs, pstart, row_weight.contiguous() if weighted else out, e, m, n_out, k,
-        xs.stride(0), w.stride(0), w.stride(1), out.stride(0), limit, n_tiles, n_out,
-        BM=bm, BN=bn, BK=bk, SWIGLU=swiglu_limit is not None, WEIGHTED=weighted, CLAMP=not weighted or limit > 0,
-        EXACT=weighted and not INTERPRET, LOG_E=max(1, (e - 1).bit_length()) + 1,
-        PRECISION=dot_precision(xs.dtype), num_warps=warps, num_stages=stages,
+        xs, w, out, starts, offs, pstart, row_weight.contiguous() if weighted else out, rows if rows is not None else offs,
+        e, m, n_out, k, xs.stride(0), w.stride(0), w.stride(1), out.stride(0), limit, n_tiles, n_out,
+        BM=bm, BN=bn, BK=bk, TAIL=tail if 0 < tail < bm else 0, SWIGLU=swiglu_limit is not None, WEIGHTED=weighted,
+        CLAMP=not weighted or limit > 0, EXACT=weighted and not INTERPRET, GATHER=rows is not None,
+        LOG_E=max(1, (e - 1).bit_length()) + 1, PRECISION=dot_precision(xs.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -151,11 +168,70 @@ if HAS_TRITON:
     from triton.language.extra.cuda import libdevice
 
     @triton.jit
+    def _gmm_tile(
+        x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K,
+        stride_x, stride_we, stride_wn, stride_o, limit, up_off,
+        TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
+        CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[r0, r1)`` (at most ``TM``) of expert ``e`` times its column tile ``n_t``:
+        the K loop, the epilogue (module docstring) and the masked store."""
+        rows = r0 + tl.arange(0, TM)
+        r_ok = rows < r1
+        rows_c = tl.minimum(rows, M - 1).to(tl.int64)
+        if GATHER:  # the GEMM's row i is x's row src[i]
+            a_rows = tl.load(src_ptr + rows_c).to(tl.int64)
+        else:
+            a_rows = rows_c
+        cols = n_t * BN + tl.arange(0, BN)
+        c_ok = cols < N_OUT
+        cols_c = tl.minimum(cols, N_OUT - 1).to(tl.int64)
+        kk = tl.arange(0, BK)
+        a_ptrs = x_ptr + a_rows[:, None] * stride_x + kk[None, :]
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        b_ptrs = w_base + cols_c[None, :] * stride_wn + kk[:, None]  # (BK, BN)
+        acc = tl.zeros((TM, BN), dtype=tl.float32)
+        if SWIGLU:
+            u_ptrs = b_ptrs + up_off * stride_wn
+            acc2 = tl.zeros((TM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = tl.load(a_ptrs + k0)
+            b = tl.load(b_ptrs + k0)
+            if PRECISION == "interpret":
+                acc += mma(a, b, PRECISION)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SWIGLU:
+                u = tl.load(u_ptrs + k0)
+                if PRECISION == "interpret":
+                    acc2 += mma(a, u, PRECISION)
+                else:
+                    acc2 = tl.dot(a, u, acc2, input_precision=PRECISION)
+        ty = out_ptr.dtype.element_ty
+        if SWIGLU:  # the GEMM's outputs in the output dtype, then the SwiGLU in fp32 (module docstring)
+            g = acc.to(ty).to(tl.float32)
+            up = acc2.to(ty).to(tl.float32)
+            if CLAMP:
+                g = tl.minimum(g, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            if EXACT:  # PyTorch's CUDA silu: x / (1 + expf(-x)), IEEE exp and division
+                res = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * up
+            else:
+                res = g / (1.0 + tl.exp(-g)) * up
+            if WEIGHTED:
+                res = tl.load(rw_ptr + rows_c)[:, None] * res
+        else:
+            res = acc
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+        tl.store(o_ptrs, res.to(ty), mask=r_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
     def _gmm_kernel(
-        x_ptr, w_ptr, out_ptr, start_ptr, end_ptr, pstart_ptr, rw_ptr,
+        x_ptr, w_ptr, out_ptr, start_ptr, end_ptr, pstart_ptr, rw_ptr, src_ptr,
         E, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o, limit, n_tiles, up_off,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
-        CLAMP: tl.constexpr, EXACT: tl.constexpr, LOG_E: tl.constexpr, PRECISION: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, SWIGLU: tl.constexpr,
+        WEIGHTED: tl.constexpr, CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr,
+        LOG_E: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         total = tl.load(pstart_ptr + E)
@@ -174,64 +250,31 @@ if HAS_TRITON:
             m_tiles = (row1 - row0 + BM - 1) // BM
             local = pid - tl.load(pstart_ptr + e)
             n_t = local // m_tiles
-            m_t = local % m_tiles
-            rows = row0 + m_t * BM + tl.arange(0, BM)
-            r_ok = rows < row1
-            rows_c = tl.minimum(rows, M - 1).to(tl.int64)
-            cols = n_t * BN + tl.arange(0, BN)
-            c_ok = cols < N_OUT
-            cols_c = tl.minimum(cols, N_OUT - 1).to(tl.int64)
-            kk = tl.arange(0, BK)
-            a_ptrs = x_ptr + rows_c[:, None] * stride_x + kk[None, :]
-            w_base = w_ptr + e.to(tl.int64) * stride_we
-            b_ptrs = w_base + cols_c[None, :] * stride_wn + kk[:, None]  # (BK, BN)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if SWIGLU:
-                u_ptrs = b_ptrs + up_off * stride_wn
-                acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                a = tl.load(a_ptrs + k0)
-                b = tl.load(b_ptrs + k0)
-                if PRECISION == "interpret":
-                    acc += mma(a, b, PRECISION)
-                else:
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                if SWIGLU:
-                    u = tl.load(u_ptrs + k0)
-                    if PRECISION == "interpret":
-                        acc2 += mma(a, u, PRECISION)
-                    else:
-                        acc2 = tl.dot(a, u, acc2, input_precision=PRECISION)
-            ty = out_ptr.dtype.element_ty
-            if SWIGLU:  # the GEMM's outputs in the output dtype, then the SwiGLU in fp32 (module docstring)
-                g = acc.to(ty).to(tl.float32)
-                up = acc2.to(ty).to(tl.float32)
-                if CLAMP:
-                    g = tl.minimum(g, limit)
-                    up = tl.minimum(tl.maximum(up, -limit), limit)
-                if EXACT:  # PyTorch's CUDA silu: x / (1 + expf(-x)), IEEE exp and division
-                    res = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * up
-                else:
-                    res = g / (1.0 + tl.exp(-g)) * up
-                if WEIGHTED:
-                    res = tl.load(rw_ptr + rows_c)[:, None] * res
+            r0 = row0 + (local % m_tiles) * BM
+            r1 = tl.minimum(r0 + BM, row1)
+            if TAIL > 0 and r1 - r0 <= TAIL:  # an expert's last few rows: a TAIL-row tile, not a BM-row one
+                _gmm_tile(
+                    x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o,
+                    limit, up_off, TAIL, BN, BK, SWIGLU, WEIGHTED, CLAMP, EXACT, GATHER, PRECISION,
+                )  # fmt: skip
             else:
-                res = acc
-            o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
-            tl.store(o_ptrs, res.to(ty), mask=r_ok[:, None] & c_ok[None, :])
+                _gmm_tile(
+                    x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o,
+                    limit, up_off, BM, BN, BK, SWIGLU, WEIGHTED, CLAMP, EXACT, GATHER, PRECISION,
+                )  # fmt: skip
 
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "moe_experts_prefill", "use_prefill_gemm"]
 
 
 SHAPES = {"v4": (256, 4096, 2048, 6), "v41": (384, 5120, 2304, 6)}  # (experts, hidden, inter, top-k)
-UP_CONFIGS: list[GemmConfig] = [  # BN: gate columns (the tile is BM × 2·BN); 8 warps for BM 128
+UP_CONFIGS: list[GemmConfig] = [  # BN: gate columns (the tile is BM × 2·BN); 8 warps for BM 128; 6th: tail rows
     (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3),
-    (128, 128, 64, 8, 4), (64, 256, 64, 8, 3),
+    (128, 128, 64, 8, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4, 32), (128, 128, 64, 8, 4, 64),
 ]  # fmt: skip
 DOWN_CONFIGS: list[GemmConfig] = [
     (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-    (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+    (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 64, 8, 4, 32), (128, 256, 64, 8, 4, 64),
 ]  # fmt: skip
 
 

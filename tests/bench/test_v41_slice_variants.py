@@ -22,7 +22,7 @@ def test_options_set_only_the_fields_they_name() -> None:
 
 def test_expert_gemv_sites_and_prefill_gemm_options() -> None:
     """``up=``/``down=`` set the expert GEMV configs, ``fuse=0`` the unfused mHC sites, ``side=0`` no side stream; a prefill
-    variant's ``up=``/``down=`` the fast path's grouped GEMM configs (``torch``: ``_grouped_mm``)."""
+    variant's ``up=``/``down=`` the fast path's grouped GEMM configs (``torch``: ``_grouped_mm``), ``attn=`` its attention launch."""
     from engine.model.v41.attention import V41_TUNING
 
     t = slot_tuning({"down": "4x1024x4", "fuse": "0", "side": "0"})
@@ -30,3 +30,5 @@ def test_expert_gemv_sites_and_prefill_gemm_options() -> None:
     assert slot_tuning({}).fuse_sites and slot_tuning({}).side_stream
     assert prefill_tuning({"up": "128.128.64.8.3"}, V41_TUNING).expert_gemm == ((128, 128, 64, 8, 3), None)
     assert prefill_tuning({"down": "torch"}, V41_TUNING).expert_gemm == (None, None)  # the torch GEMMs, on any device
+    attn = prefill_tuning({"attn": "64.32.8.2"}, V41_TUNING)
+    assert attn.expert_gemm == V41_TUNING.expert_gemm and (attn.attention.block_h, attn.attention.block_n, attn.attention.num_warps, attn.attention.num_stages) == (64, 32, 8, 2)

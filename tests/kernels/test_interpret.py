@@ -4,12 +4,12 @@ The interpreter is chosen when a kernel module is imported, so the kernel tests 
 pytest. Checks the kernels' indexing, masking and split logic in CI, which has no GPU; timing and
 compilation for the real chip are only checked by ``pytest -m gpu tests/kernels`` on the device.
 
-The default run covers V4.1's kernel tests (decode attention, indexer, fused packing, mHC); the
-``slow`` run (``make test-all``) adds V4's and the shared kernel files (attention, indexer,
-pooling, routing, experts, GEMVs, mHC, fused glue, the prefill kernels, grouped GEMMs) and the
-fast-prefill model comparisons (``Attention.fast_prefill`` against the exact path on both tiny
-checkpoints), which take minutes under the interpreter and are also run on the GPU by
-``pytest -m gpu``.
+The default run covers V4.1's kernel tests (decode attention, indexer, fused packing, mHC) and the
+grouped GEMMs and the RoPE V4.1's prefill takes; the ``slow`` run (``make test-all``) adds V4's
+and the shared kernel files (attention, indexer, pooling, routing, experts, GEMVs, mHC, fused
+glue, the prefill kernels) and the fast-prefill model comparisons (``Attention.fast_prefill``
+against the exact path on both tiny checkpoints), which take minutes under the interpreter and
+are also run on the GPU by ``pytest -m gpu``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from tests.kernels.interpreted import run_gpu_tests_interpreted
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_prefill.py", "tests/kernels/test_moe_grouped.py"]
+KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_prefill.py"]
 FAST_PREFILL = "tests/engine/model/test_fast_prefill_gpu.py"
 V41_KERNEL_TESTS = [
     "tests/kernels/test_v41_attention.py", "tests/kernels/test_v41_indexer.py", "tests/kernels/test_v41_pack.py", "tests/kernels/test_v41_mhc.py",
+    "tests/kernels/test_moe_grouped.py", "tests/kernels/test_rope.py",
 ]
 
 
@@ -41,7 +42,7 @@ def run_interpreted(targets: list[str], timeout: float) -> None:
 
 
 def test_v41_kernels_under_triton_interpreter() -> None:
-    """V4.1's kernels (decode attention, indexer scores, fused packing, mHC) at small sizes, one child."""
+    """V4.1's kernels (decode attention, indexer scores, fused packing, mHC, grouped GEMMs, RoPE) at small sizes, one child."""
     run_gpu_tests_interpreted(*V41_KERNEL_TESTS)
 
 

@@ -90,3 +90,30 @@ def test_weighted_swiglu_epilogue(dtype, limit) -> None:
     assert got.shape == (m, n // 2) and got.dtype == dtype
     rtol, atol = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-5, 2**-10)}[dtype]  # atol: of the largest |output| (K = 1024 fp32 sums in another order)
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_gathered_rows_and_tail_tiles(dtype, swiglu) -> None:
+    """``rows=``: the loads gather the GEMM's rows from unsorted ``xs``, the same bits as the GEMM
+    of ``xs[rows]``; ``tail``: an expert's last tile of at most ``tail`` rows runs as a smaller
+    tile (groups here spill 1..tail rows past a full tile, one is empty), within the tolerance
+    of the reference (another MMA shape on the GPU)."""
+    from kernels.moe_grouped import GemmConfig, grouped_mm, grouped_mm_reference
+
+    bm = 32 if SMALL else 128
+    sizes = [bm + 3, 0, bm, 2 * bm + bm // 4, 5, bm + 1]  # spills of 3, bm/4, 1 rows; one group under a tile
+    e, n, k = len(sizes), (32 if SMALL else 512), (32 if SMALL else 1024)
+    m = sum(sizes)
+    base = (bm, 16, 16, 4, 1) if SMALL else (bm, 128, 64, 8, 4 if dtype != torch.float32 else 2)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    xs = torch.randn(m + 7, k, generator=g, device=DEV).to(dtype)
+    w = (torch.randn(e, n, k, generator=g, device=DEV) * k**-0.5).to(dtype)
+    rows = torch.randperm(m + 7, generator=torch.Generator().manual_seed(7))[:m].to(DEV)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).to(DEV)
+    lim = 1.5 if swiglu else None
+    plain = grouped_mm(xs[rows], w, offs, swiglu_limit=lim, cfg=base)
+    assert torch.equal(grouped_mm(xs, w, offs, swiglu_limit=lim, rows=rows, cfg=base), plain)
+    tailed = grouped_mm(xs, w, offs, swiglu_limit=lim, rows=rows, cfg=GemmConfig(*base, tail=bm // 4))
+    want = grouped_mm_reference(xs[rows].float(), w.float(), offs, swiglu_limit=lim)
+    assert tailed.shape == want.shape and rel_err(tailed, want) <= TOL[dtype]

@@ -29,13 +29,15 @@ from engine.model.layers import GroupedLinear
 from engine.model.rope import Rotary
 from engine.model.v41.config import V41Config
 from engine.model.v41 import prefill as fast_path
-from engine.model.v41.layers import RMSNorm
+from engine.model.v41.layers import RMSNorm, linear_fp32
 from engine.model.v41.prefill import use_fast
 from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
 from kernels.moe_grouped import GemmConfig
+from kernels.prefill import AttentionTuning
 from kernels.reference import apply_rope_eager as apply_rope
-from kernels.reference import apply_rope_inplace
+from kernels.rope import rope_inplace
+from kernels.v41_pack import fp4_indexer_quant
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,15 @@ class V41Tuning:
     grouped GEMM (gate|up: BN gate columns, the tile BM × 2·BN, the weighted SwiGLU in its
     epilogue) or None for ``torch._grouped_mm`` (+ ``kernels.v41_moe.weighted_swiglu``); None
     for both: by device (``prefill.expert_gemms``: the H200 sweep's configs on Hopper,
-    ``python -m kernels.moe_grouped --shapes v41``); fp32 always keeps the torch path."""
+    ``python -m kernels.moe_grouped --shapes v41``); fp32 always keeps the torch path.
+    ``attention``: the fast path's attention launch (``kernels.prefill.AttentionTuning``; None:
+    ``prefill_attention``'s choice)."""
 
     query_tile: int = 256
     fast: bool | None = None
     fast_index_tile: int = 4096
     expert_gemm: tuple[GemmConfig | None, GemmConfig | None] | None = None
+    attention: AttentionTuning | None = None
 
 
 V41_TUNING = V41Tuning()  # the default
@@ -108,8 +113,8 @@ class Compressor(nn.Module):
         if self.wgate is None:  # ratio 1: every token is its own row
             return self.norm(self.wkv(x)), first
         # pooling in fp32 whatever the model dtype, as trained
-        kv = torch.cat([src.buf_kv, F.linear(x.float(), self.wkv.weight.float())])  # (n, D)
-        gate = torch.cat([src.buf_gate, F.linear(x.float(), self.wgate.weight.float())])  # (n, D)
+        kv = torch.cat([src.buf_kv, linear_fp32(x, self.wkv.weight)])  # (n, D)
+        gate = torch.cat([src.buf_gate, linear_fp32(x, self.wgate.weight)])  # (n, D)
         usable = kv.shape[0] // r * r
         src.buf_kv, src.buf_gate = kv[usable:].clone(), gate[usable:].clone()
         if usable == 0:
@@ -150,11 +155,12 @@ class Indexer(nn.Module):
         """Each query's chosen rows: indices ``(S, k)`` into ``keys (T, Di)`` and ``(S, k)`` True
         where the choice is a complete row. Publishes the candidate blocks at the candidate source."""
         s, t = x.shape[0], keys.shape[0]
-        q = fp4_indexer(apply_rope_inplace(self.wq_b(q_res).view(s, self.n_heads, self.head_dim), *rope))  # (S, Hi, Di)
+        fast = use_fast(self.tuning.fast, x)
+        q = rope_inplace(self.wq_b(q_res).view(s, self.n_heads, self.head_dim), *rope)  # (S, Hi, Di)
+        q = fp4_indexer_quant(q) if fast else fp4_indexer(q)  # the same values in one kernel
         weights = self.weights_proj(x).float() * self.heads_scaling  # (S, Hi)
         complete = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # (S,) rows < this are complete
         picks, valid, cands = [], [], []
-        fast = use_fast(self.tuning.fast, x)
         tile = self.tuning.fast_index_tile if fast else self.query_tile
         for t0 in range(0, s, tile):
             r = slice(t0, t0 + tile)
@@ -249,8 +255,8 @@ class Attention(nn.Module):
         n = x.shape[0]
         cos, sin = ropes[self.rope_kind]
         q_res = self.q_norm(self.wq_a(x))  # (N, qr)
-        q = apply_rope_inplace(self.wq_b(q_res).view(n, self.n_heads, self.head_dim), cos, sin)  # (N, nh, D), the projection's own tensor
-        kv = fp8_window(apply_rope_inplace(self.kv_norm(self.wkv(x)), cos, sin))  # (N, D)
+        q = rope_inplace(self.wq_b(q_res).view(n, self.n_heads, self.head_dim), cos, sin)  # (N, nh, D), the projection's own tensor
+        kv = fp8_window(rope_inplace(self.kv_norm(self.wkv(x)), cos, sin))  # (N, D)
         out = torch.empty_like(q) if len(chunks) > 1 else None  # one chunk: its result is the output
         fast = use_fast(self.tuning.fast, x)
         for c in chunks:
@@ -268,7 +274,7 @@ class Attention(nn.Module):
             else:
                 out[rows] = part
         if not fast:
-            out = apply_rope_inplace(out, cos, -sin)  # undo the rotation the values picked up as keys
+            out = rope_inplace(out, cos, -sin)  # undo the rotation the values picked up as keys
         return self.wo_b(self.wo_a(out.view(n, self.o_groups, -1)).flatten(1))
 
     def _compressed(
@@ -306,7 +312,7 @@ class Attention(nn.Module):
         """``_attend`` through ``engine.model.v41.prefill.window_attention`` (no mask tensor), the
         output un-rotated by ``rope`` (the chunk's ``(cos, sin)``) as ``forward`` does after ``_attend``."""
         ring = c.state.windows[self.layer_idx]
-        out = fast_path.window_attention(q, ring, kv, self.window, self.attn_sink, self.scaling, *(extra or (None, None)), rope)
+        out = fast_path.window_attention(q, ring, kv, self.window, self.attn_sink, self.scaling, *(extra or (None, None)), rope, self.tuning.attention)
         keys = torch.cat([ring, kv])  # (R+S, D)
         c.state.windows[self.layer_idx] = keys[max(0, keys.shape[0] - (self.window - 1)) :].clone()
         return out

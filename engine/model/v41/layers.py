@@ -18,6 +18,15 @@ from engine.model.v41.config import V41Config
 from kernels.reference import mix_gates, score
 
 
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x · weightᵀ`` in fp32, the reference's ``F.linear(x.float(), weight.float())``: on CUDA with
+    bf16 operands one tensor-core GEMM with an fp32 output (a product of two bf16 values is exact
+    in fp32, so only the order of the fp32 sums differs), else both operands widened."""
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+        return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x.float(), weight.float())
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an fp32 weight: normalise in fp32, cast, then scale in the input's dtype."""
 
@@ -94,7 +103,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x (N, H)`` → weights ``(N, k)`` and expert indices ``(N, k)``."""
-        return self.route(F.linear(x.float(), self.weight.float()))
+        return self.route(linear_fp32(x, self.weight))
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` from the fp32 router logits ``(N, E)`` (``x · weightᵀ``)."""

@@ -52,7 +52,7 @@ from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import grouped_linear, has_grouped_mm
 from kernels.moe_grouped import GemmConfig, grouped_mm
 from kernels.v41_moe import combine_in_order, weighted_swiglu
-from kernels.prefill import hc_pre_block_parts, prefill_attention
+from kernels.prefill import AttentionTuning, hc_pre_block_parts, prefill_attention
 
 
 ExpertGemm = tuple[GemmConfig | None, GemmConfig | None]  # gate|up, down (see V41Tuning.expert_gemm)
@@ -78,23 +78,24 @@ def use_fast(flag: bool | None, t: torch.Tensor) -> bool:
 def window_attention(
     q: torch.Tensor, ring: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,
     rows: torch.Tensor | None, picks: tuple[torch.Tensor, torch.Tensor] | None, rope: tuple[torch.Tensor, torch.Tensor],
+    tuning: AttentionTuning | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``Attention._attend`` of one chunk without a mask tensor, then the inverse RoPE of
     ``rope = (cos, sin)`` (``(S, R/2)``, the queries' tables) in the kernel's epilogue:
     ``q (S, nh, D)`` over its window of ``[ring (R, D), kv (S, D)]`` and the chosen ``rows (T, D)``
     (``picks``: indices ``(S, k)`` and True where valid; None: no row visible) → ``(S, nh, D)`` in
-    q's dtype."""
+    q's dtype; ``tuning``: the kernel's launch (None: ``prefill_attention``'s choice)."""
     s, r = q.shape[0], ring.shape[0]
     pad = window - 1 - r
     assert pad >= 0, f"ring of {r} rows, window {window}"
     keys = torch.cat([kv.new_zeros(pad, kv.shape[1]), ring, kv])  # (W-1+S, D): pad rows never read
     if rows is None or picks is None or not rows.shape[0]:
-        out = prefill_attention(q, keys, pad, sinks, window, scale=scale, rope=rope, fold_q=0)
+        out = prefill_attention(q, keys, pad, sinks, window, scale=scale, rope=rope, fold_q=0, tuning=tuning)
     else:
         idx, valid = picks
         row_idx = torch.where(valid, idx, -1).to(torch.int32)  # (S, k)
         row_len = torch.full((s,), rows.shape[0], dtype=torch.int32, device=q.device)
-        out = prefill_attention(q, keys, pad, sinks, window, rows, row_len, row_idx, scale=scale, rope=rope, fold_q=0)
+        out = prefill_attention(q, keys, pad, sinks, window, rows, row_len, row_idx, scale=scale, rope=rope, fold_q=0, tuning=tuning)
     return out.to(q.dtype)
 
 
@@ -138,8 +139,11 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> t
     counts = torch.zeros(gate_up.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
     up_cfg, down_cfg = expert_gemms(expert_gemm, x)
-    xs, w = x.index_select(0, slots // k), weights.reshape(-1)[slots]  # (N·k, H), (N·k,)
-    act = _weighted_act(xs, w, gate_up, offs, counts, layer.shared_experts.limit, up_cfg)  # (N·k, I)
+    src, w, limit = slots // k, weights.reshape(-1)[slots], layer.shared_experts.limit  # (N·k,) token of each sorted row, its weight
+    if _triton_gemm(x, up_cfg):  # the weighted SwiGLU in the epilogue, the rows gathered by the loads
+        act = grouped_mm(x, gate_up, offs, swiglu_limit=limit, row_weight=w.float(), rows=src, cfg=up_cfg)  # (N·k, I)
+    else:
+        act = _weighted_act(x.index_select(0, src), w, gate_up, offs, counts, limit)
     if _triton_gemm(act, down_cfg):
         y = grouped_mm(act, down, offs, cfg=down_cfg)  # (N·k, H)
     else:
@@ -155,17 +159,11 @@ def _triton_gemm(xs: torch.Tensor, cfg: GemmConfig | None) -> bool:
     return cfg is not None and xs.dtype == torch.bfloat16 and use_triton(xs) and xs.shape[1] % cfg[2] == 0
 
 
-def _weighted_act(
-    xs: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, limit: float,
-    cfg: GemmConfig | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """``w · silu(gate) · up`` of the sorted rows ``xs (M, H)`` → ``(M, I)`` (``kernels.v41_moe``):
-    with a ``cfg`` (bf16) ``grouped_mm`` with the weighted SwiGLU in its epilogue (the same rounding
-    order: the GEMM's bf16 outputs, then fp32); else one grouped GEMM for gate|up where
-    ``grouped_linear`` takes ``torch._grouped_mm``, else the gate and up halves as separate GEMMs per
-    expert (``Expert``'s own ``w1`` and ``w3`` calls, their last bits included)."""
-    if _triton_gemm(xs, cfg):
-        return grouped_mm(xs, gate_up, offs, swiglu_limit=limit, row_weight=w.float(), cfg=cfg)
+def _weighted_act(xs: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor, limit: float) -> torch.Tensor:
+    """``w · silu(gate) · up`` of the sorted rows ``xs (M, H)`` → ``(M, I)`` (``kernels.v41_moe``)
+    through the torch GEMMs: one grouped GEMM for gate|up where ``grouped_linear`` takes
+    ``torch._grouped_mm``, else the gate and up halves as separate GEMMs per expert (``Expert``'s
+    own ``w1`` and ``w3`` calls, their last bits included)."""
     if xs.is_cuda and has_grouped_mm(xs.dtype):
         return weighted_swiglu(grouped_linear(xs, gate_up, offs, counts), w, limit)
     inter = gate_up.shape[1] // 2

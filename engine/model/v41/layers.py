@@ -124,6 +124,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList([Expert(cfg, dtype) for _ in range(cfg.n_routed_experts)])
         self.shared_experts = Expert(cfg, dtype)
         self.stacks: tuple[torch.Tensor, torch.Tensor] | None = None  # see stack()
+        self.shared_stack: torch.Tensor | None = None  # see shared_gate_up()
 
     @torch.no_grad()
     def stack(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +143,20 @@ class MoE(nn.Module):
             e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = gate_up[j, :inter], gate_up[j, inter:], down[j]
         self.stacks = (gate_up, down)
         return self.stacks
+
+    @torch.no_grad()
+    def shared_gate_up(self) -> torch.Tensor:
+        """The shared expert's gate|up ``(2I, H)`` as one matrix, its ``w1``/``w3`` made views of
+        it (the weights held once). Built on the first call; kept while they still are those views."""
+        se = self.shared_experts
+        inter = se.w1.weight.shape[0]
+        both = self.shared_stack
+        if both is not None and se.w1.weight.data_ptr() == both.data_ptr() and se.w3.weight.data_ptr() == both[inter].data_ptr():
+            return both
+        both = torch.cat([se.w1.weight, se.w3.weight])  # (2I, H)
+        se.w1.weight.data, se.w3.weight.data = both[:inter], both[inter:]
+        self.shared_stack = both
+        return both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x)  # (N, k) each

@@ -57,9 +57,10 @@ from kernels.prefill import AttentionTuning, hc_pre_block_parts, prefill_attenti
 
 ExpertGemm = tuple[GemmConfig | None, GemmConfig | None]  # gate|up, down (see V41Tuning.expert_gemm)
 TORCH_GEMMS: ExpertGemm = (None, None)
-# the H200 sweep at V4.1-Flash's shapes, 8K tokens (NOTES run 51): gate|up + weighted SwiGLU 6.13 ms
-# against 8.13 for torch._grouped_mm + weighted_swiglu, down 3.00 against 4.09
-HOPPER_GEMMS: ExpertGemm = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 4))
+# the H200 sweeps at V4.1-Flash's shapes, 8K tokens (NOTES runs 51, 58): gate|up + weighted SwiGLU
+# 5.57 ms with 32-row tail tiles (6.12 without; 8.13 for torch._grouped_mm + weighted_swiglu),
+# down 2.81 with 64-row tails (3.00 without, 4.09 torch)
+HOPPER_GEMMS: ExpertGemm = ((128, 128, 64, 8, 4, 32), (128, 256, 64, 8, 4, 64))
 
 
 def expert_gemms(choice: ExpertGemm | None, x: torch.Tensor) -> ExpertGemm:
@@ -127,7 +128,7 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> t
     The (token, pick) slots sorted by expert (tokens ascending inside an expert: the rows the
     general path hands each expert), one grouped GEMM for gate|up and one for down; between them
     ``weight · silu(gate) · up`` in fp32 as ``Expert.forward``; each token's outputs summed in fp32 in
-    ascending expert order, then the shared expert's, as ``MoE.forward``. ``expert_gemm``: the
+    ascending expert order, then the shared expert's (``_shared_expert``), as ``MoE.forward``. ``expert_gemm``: the
     Triton launch configs of the bf16 GEMMs (``V41Tuning.expert_gemm``, ``expert_gemms``)."""
     weights, indices = layer.gate(x)  # (N, k) each
     indices, order = indices.sort(dim=-1)  # a token's picks in ascending expert order
@@ -149,7 +150,17 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> t
     else:
         y = grouped_linear(act, down, offs, counts)
     row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=x.device))
-    return combine_in_order(y, row_of_slot, k, layer.shared_experts(x))
+    return combine_in_order(y, row_of_slot, k, _shared_expert(layer, x))
+
+
+def _shared_expert(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """``layer.shared_experts(x)``: on CUDA its gate and up as one GEMM and the SwiGLU in one
+    kernel (``weighted_swiglu`` with unit weights: ``Expert.forward``'s roundings), else the module."""
+    se = layer.shared_experts
+    if not x.is_cuda:
+        return se(x)
+    act = weighted_swiglu(F.linear(x, layer.shared_gate_up()), torch.ones(x.shape[0], device=x.device), se.limit)  # (N, I)
+    return se.w2(act)
 
 
 def _triton_gemm(xs: torch.Tensor, cfg: GemmConfig | None) -> bool:

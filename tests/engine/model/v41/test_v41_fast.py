@@ -56,6 +56,18 @@ def test_fast_moe_fp32_ignores_expert_gemm() -> None:
     assert torch.equal(moe(layer, x, TILES), moe(layer, x))
 
 
+def test_shared_gate_up_is_one_matrix_the_expert_views() -> None:
+    """``MoE.shared_gate_up``: w1 over w3 in one matrix, built once, the expert's own weights
+    then views of it (its output unchanged, bit for bit)."""
+    layer, x = _tiny_moe(torch.float32, 10.0)
+    se = layer.shared_experts
+    w1, w3, before = se.w1.weight.detach().clone(), se.w3.weight.detach().clone(), se(x)
+    both = layer.shared_gate_up()
+    assert torch.equal(both, torch.cat([w1, w3])) and layer.shared_gate_up() is both
+    assert se.w1.weight.data_ptr() == both.data_ptr() and se.w3.weight.data_ptr() == both[w1.shape[0]].data_ptr()
+    assert torch.equal(se(x), before)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("limit", [1.0, 0.0])
 def test_fast_moe_triton_expert_gemm_matches_torch(limit: float) -> None:

@@ -450,10 +450,29 @@ def annotate_modules() -> None:
     wrap(fk, "norm_rope", "norm_rope")
 
 
+def idle_gaps(events: list, top: int = 12) -> list[str]:
+    """Lines on where the GPU waits inside a profiled run: the time between one kernel's end and
+    the next one's start, in total, before the first kernel, and the largest gaps with the kernels
+    on either side (host work or a sync the stream waited for)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    if not spans:
+        return []
+    gaps, end, prev = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, start - spans[0][0], prev, name))
+        if stop > end:
+            end, prev = stop, name
+    lines = [f"GPU idle between kernels: {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps over {(end - spans[0][0]) / 1e3:.2f} ms; the largest:"]
+    for gap, at, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap / 1e3:7.3f} ms at {at / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
+    return lines
+
+
 def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
     """CUDA kernels of one ``n``-token general-path prefill, by total time (where prefill goes),
-    plus the time per annotated module (``annotate_modules``), per operator and input shapes, and
-    per function of the project's Python code (its kernels, nested)."""
+    plus the time per annotated module (``annotate_modules``), the GPU's idle gaps (``idle_gaps``)
+    and the device time per operator and input shapes."""
     from torch.profiler import ProfilerActivity, profile
 
     annotate_modules()
@@ -465,7 +484,7 @@ def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
     _sync()
     wall = time.perf_counter() - t0
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         model([(model.new_state(), ids)])
         _sync()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -485,14 +504,11 @@ def profile_prefill(model, n: int, vocab: int, out_prefix: str) -> None:
         lines.append(f"  {t / 1e3:9.2f} ms {c:6d}x  {name}")
     sort = "cuda_time_total" if events else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+    lines += ["", *idle_gaps(events)]
     lines += ["", "operators by input shapes (device time):"]
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
     for e in sorted(ops, key=lambda e: -e.device_time_total)[:30]:
         lines.append(f"  {e.device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key} {str(e.input_shapes)[:160]}")
-    lines += ["", "the project's Python functions (device time of the kernels inside, nested):"]
-    frames = [e for e in prof.key_averages() if ".py(" in e.key and ("engine/" in e.key or "kernels/" in e.key)]
-    for e in sorted(frames, key=lambda e: -e.device_time_total)[:40]:
-        lines.append(f"  {e.device_time_total / 1e3:9.2f} ms {e.count:6d}x  {e.key[-110:]}")
     text = "\n".join(lines)
     print(text, flush=True)
     with open(f"{out_prefix}_prefill{n}.txt", "w") as f:

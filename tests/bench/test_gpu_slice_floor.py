@@ -1,4 +1,4 @@
-"""``bench.gpu_slice_bench``'s byte floors of the plain and the verify step (issue 25)."""
+"""``bench.gpu_slice_bench``: the byte floors of the plain and the verify step (issue 25), the profile's idle gaps."""
 
 from __future__ import annotations
 
@@ -23,3 +23,17 @@ def test_verify_floor_between_the_plain_floor_and_width_plain_steps(batch: int) 
         verify = decode_floor_bytes(cfg, batch, 1024, w)
         assert last < verify < w * plain
         last = verify
+
+
+def test_idle_gaps_are_the_time_no_kernel_runs() -> None:
+    """``idle_gaps``: overlapping kernels leave no gap; the waits between them sum, largest first,
+    each named by the kernels on either side."""
+    from types import SimpleNamespace
+
+    from bench.gpu_slice_bench import idle_gaps
+
+    spans = [(0, 10, "a"), (5, 12, "b"), (40, 50, "c"), (51, 60, "d")]  # µs, as the profiler's events
+    lines = idle_gaps([SimpleNamespace(time_range=SimpleNamespace(start=a, end=b), name=n) for a, b, n in spans])
+    assert lines[0].startswith("GPU idle between kernels: 0.03 ms in 2 gaps over 0.06 ms")
+    assert "after b  before c" in lines[1] and "after c  before d" in lines[2]
+    assert idle_gaps([]) == []

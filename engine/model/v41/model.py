@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from engine.model.batch_ids import ids_positions
 from engine.model.lm_head import LMHead
 from engine.model.rope import Rotary
 from engine.model.v41.attention import V41_TUNING, Attention, Chunk, Shared, V41Tuning
@@ -131,10 +132,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 raise ValueError("every chunk needs at least one token")
             spans.append((n, n + len(ids)))
             n += len(ids)
-        token_ids = torch.tensor([t for _, ids in chunks for t in ids], dtype=torch.long, device=device)  # (N,)
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= cfg.vocab_size:
-            raise ValueError(f"token id out of range [0, {cfg.vocab_size})")
-        positions = torch.cat([torch.arange(st.num_tokens, st.num_tokens + len(ids), device=device) for st, ids in chunks])  # (N,)
+        token_ids, positions = ids_positions(chunks, n, cfg.vocab_size, device)  # (N,) each, no sync
         hash_ids = None
         if self.hasher is not None:
             hash_ids = torch.cat([self.hasher.hash_ids(st.engram, token_ids[a:b]) for (st, _), (a, b) in zip(chunks, spans)])  # (N, L, cols)

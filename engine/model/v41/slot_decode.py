@@ -198,6 +198,8 @@ class V41SlotDecoder:
             self._hash = None if h is None else tuple(t.to(dev) for t in (h.token_map, h.multipliers, h.primes, h.offsets))
             self._inputs = torch.zeros(3, self.buckets[-1], dtype=torch.long, device=dev)  # ids, positions, slots
         self._experts = list(experts) if experts is not None else self._stack_experts()
+        for layer in model.model.layers:  # made now, not by a later prefill: captured graphs hold the weights' addresses
+            layer.ffn.shared_gate_up()
         self.tuning = tuning
         self.grouped_moe = use_triton(self._inputs) and has_grouped_mm(dt)
         self.kernels = use_triton(self._inputs) if kernels is None else kernels  # the step's glue in Triton (module docstring)

@@ -104,6 +104,22 @@ def test_the_up_front_indices_are_every_index_a_step_asks(case: str) -> None:
     assert asked and set(dec._memo) == asked
 
 
+def test_the_decoder_makes_every_expert_weight_view_before_it_captures() -> None:
+    """The routed stacks and the shared experts' gate|up exist once a decoder is built, its
+    experts' parameters views of them: a later CUDA prefill (``prefill._shared_expert``) moves no
+    weight a captured graph reads (run 63: it did, and the engine's slot decode went wrong)."""
+    ckpt, _ = fixture_case("tester")
+    model = load_v41_model(ckpt, dtype="float32", device="cpu")
+    V41SlotDecoder(model, max_slots=2, max_tokens=16)
+    for layer in model.model.layers:
+        moe, se = layer.ffn, layer.ffn.shared_experts
+        assert moe.stacks is not None and moe.experts[0].w1.weight.data_ptr() == moe.stacks[0].data_ptr()
+        assert moe.shared_stack is not None and se.w1.weight.data_ptr() == moe.shared_stack.data_ptr()
+        before = [p.data_ptr() for p in moe.parameters()]
+        moe.stack(), moe.shared_gate_up()  # what a prefill calls: nothing moves
+        assert [p.data_ptr() for p in moe.parameters()] == before
+
+
 def test_load_refuses_states_the_slots_cannot_hold() -> None:
     ckpt, _ = fixture_case("tester")
     model = load_v41_model(ckpt, dtype="float32", device="cpu")

@@ -451,9 +451,9 @@ def annotate_modules() -> None:
 
 
 def idle_gaps(events: list, top: int = 12) -> list[str]:
-    """Lines on where the GPU waits inside a profiled run: the time between one kernel's end and
-    the next one's start, in total, before the first kernel, and the largest gaps with the kernels
-    on either side (host work or a sync the stream waited for)."""
+    """Lines on where the GPU waits inside a profiled run, from the first kernel's start to the
+    last one's end: the time between one kernel's end and the next one's start in total, and the
+    ``top`` largest gaps with the kernels on either side (host work or a sync the stream waited for)."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
     if not spans:
         return []

@@ -17,13 +17,10 @@ import torch
 from kernels._common import HAS_TRITON, tl, triton, use_triton
 from kernels.reference import apply_rope_inplace
 
-ROWS_PER_PROGRAM = 32
-
-
-def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows_per_program: int = 32) -> torch.Tensor:
     """``apply_rope_inplace(x, cos, sin)``: ``x (N, D)`` or ``(N, G, D)`` (unit last stride), row
     ``n`` rotated by ``cos[n], sin[n]`` (``(N, R/2)``, interleaved pairs of the last ``R``
-    channels) → ``x``."""
+    channels) → ``x``; ``rows_per_program``: the kernel's rows of ``D`` per program (a power of two)."""
     if not (use_triton(x) and x.dtype == cos.dtype == sin.dtype == torch.bfloat16):
         return apply_rope_inplace(x, cos, sin)
     v = x if x.dim() == 3 else x.unsqueeze(1)
@@ -31,8 +28,8 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rope = 2 * cos.shape[-1]
     assert v.stride(-1) == 1 and cos.shape[0] == n and cos.is_contiguous() and sin.is_contiguous() and rope <= d
     if n * g:
-        _rope_inplace_kernel[(triton.cdiv(n * g, ROWS_PER_PROGRAM),)](
-            v, cos, sin, n * g, g, d, v.stride(0), v.stride(1), ROPE=rope, BR=ROWS_PER_PROGRAM, num_warps=4,
+        _rope_inplace_kernel[(triton.cdiv(n * g, rows_per_program),)](
+            v, cos, sin, n * g, g, d, v.stride(0), v.stride(1), ROPE=rope, BR=rows_per_program, num_warps=4,
         )  # fmt: skip
     return x
 

@@ -57,9 +57,9 @@ from kernels.prefill import AttentionTuning, hc_pre_block_parts, prefill_attenti
 
 ExpertGemm = tuple[GemmConfig | None, GemmConfig | None]  # gate|up, down (see V41Tuning.expert_gemm)
 TORCH_GEMMS: ExpertGemm = (None, None)
-# the H200 sweeps at V4.1-Flash's shapes, 8K tokens (NOTES runs 51, 58): gate|up + weighted SwiGLU
-# 5.57 ms with 32-row tail tiles (6.12 without; 8.13 for torch._grouped_mm + weighted_swiglu),
-# down 2.81 with 64-row tails (3.00 without, 4.09 torch)
+# the H200 sweep at V4.1-Flash's shapes, 8K tokens (NOTES run 59): gate|up + weighted SwiGLU
+# 5.57 ms with 32-row tail tiles (6.29 without; 8.14 for torch._grouped_mm + weighted_swiglu),
+# down 2.81 with 64-row tails (3.00 without, 4.41 torch)
 HOPPER_GEMMS: ExpertGemm = ((128, 128, 64, 8, 4, 32), (128, 256, 64, 8, 4, 64))
 
 

@@ -40,6 +40,7 @@ from engine.model import cpu_layer, cpu_slots, slot_rewind
 from engine.model.attention import Attention, Compressor, Indexer, Projected
 from engine.model.decode import pad_bias, pick_rows
 from engine.model.fp8 import keeps_native_weights
+from engine.model.layers import replicate_streams
 from engine.model.rope import Rotary
 from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, PooledDecoder, SlotPool
 
@@ -133,7 +134,7 @@ class HostDecoder(PooledDecoder):
         ids = torch.tensor(token_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         embeds = model.model.embed_tokens(ids)  # (N, H)
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (N, hc, H)
+        streams = replicate_streams(embeds, cfg.hc_mult)  # (N, hc, H)
         rotary = model.rotary["compress"]
         packed = self._layer_weights() if self.compiled else [None] * len(self.pools)
         compiled = any(w is not None for w in packed)

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from engine.model.fp8 import Fp8Linear, Fp8Weight, Weight, merge_weights, weight_of
 from engine.model import slot_rewind
 from engine.model.attention import Attention, Compressor
-from engine.model.layers import HyperConnection, collapse, swiglu, unweighted_rms_norm
+from engine.model.layers import HyperConnection, collapse, replicate_streams, swiglu, unweighted_rms_norm
 from engine.model.moe import MoE
 from engine.model.slots.graphs import branch, capture
 from engine.model.slots.pool import CompPool, LayerPool, PendingVerify, PooledDecoder, SlotPool
@@ -354,7 +354,7 @@ class StaticDecoder(PooledDecoder):
         ids, pos, slots = self._inputs[0, :n], self._inputs[1, :n], self._inputs[2, :n]
         snap = slot_rewind.snapshot(self.pools, self.slots.windows, pos, slots, b) if width > 1 else None
         embeds = model.model.embed_tokens(ids)  # (n, H)
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (n, hc, H)
+        streams = replicate_streams(embeds, cfg.hc_mult)  # (n, hc, H)
         derived = {key: (self._inputs[3 + 2 * i, :n], self._inputs[4 + 2 * i, :n]) for i, key in enumerate(self._derived)}
         if width > 1:  # each column's window before the step: (ring end, length) per window size
             j = torch.arange(n, device=pos.device) // b

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
-from engine.model.layers import GroupedLinear
+from engine.model.layers import GroupedLinear, replicate_streams
 from engine.model.v41.config import V41Config
 from engine.model.v41.layers import MoE, HyperSite, RMSNorm, collapse, expand
 from engine.model.v41.model import DeepseekV41ForCausalLM
@@ -252,7 +252,7 @@ class DSpark(nn.Module):
         ids[:, 0] = anchors
         positions = (anchor_pos[:, None] + torch.arange(width, device=anchors.device)).flatten()  # (B·L,)
         embeds = model.model.embed(ids.flatten())  # (B·L, H)
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        streams = replicate_streams(embeds, cfg.hc_mult)
         pre = torch.zeros(streams.shape[0], cfg.hc_mult, dtype=torch.float32, device=embeds.device)
         pre[:, 0] = 1.0
         rope = model.rotary["main"].cos_sin(positions, embeds.dtype)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine.model.batch_ids import ids_positions
+from engine.model.layers import replicate_streams
 from engine.model.lm_head import LMHead
 from engine.model.rope import Rotary
 from engine.model.v41.attention import V41_TUNING, Attention, Chunk, Shared, V41Tuning
@@ -137,7 +138,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.hasher is not None:
             hash_ids = torch.cat([self.hasher.hash_ids(st.engram, token_ids[a:b]) for (st, _), (a, b) in zip(chunks, spans)])  # (N, L, cols)
         embeds = self.model.embed(token_ids)  # (N, H)
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (N, hc, H)
+        streams = replicate_streams(embeds, cfg.hc_mult)  # (N, hc, H)
         pre = torch.zeros(n, cfg.hc_mult, dtype=torch.float32, device=device)  # (N, hc): one-hot first mix
         pre[:, 0] = 1.0
         ropes = {kind: rot.cos_sin(positions, embeds.dtype) for kind, rot in self.rotary.items()}

@@ -83,6 +83,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.model.layers import replicate_streams
 from engine.model.static_decode import BUCKETS, bucket_for
 from engine.model.slots.graphs import branch, capture
 from engine.model.v41.attention import candidate_blocks
@@ -355,7 +356,7 @@ class V41SlotDecoder:
         self._memo = {}  # this step's index tensors, each computed once for the layers that share it (_once)
         hash_ids = self._engram_hashes(ids, slots) if self.history.shape[1] else None
         embeds = model.model.embed(ids)  # (b, H)
-        streams = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # (b, hc, H)
+        streams = replicate_streams(embeds, cfg.hc_mult)  # (b, hc, H)
         pre = torch.zeros(b, cfg.hc_mult, dtype=torch.float32, device=ids.device)  # (b, hc): one-hot first mix
         pre[:, 0] = 1.0
         ropes = None if self.kernels else {kind: rot.cos_sin(pos, embeds.dtype) for kind, rot in model.rotary.items()}

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.decode import pick_rows
-from engine.model.layers import PackedLinear
+from engine.model.layers import PackedLinear, replicate_streams
 from kernels.reference import sinkhorn
 from engine.model.loader import load_model
 
@@ -73,3 +73,11 @@ def test_packed_linear_matches_linear() -> None:
         lin.weight.mul_(2)
     x = torch.randn(8, 128, generator=g)
     assert (packed(x) - F.linear(x, lin.weight)).abs().max().item() <= TOL
+
+
+def test_replicate_streams_is_the_broadcast_copy() -> None:
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = replicate_streams(x, 4)
+    assert got.shape == (6, 4, 40) and got.is_contiguous()
+    assert torch.equal(got, x.unsqueeze(1).expand(-1, 4, -1).contiguous())
+    assert replicate_streams(x[:0], 4).shape == (0, 4, 40)

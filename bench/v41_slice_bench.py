@@ -14,7 +14,8 @@ context's state prefilled once by the model and loaded into every slot; beside i
 batch, the lm_head, each slot's FP8 window, chosen FP4 rows and FP4 indexer keys as the pools hold them)
 at the copy bandwidth measured in the same run. ``parity`` = the slot step's logits against the
 model's forward on the same states and tokens. ``prefill`` = one chunk of ``--prefill`` tokens on
-the model's default path on the device (the fast path, ``engine.model.v41.prefill``, on CUDA), its
+the model's default path on the device (the fast path, ``engine.model.v41.prefill``, on CUDA), the
+median of 5 single synced forwards after 2 warm-ups (``seconds_each``: all 5), its
 FLOPs (projections, experts, attention, indexer) against the bf16 matmul rate measured in the run;
 ``breakdown``: one more prefill with a device sync around each layer's attention (projections,
 compressor, indexer, attention, output projections; the indexer's ``select``, the compressor's
@@ -201,8 +202,10 @@ def component_timer(model: DeepseekV41ForCausalLM) -> Iterator[dict[str, float]]
 
 def prefill_rows(model: DeepseekV41ForCausalLM, ids: list[int], flops: dict[str, float], mm: float, general: bool) -> dict:
     """The ``prefill`` row (module docstring) of one chunk ``ids`` on a fresh state."""
-    pre = _sync_time(lambda: model([(model.new_state(), ids)]), 1, 2)
-    row: dict = {"kind": "prefill", "tokens": len(ids), "seconds": pre, "flops": flops["total"],
+    # the median of 5 single forwards after 2 warm-ups (the mean of 2 moved by ~3 ms between calls)
+    each = sorted(_sync_time(lambda: model([(model.new_state(), ids)]), 2 if i == 0 else 0, 1) for i in range(5))
+    pre = each[2]
+    row: dict = {"kind": "prefill", "tokens": len(ids), "seconds": pre, "seconds_each": each, "flops": flops["total"],
                  "tflops": flops["total"] / pre / 1e12, "of_matmul_rate": flops["total"] / pre / mm}  # fmt: skip
     with component_timer(model) as times:
         t0 = time.perf_counter()

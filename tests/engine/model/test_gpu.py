@@ -84,20 +84,3 @@ def test_rope_table_rows_equal_cos_sin() -> None:
             cos_t, sin_t = rot.table(9001, dtype, torch.device("cuda"))
             cos, sin = rot.cos_sin(pos, dtype)
             assert torch.equal(cos_t[pos], cos) and torch.equal(sin_t[pos], sin)
-
-
-def test_grouped_linear_writes_its_output_in_row_order() -> None:
-    """On CUDA the grouped projection's batched GEMM writes ``(N, G, out/G)`` directly (a
-    contiguous result, no copy at a later flatten), the same values as the transposed GEMM."""
-    from engine.model.layers import GroupedLinear
-
-    g = torch.Generator(device="cuda").manual_seed(5)
-    for dtype in (torch.float32, torch.bfloat16):
-        lin = GroupedLinear(256, 8 * 64, 8, dtype).cuda()
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g, device="cuda") * 0.05)
-        x = torch.randn(300, 8, 256, generator=g, device="cuda").to(dtype)
-        got = lin(x)
-        want = torch.bmm(x.transpose(0, 1), lin.weight.view(8, -1, 256).transpose(1, 2)).transpose(0, 1)
-        assert got.is_contiguous() and got.shape == (300, 8, 64)
-        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)

@@ -37,13 +37,10 @@ import torch
 from kernels._common import HAS_TRITON, INTERPRET, dot_precision, mma, tl, triton, use_triton
 
 class GemmConfig(NamedTuple):
-    """One grouped GEMM launch: rows and columns per tile, K step, warps, pipeline stages,
+    """One grouped GEMM launch: rows and columns per tile, K step, warps, pipeline stages, and
     ``tail``: an expert's last tile with at most this many rows runs as a ``tail``-row tile (0:
     always ``bm`` rows; at ~128 rows per expert half the experts spill a few rows into a second
-    mostly empty 128-row tile), and ``fuse_tail``: those last rows ride in the expert's previous
-    ``bm``-row program instead, as a second row tile of its K loop that reuses each weight tile
-    it loads (a separate tail program streams the whole weight again). A plain 5- to 7-tuple in
-    this order is taken too."""
+    mostly empty 128-row tile). A plain 5- or 6-tuple in this order is taken too."""
 
     bm: int
     bn: int
@@ -51,7 +48,6 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tail: int = 0
-    fuse_tail: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,21 +71,11 @@ class GroupedMoETuning:
 GROUPED_MOE = GroupedMoETuning()  # the default
 
 
-def _schedule(offs: torch.Tensor, bm: int, n_tiles: int, tail: int = 0, part: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row starts ``(E,)`` int32 and per-expert program offsets ``(E+1,)`` int32 (exclusive scan) of
-    one launch: ``part`` 0 every ``bm``-row tile (``cdiv(rows, bm)``); with a fused ``tail`` (< ``bm``)
-    an expert's last tile takes up to ``tail`` rows past its ``bm`` (``max(1, cdiv(rows - tail, bm))``
-    tiles), part 1 the tiles of ``bm`` rows or fewer, part 2 the last tile where it holds more."""
+def _schedule(offs: torch.Tensor, bm: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row starts ``(E,)`` int32 and per-expert program offsets ``(E+1,)`` int32 (exclusive scan)."""
     ends = offs.to(torch.int32)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    rows = ends - starts
-    if part == 0:
-        tiles = (rows + bm - 1) // bm
-    else:
-        m = torch.where(rows > 0, ((rows - tail + bm - 1) // bm).clamp_min(1), 0)
-        spill = (rows - (m - 1) * bm > bm).to(torch.int32)
-        tiles = m - spill if part == 1 else spill
-    tiles = tiles * n_tiles
+    tiles = (ends - starts + bm - 1) // bm * n_tiles
     pstart = torch.cat([ends.new_zeros(1), torch.cumsum(tiles, 0, dtype=torch.int32)])
     return starts, pstart
 
@@ -111,9 +97,7 @@ def grouped_mm(
     assert not weighted or (swiglu_limit is not None and row_weight.shape == (m,) and row_weight.dtype == torch.float32), (
         "row_weight: (M,) fp32, with swiglu_limit"
     )
-    bm, bn, bk, warps, stages, tail, fuse_tail = GemmConfig(*cfg)
-    tail = tail if 0 < tail < bm else 0
-    fuse_tail = bool(fuse_tail and tail)
+    bm, bn, bk, warps, stages, tail = GemmConfig(*cfg)
     if xs.element_size() == 4:  # fp32 tiles (tests) take twice the shared memory per stage
         stages = min(stages, 2)
     assert k % bk == 0
@@ -122,19 +106,16 @@ def grouped_mm(
     if m == 0:
         return out
     n_tiles = triton.cdiv(n_out, bn)
+    starts, pstart = _schedule(offs, bm, n_tiles)
+    grid = ((triton.cdiv(m, bm) + e) * n_tiles,)
     limit = float(swiglu_limit or 0.0)
-    # fused tails: two launches, the plain tiles then the fused ones (in one kernel the fused path's
-    # code slowed the plain tiles by up to 18%, H200 run 64)
-    for part in (1, 2) if fuse_tail else (0,):
-        starts, pstart = _schedule(offs, bm, n_tiles, tail, part)
-        grid = ((triton.cdiv(m, bm) + e if part < 2 else e) * n_tiles,)
-        _gmm_kernel[grid](
-            xs, w, out, starts, offs, pstart, row_weight.contiguous() if weighted else out, rows if rows is not None else offs,
-            e, m, n_out, k, xs.stride(0), w.stride(0), w.stride(1), out.stride(0), limit, n_tiles, n_out,
-            BM=bm, BN=bn, BK=bk, TAIL=tail, PART=part, SWIGLU=swiglu_limit is not None, WEIGHTED=weighted,
-            CLAMP=not weighted or limit > 0, EXACT=weighted and not INTERPRET, GATHER=rows is not None,
-            LOG_E=max(1, (e - 1).bit_length()) + 1, PRECISION=dot_precision(xs.dtype), num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+    _gmm_kernel[grid](
+        xs, w, out, starts, offs, pstart, row_weight.contiguous() if weighted else out, rows if rows is not None else offs,
+        e, m, n_out, k, xs.stride(0), w.stride(0), w.stride(1), out.stride(0), limit, n_tiles, n_out,
+        BM=bm, BN=bn, BK=bk, TAIL=tail if 0 < tail < bm else 0, SWIGLU=swiglu_limit is not None, WEIGHTED=weighted,
+        CLAMP=not weighted or limit > 0, EXACT=weighted and not INTERPRET, GATHER=rows is not None,
+        LOG_E=max(1, (e - 1).bit_length()) + 1, PRECISION=dot_precision(xs.dtype), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out
 
 
@@ -187,9 +168,14 @@ if HAS_TRITON:
     from triton.language.extra.cuda import libdevice
 
     @triton.jit
-    def _tile_rows(src_ptr, r0, r1, M, TM: tl.constexpr, GATHER: tl.constexpr):
-        """Rows ``[r0, r1)`` as a ``TM``-row tile: their indices, which are real, the indices
-        clamped into ``[0, M)`` and the ``x`` rows the loads read (``src`` where ``GATHER``)."""
+    def _gmm_tile(
+        x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K,
+        stride_x, stride_we, stride_wn, stride_o, limit, up_off,
+        TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
+        CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[r0, r1)`` (at most ``TM``) of expert ``e`` times its column tile ``n_t``:
+        the K loop, the epilogue (module docstring) and the masked store."""
         rows = r0 + tl.arange(0, TM)
         r_ok = rows < r1
         rows_c = tl.minimum(rows, M - 1).to(tl.int64)
@@ -197,21 +183,30 @@ if HAS_TRITON:
             a_rows = tl.load(src_ptr + rows_c).to(tl.int64)
         else:
             a_rows = rows_c
-        return rows, r_ok, rows_c, a_rows
-
-    @triton.jit
-    def _acc_dot(a, b, acc, PRECISION: tl.constexpr):
-        if PRECISION == "interpret":
-            return acc + mma(a, b, PRECISION)
-        else:
-            return tl.dot(a, b, acc, input_precision=PRECISION)
-
-    @triton.jit
-    def _gmm_store(
-        acc, acc2, out_ptr, rw_ptr, rows, r_ok, rows_c, cols, c_ok, stride_o, limit,
-        SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, CLAMP: tl.constexpr, EXACT: tl.constexpr,
-    ):  # fmt: skip
-        """The epilogue (module docstring; ``acc2``: the up columns, read with ``SWIGLU``) and the masked store."""
+        cols = n_t * BN + tl.arange(0, BN)
+        c_ok = cols < N_OUT
+        cols_c = tl.minimum(cols, N_OUT - 1).to(tl.int64)
+        kk = tl.arange(0, BK)
+        a_ptrs = x_ptr + a_rows[:, None] * stride_x + kk[None, :]
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        b_ptrs = w_base + cols_c[None, :] * stride_wn + kk[:, None]  # (BK, BN)
+        acc = tl.zeros((TM, BN), dtype=tl.float32)
+        if SWIGLU:
+            u_ptrs = b_ptrs + up_off * stride_wn
+            acc2 = tl.zeros((TM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = tl.load(a_ptrs + k0)
+            b = tl.load(b_ptrs + k0)
+            if PRECISION == "interpret":
+                acc += mma(a, b, PRECISION)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SWIGLU:
+                u = tl.load(u_ptrs + k0)
+                if PRECISION == "interpret":
+                    acc2 += mma(a, u, PRECISION)
+                else:
+                    acc2 = tl.dot(a, u, acc2, input_precision=PRECISION)
         ty = out_ptr.dtype.element_ty
         if SWIGLU:  # the GEMM's outputs in the output dtype, then the SwiGLU in fp32 (module docstring)
             g = acc.to(ty).to(tl.float32)
@@ -231,73 +226,11 @@ if HAS_TRITON:
         tl.store(o_ptrs, res.to(ty), mask=r_ok[:, None] & c_ok[None, :])
 
     @triton.jit
-    def _gmm_tile(
-        x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K,
-        stride_x, stride_we, stride_wn, stride_o, limit, up_off,
-        TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
-        CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        """Rows ``[r0, r1)`` (at most ``TM``) of expert ``e`` times its column tile ``n_t``:
-        the K loop, the epilogue (module docstring) and the masked store."""
-        rows, r_ok, rows_c, a_rows = _tile_rows(src_ptr, r0, r1, M, TM, GATHER)
-        cols = n_t * BN + tl.arange(0, BN)
-        c_ok = cols < N_OUT
-        cols_c = tl.minimum(cols, N_OUT - 1).to(tl.int64)
-        kk = tl.arange(0, BK)
-        a_ptrs = x_ptr + a_rows[:, None] * stride_x + kk[None, :]
-        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols_c[None, :] * stride_wn + kk[:, None]  # (BK, BN)
-        u_ptrs = b_ptrs + up_off * stride_wn
-        acc = tl.zeros((TM, BN), dtype=tl.float32)
-        acc2 = tl.zeros((TM, BN if SWIGLU else 16), dtype=tl.float32)  # the up columns (unused without SWIGLU)
-        for k0 in range(0, K, BK):
-            a = tl.load(a_ptrs + k0)
-            acc = _acc_dot(a, tl.load(b_ptrs + k0), acc, PRECISION)
-            if SWIGLU:
-                acc2 = _acc_dot(a, tl.load(u_ptrs + k0), acc2, PRECISION)
-        _gmm_store(acc, acc2, out_ptr, rw_ptr, rows, r_ok, rows_c, cols, c_ok, stride_o, limit, SWIGLU, WEIGHTED, CLAMP, EXACT)
-
-    @triton.jit
-    def _gmm_tile_tail(
-        x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K,
-        stride_x, stride_we, stride_wn, stride_o, limit, up_off,
-        BM: tl.constexpr, TAIL: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
-        CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        """``_gmm_tile`` of rows ``[r0, r0 + BM)`` and the expert's last rows ``[r0 + BM, r1)``
-        (at most ``TAIL``) in one K loop: each weight tile is loaded once for both row tiles."""
-        rows, r_ok, rows_c, a_rows = _tile_rows(src_ptr, r0, r0 + BM, M, BM, GATHER)
-        t_rows, t_ok, t_rows_c, t_a_rows = _tile_rows(src_ptr, r0 + BM, r1, M, TAIL, GATHER)
-        cols = n_t * BN + tl.arange(0, BN)
-        c_ok = cols < N_OUT
-        cols_c = tl.minimum(cols, N_OUT - 1).to(tl.int64)
-        kk = tl.arange(0, BK)
-        a_ptrs = x_ptr + a_rows[:, None] * stride_x + kk[None, :]
-        t_ptrs = x_ptr + t_a_rows[:, None] * stride_x + kk[None, :]
-        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols_c[None, :] * stride_wn + kk[:, None]  # (BK, BN)
-        u_ptrs = b_ptrs + up_off * stride_wn
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        t_acc = tl.zeros((TAIL, BN), dtype=tl.float32)
-        acc2 = tl.zeros((BM, BN if SWIGLU else 16), dtype=tl.float32)
-        t_acc2 = tl.zeros((TAIL, BN if SWIGLU else 16), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = tl.load(a_ptrs + k0)
-            t_a = tl.load(t_ptrs + k0)
-            b = tl.load(b_ptrs + k0)
-            acc = _acc_dot(a, b, acc, PRECISION)
-            t_acc = _acc_dot(t_a, b, t_acc, PRECISION)
-            if SWIGLU:
-                u = tl.load(u_ptrs + k0)
-                acc2 = _acc_dot(a, u, acc2, PRECISION)
-                t_acc2 = _acc_dot(t_a, u, t_acc2, PRECISION)
-        _gmm_store(acc, acc2, out_ptr, rw_ptr, rows, r_ok, rows_c, cols, c_ok, stride_o, limit, SWIGLU, WEIGHTED, CLAMP, EXACT)
-        _gmm_store(t_acc, t_acc2, out_ptr, rw_ptr, t_rows, t_ok, t_rows_c, cols, c_ok, stride_o, limit, SWIGLU, WEIGHTED, CLAMP, EXACT)
-
-    @triton.jit
     def _gmm_kernel(
         x_ptr, w_ptr, out_ptr, start_ptr, end_ptr, pstart_ptr, rw_ptr, src_ptr,
         E, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o, limit, n_tiles, up_off,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, PART: tl.constexpr,
-        SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr, CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, SWIGLU: tl.constexpr,
+        WEIGHTED: tl.constexpr, CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr,
         LOG_E: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
@@ -314,27 +247,12 @@ if HAS_TRITON:
             e = lo
             row0 = tl.load(start_ptr + e)
             row1 = tl.load(end_ptr + e)
+            m_tiles = (row1 - row0 + BM - 1) // BM
             local = pid - tl.load(pstart_ptr + e)
-            if PART == 0:
-                count = (row1 - row0 + BM - 1) // BM
-                r0 = row0 + (local % count) * BM
-            else:  # _schedule's fused-tail tiles: the last takes up to TAIL rows past its BM
-                m_tiles = tl.maximum((row1 - row0 - TAIL + BM - 1) // BM, 1)
-                spill = (row1 - row0 - (m_tiles - 1) * BM > BM).to(tl.int32)
-                if PART == 1:
-                    count = m_tiles - spill
-                    r0 = row0 + (local % count) * BM
-                else:
-                    count = 1
-                    r0 = row0 + (m_tiles - 1) * BM
-            n_t = local // count
+            n_t = local // m_tiles
+            r0 = row0 + (local % m_tiles) * BM
             r1 = tl.minimum(r0 + BM, row1)
-            if PART == 2:  # BM rows and the expert's last (at most TAIL) past them, one weight read
-                _gmm_tile_tail(
-                    x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, row1, n_t, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o,
-                    limit, up_off, BM, TAIL, BN, BK, SWIGLU, WEIGHTED, CLAMP, EXACT, GATHER, PRECISION,
-                )  # fmt: skip
-            elif TAIL > 0 and r1 - r0 <= TAIL:  # an expert's last few rows: a TAIL-row tile, not a BM-row one
+            if TAIL > 0 and r1 - r0 <= TAIL:  # an expert's last few rows: a TAIL-row tile, not a BM-row one
                 _gmm_tile(
                     x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o,
                     limit, up_off, TAIL, BN, BK, SWIGLU, WEIGHTED, CLAMP, EXACT, GATHER, PRECISION,
@@ -350,15 +268,13 @@ __all__ = ["grouped_mm", "grouped_mm_reference", "moe_experts_prefill", "use_pre
 
 
 SHAPES = {"v4": (256, 4096, 2048, 6), "v41": (384, 5120, 2304, 6)}  # (experts, hidden, inter, top-k)
-UP_CONFIGS: list[GemmConfig] = [  # BN: gate columns (the tile is BM × 2·BN); 8 warps for BM 128; 6th: tail rows, 7th: fused
+UP_CONFIGS: list[GemmConfig] = [  # BN: gate columns (the tile is BM × 2·BN); 8 warps for BM 128; 6th: tail rows
     (64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4, 32), (128, 128, 64, 8, 4, 64),
-    (128, 128, 64, 8, 4, 32, True), (128, 128, 64, 8, 3, 32, True),
 ]  # fmt: skip
 DOWN_CONFIGS: list[GemmConfig] = [
     (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 64, 8, 4, 32), (128, 256, 64, 8, 4, 64),
-    (128, 256, 64, 8, 4, 32, True), (128, 256, 64, 8, 4, 64, True),
 ]  # fmt: skip
 
 

@@ -311,11 +311,7 @@ class Attention(nn.Module):
         """``_output`` with the grouped product written straight into ``(N, G, o_lora)`` rows
         (a transposed ``bmm`` output), so no ``(N, G·o_lora)`` copy is made before ``o_b_proj``."""
         n = out.shape[0]
-        x = out.reshape(n, self.o_groups, -1).transpose(0, 1)  # (G, N, in)
-        w = self.o_a_proj.weight.view(self.o_groups, -1, x.shape[-1]).transpose(1, 2)  # (G, in, out/G)
-        grouped = x.new_empty(n, self.o_groups, w.shape[-1])
-        torch.bmm(x, w, out=grouped.transpose(0, 1))
-        return self.o_b_proj(grouped.view(n, -1))
+        return self.o_b_proj(self.o_a_proj.rows(out.reshape(n, self.o_groups, -1)).view(n, -1))
 
     def _project_fast(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], at: torch.Tensor, fold_q: bool = False

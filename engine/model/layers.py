@@ -68,11 +68,20 @@ class GroupedLinear(nn.Module):
         w = self.weight.view(self.n_groups, -1, x.shape[-1]).transpose(1, 2)  # (G, in, out/G)
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` written straight into ``(N, G, out/G)`` rows (a transposed ``bmm`` output):
+        contiguous, so a later ``flatten(1)`` copies nothing (the fast paths' form on CUDA; on the
+        CPU a GEMM into a strided output can round differently from ``forward``)."""
+        w = self.weight.view(self.n_groups, -1, x.shape[-1]).transpose(1, 2)  # (G, in, out/G)
+        out = x.new_empty(x.shape[0], self.n_groups, w.shape[-1])
+        torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+        return out
+
 
 def replicate_streams(x: torch.Tensor, hc: int) -> torch.Tensor:
     """The mHC streams' start: ``hc`` copies of each row of ``x (N, H)`` as ``(N, hc, H)``, by one
-    concatenation (a vectorised copy: the broadcast ``expand(...).contiguous()`` took 0.45 ms
-    at 8K × 4 × 5120 bf16 on an H200; the same values)."""
+    concatenation (on CUDA a vectorised copy: the broadcast ``expand(...).contiguous()`` ran at
+    ~0.9 TB/s on an H200, 0.34 ms at V4's 8K × 4 × 4096 bf16; the same values)."""
     return torch.cat([x] * hc, dim=1).view(x.shape[0], hc, x.shape[1])
 
 

@@ -275,7 +275,9 @@ class Attention(nn.Module):
                 out[rows] = part
         if not fast:
             out = rope_inplace(out, cos, -sin)  # undo the rotation the values picked up as keys
-        return self.wo_b(self.wo_a(out.view(n, self.o_groups, -1)).flatten(1))
+        grouped = out.view(n, self.o_groups, -1)
+        grouped = self.wo_a.rows(grouped) if fast and x.is_cuda else self.wo_a(grouped)  # (N, G, o_lora); rows: no flatten copy
+        return self.wo_b(grouped.flatten(1))
 
     def _compressed(
         self, c: Chunk, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,

@@ -60,7 +60,7 @@ TORCH_GEMMS: ExpertGemm = (None, None)
 # the H200 sweep at V4.1-Flash's shapes, 8K tokens (NOTES run 59): gate|up + weighted SwiGLU
 # 5.57 ms with 32-row tail tiles (6.29 without; 8.14 for torch._grouped_mm + weighted_swiglu),
 # down 2.81 with 64-row tails (3.00 without, 4.41 torch)
-HOPPER_GEMMS: ExpertGemm = ((128, 128, 64, 8, 4, 32, True), (128, 256, 64, 8, 4, 64, True))
+HOPPER_GEMMS: ExpertGemm = ((128, 128, 64, 8, 4, 32), (128, 256, 64, 8, 4, 64))
 
 
 def expert_gemms(choice: ExpertGemm | None, x: torch.Tensor) -> ExpertGemm:

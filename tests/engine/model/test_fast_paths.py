@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.decode import pick_rows
-from engine.model.layers import PackedLinear, replicate_streams
+from engine.model.layers import GroupedLinear, PackedLinear, replicate_streams
 from kernels.reference import sinkhorn
 from engine.model.loader import load_model
 
@@ -81,3 +81,17 @@ def test_replicate_streams_is_the_broadcast_copy() -> None:
     assert got.shape == (6, 4, 40) and got.is_contiguous()
     assert torch.equal(got, x.unsqueeze(1).expand(-1, 4, -1).contiguous())
     assert replicate_streams(x[:0], 4).shape == (0, 4, 40)
+
+
+def test_grouped_linear_rows_is_forward_in_row_order() -> None:
+    """``GroupedLinear.rows``: ``forward``'s values as a contiguous ``(N, G, out/G)`` tensor."""
+    g = torch.Generator().manual_seed(4)
+    lin = GroupedLinear(48, 4 * 16, 4, torch.float32)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.1)
+    for n in (1, 7, 33):
+        x = torch.randn(n, 4, 48, generator=g)
+        with torch.no_grad():  # the model runs in inference mode (bmm's out= takes no autograd)
+            got = lin.rows(x)
+        assert got.shape == (n, 4, 16) and got.is_contiguous()
+        torch.testing.assert_close(got, lin(x), rtol=1e-6, atol=1e-6)

@@ -225,8 +225,13 @@ def test_other_shapes_resume_exactly(dtype: torch.dtype) -> None:
     names = {re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", k): v for k, v in random_v41_state_dict(model, 3).items()}
     model.load_state_dict(names)
     rng = random.Random(0)
-    prompt = [rng.randrange(HELD_OUT.vocab_size) for _ in range(700)]
-    for upto in (128, 640):
+    assert_resumes_exactly(model, [rng.randrange(HELD_OUT.vocab_size) for _ in range(700)], (128, 640))
+
+
+def assert_resumes_exactly(model: DeepseekV41ForCausalLM, prompt: list[int], uptos: tuple[int, ...]) -> None:
+    """For each ``upto``: a sequence restored from a store holding ``prompt[:upto]`` computes the
+    rest of the prompt with the cold logits of every token, bit for bit."""
+    for upto in uptos:
         conn = _stored(model, prompt, upto)
         seq = Sequence(request=GenerateRequest("q", prompt), sampling=None, tokens=list(prompt), num_prompt=len(prompt))  # type: ignore[arg-type]
         conn.restore(seq, model)

@@ -1,6 +1,7 @@
 """V4.1 checkpoints of other shapes than the fixtures' (schedules, KV sources, streams, windows,
 head widths), written to disk and read by the real loader: the one-shot prefill, a chunked one,
-the cached decode, the slot decoder and ``deepserve generate`` agree (fp32, CPU).
+the cached decode, the slot decoder, ``deepserve generate`` and a prefix resumed from the KV
+store agree (fp32, CPU).
 
 ``index_topk`` is above every prompt's row count here. With fewer picks than rows, which rows a
 query picks among exact relu-zero scores is torch.topk's tie order, and that depends on the score
@@ -26,6 +27,7 @@ from engine.model.v41.loader import load_v41_model
 from engine.model.v41.model import DeepseekV41ForCausalLM
 from engine.model.v41.slot_decode import V41SlotDecoder
 from engine.model.v41.tiny import TINY_V41, random_v41_state_dict
+from tests.engine.test_kv_units_v41 import assert_resumes_exactly
 
 BASE = {**TINY_V41, "vocab_size": 512, "index_topk": 512}
 SHAPES = {
@@ -92,3 +94,11 @@ def test_every_path_agrees_on_other_shapes(tmp_path: Path, name: str) -> None:
     sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     row = next(iter(generate(str(ckpt), [(None, prompt)], sampling, dtype="float32")))
     assert row["generated_ids"] == tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_other_shapes_resume_from_the_store_exactly(tmp_path: Path, name: str) -> None:
+    """Resumed after 1 or 2 units of 128 tokens: the cold logits of every later token, bit for bit."""
+    model = load_v41_model(_checkpoint(tmp_path, name), dtype="float32")
+    prompt = torch.randint(2, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert_resumes_exactly(model, prompt, (128, 256))

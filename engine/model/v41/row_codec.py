@@ -106,7 +106,7 @@ def encode_rows(x: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
         data = codes[:, 0::2] | (codes[:, 1::2] << 4)  # (n, d/2): element 2j low, 2j+1 high
     else:
         data = q.to(torch.float8_e4m3fn).view(torch.uint8)  # (n, d)
-    raw = torch.cat([data, _scale_bytes(scale.reshape(n, -1), fmt)], dim=1)
+    raw = torch.cat([data, _scale_bytes(scale.reshape(n, d // fmt.block), fmt)], dim=1)
     if not torch.equal(decode_rows(raw, d, fmt), xf):
         raise ValueError("rows are not on their quantisation grid; they cannot be stored exactly")
     return raw
@@ -129,4 +129,4 @@ def decode_rows(raw: torch.Tensor, d: int, fmt: RowFormat) -> torch.Tensor:
         scale = sb.view(torch.float8_e4m3fn).float()  # (n, nb)
     else:
         scale = torch.ldexp(torch.ones(sb.shape, dtype=torch.float32), sb.long() - 127)
-    return (q.reshape(n, -1, fmt.block) * scale.unsqueeze(-1)).reshape(n, d)
+    return (q.reshape(n, d // fmt.block, fmt.block) * scale.unsqueeze(-1)).reshape(n, d)

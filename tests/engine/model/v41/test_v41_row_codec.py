@@ -28,6 +28,13 @@ def test_quantised_rows_round_trip_exactly(quantise, fmt, dtype: torch.dtype) ->
         assert torch.equal(back, v) and torch.equal(torch.signbit(back), torch.signbit(v))
 
 
+@pytest.mark.parametrize("quantise,fmt", FORMATS)
+def test_no_rows_encode_to_no_bytes(quantise, fmt) -> None:
+    """A source with no complete group yet (a prompt shorter than its ratio) has no rows to store."""
+    raw = encode_rows(quantise(torch.zeros(0, 64)), fmt)
+    assert raw.shape == (0, fmt.row_bytes(64)) and decode_rows(raw, 64, fmt).shape == (0, 64)
+
+
 def test_row_sizes_are_deepinfers() -> None:
     assert FP4_MAIN.row_bytes(512) == fp4_row_bytes(512, 16) == 288
     assert FP4_INDEX.row_bytes(128) == fp4_row_bytes(128, 32) == 68

@@ -102,3 +102,17 @@ def test_other_shapes_resume_from_the_store_exactly(tmp_path: Path, name: str) -
     model = load_v41_model(_checkpoint(tmp_path, name), dtype="float32")
     prompt = torch.randint(2, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     assert_resumes_exactly(model, prompt, (128, 256))
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_short_prompts_load_into_the_slots(tmp_path: Path, name: str) -> None:
+    """Prompts shorter than a source's ratio (no compressed row yet) or the window: the slot
+    decoder loads their state and steps as the model does."""
+    model = load_v41_model(_checkpoint(tmp_path, name), dtype="float32")
+    dec = V41SlotDecoder(model, 2, 16)
+    for n in (1, 3):
+        st = model.new_state()
+        model([(st, list(range(2, 2 + n)))])
+        dec.load(0, st)
+        got = dec.step([0], [7])[0]
+        assert _close(got.float(), model([(st, [7])])[0]) <= 1e-5

@@ -42,6 +42,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from kernels.fused import NormRopeTuning
+from kernels.prefill_attention_ws import prefill_attention_ws
+from kernels.prefill_attention_ws import supported as ws_supported
+from kernels.rope import rope_inplace
 from kernels._common import (
     HAS_TRITON,
     INTERPRET,
@@ -208,6 +211,13 @@ def prefill_attention(
     i = torch.arange(s, device=q.device, dtype=torch.int32)
     slot = torch.clamp(i, min=pad)  # first real key of query i
     swa_len = i + window - slot
+    ws_rows = rows is not None and rows.shape[0] > 0
+    if tuning is None and q_norm_eps is None and not (rope is not None and fold_q) and (not ws_rows or row_idx is not None) and ws_supported(q, keys, rows):
+        # Hopper, bf16, 64 × 512 heads: the warp-specialised kernel (its module docstring), then
+        # the inverse RoPE of the output as the Triton kernel's epilogue does it
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = prefill_attention_ws(q, keys, slot, swa_len, window, sinks, scale, rows, row_len, row_idx)
+        return out if rope is None or not rope_out else rope_inplace(out, rope[0], -rope[1])
     tune = asdict(tuning) if tuning is not None else {}
     if not tune and q.dtype != torch.float32 and q.shape[1] >= 64:
         # all 64 heads of a query per program (each key tile loaded once per query, M=64 dots):

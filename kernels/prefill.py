@@ -212,7 +212,8 @@ def prefill_attention(
     slot = torch.clamp(i, min=pad)  # first real key of query i
     swa_len = i + window - slot
     ws_rows = rows is not None and rows.shape[0] > 0
-    if tuning is None and q_norm_eps is None and not (rope is not None and fold_q) and (not ws_rows or row_idx is not None) and ws_supported(q, keys, rows):
+    folded_q = fold_q and (q_norm_eps is not None or rope is not None)  # q normed/rotated in the kernel
+    if tuning is None and not folded_q and (not ws_rows or row_idx is not None) and ws_supported(q, keys, rows):
         # Hopper, bf16, 64 × 512 heads: the warp-specialised kernel (its module docstring), then
         # the inverse RoPE of the output as the Triton kernel's epilogue does it
         scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -71,6 +71,8 @@ def test_ws_kernel_undoes_the_output_rope_as_the_triton_kernel() -> None:
     got = prefill_attention(q, keys, pad, sinks, 128, rows, row_len, row_idx, rope=(cos, sin), fold_q=0)
     triton_kernel = prefill_attention(q, keys, pad, sinks, 128, rows, row_len, row_idx, rope=(cos, sin), fold_q=0, tuning=TRITON_LAUNCH)
     plain = prefill_attention(q, keys, pad, sinks, 128, rows, row_len, row_idx, tuning=TRITON_LAUNCH)
+    v4_form = prefill_attention(q, keys, pad, sinks, 128, rows, row_len, row_idx, q_norm_eps=1e-6, rope=(cos, sin), fold_q=0)
+    assert torch.equal(v4_form, got)  # V4 passes its q norm's eps with fold_q=0: q is normed already
     assert rel_err(got, triton_kernel) <= 1e-2
     assert rel_err(got[..., :-64], plain[..., :-64]) <= 1e-2  # only the rope channels move
     assert rel_err(got[..., -64:], plain[..., -64:]) > 0.1

@@ -35,6 +35,9 @@ try:  # Gluon ships with Triton >= 3.5; without it this module only answers ``su
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    # Triton 3.6 (the lent H200's) names the cp.async copy ``async_copy_global_to_shared``; later
+    # releases renamed it ``async_load`` (same arguments) and made the old name raise
+    copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except ImportError:  # pragma: no cover - depends on the Triton build
     gluon = None
 
@@ -103,7 +106,7 @@ if gluon is not None:
         q_base = q_ptr + b.to(gl.int64) * stride_qb + (hb * 64).to(gl.int64) * stride_qh
         for c in gl.static_range(0, 64, CHUNK):
             ptrs = q_base + (c + offs_c)[:, None].to(gl.int64) * stride_qh + offs_d[None, :]
-            async_copy.async_copy_global_to_shared(q_smem.slice(c, CHUNK, dim=0), ptrs)
+            copy_to_shared(q_smem.slice(c, CHUNK, dim=0), ptrs)
         async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
         slot = gl.load(slot_ptr + b).to(gl.int64)
@@ -127,10 +130,11 @@ if gluon is not None:
                     ok_row = in_idx & (loc >= 0) & (loc < r_len)
                     src = gl.where(in_swa, src, rows_ptr + gl.where(ok_row, loc, 0).to(gl.int64) * stride_r)
                     ok = ok_swa | ok_row
-                async_copy.async_copy_global_to_shared(kbuf.slice(c, CHUNK, dim=0), src[:, None] + offs_d[None, :], mask=ok[:, None])
+                ptrs = gl.max_contiguous(gl.multiple_of(src[:, None] + offs_d[None, :], [1, 16]), [1, 8])  # 16-byte aligned runs (D % 8 == 0)
+                copy_to_shared(kbuf.slice(c, CHUNK, dim=0), ptrs, mask=ok[:, None])
             if HAS_ROWS:
                 rr = t * BN + gl.arange(0, BN, layout=ld1) - W
-                async_copy.async_copy_global_to_shared(i_smem.index(st), idx_base + rr, mask=(rr >= 0) & (rr < K_ROWS))
+                copy_to_shared(i_smem.index(st), idx_base + rr, mask=(rr >= 0) & (rr < K_ROWS))
             async_copy.mbarrier_arrive(k_full.index(st), increment_count=False)
 
     @gluon.jit

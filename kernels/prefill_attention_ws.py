@@ -20,15 +20,16 @@ The arithmetic is the Triton kernel's: scores in log2 units (``scale · log2 e``
 sum in fp32, ``p`` rounded to bf16 for the value dot, the sink only in the denominator. The
 output is rounded to bf16 once; the caller un-rotates its RoPE channels (``kernels.rope``).
 
-Only for bf16 q/keys with ``D = 512`` and heads a multiple of 64, on compute capability 9.x with
-Gluon importable (``supported``); otherwise callers keep the Triton kernel.
+Only for bf16 q/keys with ``D = 512`` and heads a multiple of 64, on compute capability 9.x, under
+a Triton release it was validated with on the GPU (``supported``); otherwise callers keep the
+Triton kernel. It builds with later releases too (a CPU test compiles it for sm_90a).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._common import HAS_TRITON, INTERPRET
+from kernels._common import HAS_TRITON, INTERPRET, triton
 
 try:  # Gluon ships with Triton >= 3.5; without it this module only answers ``supported() == False``
     from triton.experimental import gluon
@@ -46,9 +47,16 @@ HEAD_DIM = 512
 LOG2E = 1.4426950408889634
 
 
+VALIDATED_TRITON = ((3, 6),)  # the releases whose build of this kernel ran the GPU tests (the lent H200's)
+
+
 def supported(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None) -> bool:
-    """True when this kernel can run ``prefill_attention`` for ``q (S, H, D)``, ``keys`` and ``rows``."""
+    """True when this kernel can run ``prefill_attention`` for ``q (S, H, D)``, ``keys`` and
+    ``rows``: a validated Triton release (Gluon's semantics move between releases; others keep
+    the Triton kernel), compute capability 9.x, bf16, 64-head blocks of 512 channels."""
     if gluon is None or not HAS_TRITON or INTERPRET or not q.is_cuda:
+        return False
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) not in VALIDATED_TRITON:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False

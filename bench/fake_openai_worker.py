@@ -66,6 +66,7 @@ class FakeWorkerConfig:
     model: str = "fake-model"
     fingerprint: str = "fake-model"  # model fingerprint in unit keys (must match the router's)
     max_events: int = 100_000  # KV events kept for /kv_events
+    text_tokens: tuple[int, ...] = ()  # engine-protocol output ids cycle through these (empty: 100 + n % 1000)
 
 
 class PrefixCache:
@@ -120,6 +121,12 @@ class FakeWorker:
         self.aborted: set[str] = set()
         self.ids = itertools.count()
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0}
+
+    def token_id(self, n: int) -> int:
+        """The engine-protocol output id at position ``n``: ``text_tokens`` cycled, else ``100 + n % 1000``
+        (ids that need not decode to whole characters: a gateway in front holds some of them back)."""
+        text = self.cfg.text_tokens
+        return text[n % len(text)] if text else 100 + n % 1000
 
     def pick_rank(self, requested: int | None) -> int:
         if requested is not None and 0 <= requested < self.cfg.dp_size:
@@ -303,7 +310,7 @@ def _generate_handler(worker: FakeWorker):
             finally:
                 worker.running[rank] -= 1
                 worker.queued_tokens[rank] -= n_prompt
-            ev = TokenEvent(req.request_id, [100 + n_prompt % 1000], finish_reason="length", num_prompt_tokens=n_prompt,
+            ev = TokenEvent(req.request_id, [worker.token_id(n_prompt)], finish_reason="length", num_prompt_tokens=n_prompt,
                             num_cached_tokens=cached, worker_id=cfg.worker_id)
             worker.counters["generation_tokens"] += 1
             return web.Response(body=_dumps(ev.to_dict()) + b"\n", content_type="application/x-ndjson")
@@ -323,7 +330,7 @@ def _generate_handler(worker: FakeWorker):
                 last = i == n_out - 1
                 ev = TokenEvent(
                     req.request_id,
-                    [100 + (n_prompt + len(req.output_token_ids) + i) % 1000],
+                    [worker.token_id(n_prompt + len(req.output_token_ids) + i)],
                     finish_reason="length" if last else None,
                     num_prompt_tokens=n_prompt if i == 0 else 0,
                     num_cached_tokens=cached if i == 0 else 0,
@@ -402,6 +409,21 @@ def build_app(cfg: FakeWorkerConfig) -> web.Application:
     return app
 
 
+ENGLISH = (
+    "The quick brown fox jumps over the lazy dog while the gateway streams tokens to many clients "
+    "at once, batching its writes and keeping per token work small. "
+)
+
+
+def english_tokens() -> tuple[int, ...]:
+    """``ENGLISH`` in the package tokenizer's ids (every id decodes to whole characters)."""
+    import deepseek_recipe as dr
+
+    from server.model import package_tokenizer_path
+
+    return tuple(dr.Tokenizer.from_file(str(package_tokenizer_path())).encode(ENGLISH))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
@@ -417,12 +439,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--role", default="mixed", choices=["prefill", "decode", "mixed"])
     ap.add_argument("--model", default="fake-model")
     ap.add_argument("--fingerprint", default=None, help="model fingerprint in unit keys (default: --model)")
+    ap.add_argument("--english", action="store_true",
+                    help="engine-protocol output: the package tokenizer's ids of an English passage (whole words), as a model would emit")
     args = ap.parse_args(argv)
     cfg = FakeWorkerConfig(
         ttft=args.ttft, itl=args.itl, prefill_per_token=args.prefill_per_token, output_tokens=args.output_tokens,
         block_size=args.block_size, cache_blocks=args.cache_blocks, dp_size=args.dp_size,
         worker_id=args.worker_id or f"fake-{args.port}", role=args.role, model=args.model,
-        fingerprint=args.fingerprint or args.model,
+        fingerprint=args.fingerprint or args.model, text_tokens=english_tokens() if args.english else (),
     )
     web.run_app(build_app(cfg), host=args.host, port=args.port, access_log=None, print=None, backlog=4096, shutdown_timeout=1.0)
 

@@ -26,20 +26,15 @@ from pathlib import Path
 from typing import Any
 
 MODEL = "DeepSeek-V4-Pro"
-TEXT = (
-    "The quick brown fox jumps over the lazy dog while the gateway streams tokens to many clients "
-    "at once, batching its writes and keeping per token work small. "
-)
 
 
 # ---- the FAKE worker ------------------------------------------------------------------------------
 def fake_worker(port: int) -> None:
     from aiohttp import web
 
-    import deepseek_recipe as dr
-    from server.model import package_tokenizer_path
+    from bench.fake_openai_worker import english_tokens
 
-    tokens = dr.Tokenizer.from_file(str(package_tokenizer_path())).encode(TEXT)
+    tokens = english_tokens()
     n_tok = len(tokens)
 
     async def generate(request: web.Request) -> web.StreamResponse:

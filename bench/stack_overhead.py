@@ -4,8 +4,9 @@ from the same fake worker directly, in one run.
 
 Targets: ``stack`` = the client → ``deepserve gateway`` (OpenAI chat, SSE) → ``deepserve router``
 → one FAKE worker (``bench/fake_openai_worker.py``: the engine protocol, a fixed TTFT and ITL per
-stream, so the engine costs no CPU); ``direct`` = the client → the same kind of fake worker's own
-OpenAI chat route. Each target gets a fresh worker; the targets alternate over ``--rounds``, so
+stream, so the engine costs no CPU; its output ids an English passage in the package tokenizer, so
+the gateway's detokenizer holds none back); ``direct`` = the client → the same kind of fake
+worker's own OpenAI chat route. Each target gets a fresh worker; the targets alternate over ``--rounds``, so
 the box's noise hits both. ITL per vLLM's definition (``bench.report``): one per SSE chunk after
 the first. Added ITL = stack − direct (mean and p50, p90, p99), its share of the direct ITL; CPU
 per output token of the gateway and the router (``/proc``).
@@ -41,7 +42,7 @@ def run_target(target: str, args: argparse.Namespace, log_dir: Path) -> dict:
     """One run of ``args.requests`` streamed chat requests at ``args.concurrency`` through ``target``."""
     bindir = Path(sys.executable).parent
     wport = procs.free_port()
-    worker_args = ("--ttft", str(args.ttft), "--itl", str(args.itl), "--output-tokens", str(args.tokens), "--model", MODEL)
+    worker_args = ("--ttft", str(args.ttft), "--itl", str(args.itl), "--output-tokens", str(args.tokens), "--model", MODEL, "--english")
     worker = procs.start(procs.fake_worker_cmd(wport, *worker_args), f"http://127.0.0.1:{wport}/health", log_dir / f"{target}-worker.log")
     stack: list = []
     try:

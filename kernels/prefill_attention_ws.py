@@ -201,31 +201,6 @@ if gluon is not None:
         return ok
 
     @gluon.jit
-    def _softmax_step(args, t, s, ok, m_i, l_i, acc, qk_scale, D: gl.constexpr, BN: gl.constexpr):
-        """Tile ``t``'s scores ``s (64, BN)`` and mask ``ok`` → the online softmax's new ``m_i, l_i``,
-        ``p`` and the rescale factor handed to the value worker, the low half's value dot issued (its token)."""
-        (q_ptr, keys_ptr, rows_ptr, idx_ptr, slot_ptr, swa_len_ptr, row_len_ptr, out_ptr,
-         stride_qb, stride_qh, stride_k, stride_r, stride_ib, stride_ob, stride_oh, W, K_ROWS, n_tiles,
-         q_smem, k_smem, i_smem, p_smem, a_smem, f_smem, q_bar, k_full, k_empty, p_full, p_empty, fin_bar) = args  # fmt: skip
-        HALF: gl.constexpr = D // 2
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-        st = t % 2
-        s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        mbarrier.wait(p_empty.index(st), ((t // 2) & 1) ^ 1)  # the value worker is done with tile t - 2's p
-        p_smem.index(st).store(p.to(gl.bfloat16))
-        a_smem.index(st).store(alpha)
-        fence_async_shared()
-        mbarrier.arrive(p_full.index(st), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-        tok = warpgroup_mma(p_smem.index(st), k_smem.index(st).slice(0, HALF, dim=1), acc, is_async=True)
-        return m_new, l_i, tok
-
-    @gluon.jit
     def _softmax(args, sinks_ptr, qk_scale, D: gl.constexpr, BN: gl.constexpr, HAS_ROWS: gl.constexpr):
         """The softmax warpgroup: per tile the scores, mask, online softmax, ``p`` and the rescale
         factor to the value worker, and ``acc += p @ keys[:, :D/2]``; at the end the sink and each
@@ -254,7 +229,19 @@ if gluon is not None:
             tok = _scores(q_smem, k_smem.index(st), zero_s)
             ok = _tile_mask(i_smem, t, W, K_ROWS, n_swa, r_len, BN, HAS_ROWS, gl.SliceLayout(0, mma_s))
             s = warpgroup_mma_wait(0, deps=(tok,))
-            m_i, l_i, tok = _softmax_step(args, t, s, ok, m_i, l_i, acc, qk_scale, D, BN)
+            s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            mbarrier.wait(p_empty.index(st), ((t // 2) & 1) ^ 1)  # the value worker is done with tile t - 2's p
+            p_smem.index(st).store(p.to(gl.bfloat16))
+            a_smem.index(st).store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_full.index(st), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            tok = warpgroup_mma(p_smem.index(st), k_smem.index(st).slice(0, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(tok,))
             mbarrier.arrive(k_empty.index(st), count=1)
         offs_h = hb * 64 + gl.arange(0, 64, layout=row_s)

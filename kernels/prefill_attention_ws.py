@@ -81,6 +81,8 @@ def prefill_attention_ws(
     RoPE channels still rotated. ``keys (L, D)``, ``rows (T, D)`` bf16 with unit last stride."""
     s, h, d = q.shape
     out = torch.empty_like(q)
+    if s == 0:
+        return out
     has_rows = rows is not None and row_idx is not None and rows.shape[0] > 0 and row_idx.shape[1] > 0
     if not has_rows:
         rows, row_idx, row_len = keys, swa_len.new_zeros(s, 0), swa_len.new_zeros(s)

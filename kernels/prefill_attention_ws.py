@@ -60,7 +60,8 @@ def supported(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = N
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return q.dtype == keys.dtype == torch.bfloat16 and (rows is None or rows.dtype == q.dtype) and q.shape[-1] == HEAD_DIM and q.shape[1] % HEADS == 0 and q.stride(-1) == 1
+    rows_ok = rows is None or (rows.dtype == q.dtype and rows.stride(-1) == 1)
+    return q.dtype == keys.dtype == torch.bfloat16 and rows_ok and keys.stride(-1) == 1 and q.shape[-1] == HEAD_DIM and q.shape[1] % HEADS == 0 and q.stride(-1) == 1
 
 
 def prefill_attention_ws(

@@ -102,7 +102,7 @@ class GatewayConfig:
     # threads, off the event loop (server/render_pool.py); smaller ones inline. A chat body takes
     # ~0.1 ms + ~0.18 µs per byte (0.45 ms at 2 KiB, 4.4 ms at 32 KiB on the 2-core box): inline
     # at 32 KiB, 64 streams' 3 KiB prompts arriving together held the loop long enough to add
-    # 71 ms to TTFT p50 and 2.1 ms to ITL p99 (bench.stack_overhead); at 2 KiB, 40 and 0.6 ms.
+    # 71 ms to TTFT p50 and 2.1 ms to ITL p99 (bench.stack_overhead); at 2 KiB, 32 and 0.7 ms.
     render_threads: int = 2
     render_inline_bytes: int = 2 << 10
     # A connection must complete its request headers this long after it opened (or after its

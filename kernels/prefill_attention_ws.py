@@ -15,7 +15,8 @@ splits the same work over three partitions of one program, as FlashMLA does on H
 - the value warpgroup accumulates ``p @ keys[:, D/2:]`` (keys are the values: one MQA head).
 
 So the 64 × 512 accumulator is split over two warpgroups (128 fp32 registers a thread each),
-the score dot of the next tile overlaps the value dot of this one, and the gather runs ahead.
+the value warpgroup's dot of one tile overlaps the softmax warpgroup's score dot of the next,
+and the gather runs a tile ahead.
 The arithmetic is the Triton kernel's: scores in log2 units (``scale · log2 e``), the max and
 sum in fp32, ``p`` rounded to bf16 for the value dot, the sink only in the denominator. The
 output is rounded to bf16 once; the caller un-rotates its RoPE channels (``kernels.rope``).

@@ -3,22 +3,18 @@ its greedy tokens equal an uninterrupted run (tiny model, fp32, CPU)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
-
 from deepserve.protocol import GenerateRequest
-from engine.kv_connector import KVConnector
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
 from engine.runtime.state_pool import state_bytes
-from kvstore import KVStoreConfig, build_store
-from tests.engine.runtime.helpers import Result, greedy, prompt
+from tests.engine.runtime.helpers import Result, greedy, memory_kv, prompt
 
 UNIT = 128
 
 
 def _engine(model, model_dir, **cfg):
     eng = build_engine(model_dir, EngineConfig(snapshot_interval_units=1, **cfg), model=model)
-    eng.kv = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), model, snapshot_interval_units=1)
+    eng.kv = memory_kv(model)
     return eng
 
 

@@ -4,14 +4,11 @@ prefill chunks, beside other requests, and with a prefix-cache entry present (sk
 from __future__ import annotations
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from deepserve.protocol import GenerateRequest, SamplingParams, TokenEvent
-from engine.kv_connector import KVConnector
 from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig
-from kvstore import KVStoreConfig, build_store
-from tests.engine.runtime.helpers import greedy, prompt, run
+from tests.engine.runtime.helpers import greedy, memory_kv, prompt, run
 
 TOP = 3
 
@@ -64,7 +61,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny_model, tiny_model_dir) -> No
     """With the prompt's units stored, a request asking for prompt logprobs computes the whole
     prompt (no cached tokens) and still scores every token; one that does not ask hits."""
     engine = build_engine(tiny_model_dir, model=tiny_model)
-    engine.kv = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), tiny_model)
+    engine.kv = memory_kv(tiny_model)
     tokens = prompt(300, 3)
     run(engine, [GenerateRequest("warm", tokens, greedy(2))])
     hit = run(engine, [GenerateRequest("hit", tokens, greedy(2))])["hit"]

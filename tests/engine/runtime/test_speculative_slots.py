@@ -15,7 +15,7 @@ from engine.runtime.builder import build_engine
 from engine.runtime.config import EngineConfig, SpeculativeConfig
 from engine.runtime.metrics import EngineMetricFamilies, EngineMetrics
 
-from helpers import prompt, run
+from helpers import memory_kv, prompt, run
 
 LABELS = {"model_name": "m", "dp_rank": "0", "engine": "0"}
 
@@ -80,15 +80,11 @@ def test_kv_store_resume_with_slot_drafts(trained) -> None:
     """A conversation whose every turn resumes from the units the last turn stored (the MTP
     window restarts after the hit) gives the cold plain engine's tokens and the same drafts as
     general-path drafting."""
-    from kvstore import KVStoreConfig, build_store
-
-    from engine.kv_connector import KVConnector
-
     ckpt, model = trained
     engines = [_engine(ckpt, model, 2, slot_drafts=s) for s in (True, False)]
     logs = [_logging_drafts(engine) for engine, _ in engines]
     for engine, _ in engines:
-        engine.kv = KVConnector(build_store(KVStoreConfig(tiers=("memory",)), registry=CollectorRegistry()), model, snapshot_interval_units=1)
+        engine.kv = memory_kv(model)
     cold = _engine(ckpt, model, None)[0]
     lang = TrainConfig()
     conversation = prompt(101, 11) + sentence(lang, 1005, 8)

@@ -108,7 +108,7 @@ def router_cmd(router: str, port: int, workers: list[str], policy: str) -> tuple
     raise ValueError(router)
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """CPU seconds of process ``pid`` (all its threads) and its children (Linux): the run time
     in nanoseconds of each thread (``/proc/PID/task/TID/schedstat``), or clock ticks of 10 ms
     (``/proc/PID/stat``) where schedstat is missing; a 3,000-request run at ~100 µs/request is
@@ -177,9 +177,9 @@ def run_one(sc: Scenario, router: str, policy: str, log_dir: Path, say: Callable
             time.sleep(1.5)  # first load / KV-event polls
         cfg = ClientConfig(url=url, endpoint=endpoint, stream=sc.stream, block_size=wl.block_size, timeout_s=120)
         asyncio.run(warmup_async(cfg, 4))
-        cpu0 = (_cpu_s(proc.pid) if proc else 0.0, sum(_cpu_s(w.pid) for w in workers), time.process_time())
+        cpu0 = (cpu_seconds(proc.pid) if proc else 0.0, sum(cpu_seconds(w.pid) for w in workers), time.process_time())
         res = asyncio.run(run_async(wl.rows, cfg, Pacing(concurrency=sc.concurrency)))
-        cpu1 = (_cpu_s(proc.pid) if proc else 0.0, sum(_cpu_s(w.pid) for w in workers), time.process_time())
+        cpu1 = (cpu_seconds(proc.pid) if proc else 0.0, sum(cpu_seconds(w.pid) for w in workers), time.process_time())
         s = summarize(res)
         n = max(1, len(res.samples))
         s["cpu_us_per_req"] = {k: round(1e6 * (b - a) / n, 1) for k, a, b in zip(("router", "workers", "client"), cpu0, cpu1)}

@@ -31,7 +31,7 @@ from tempfile import TemporaryDirectory
 
 from bench import procs
 from bench.client import ClientConfig, Pacing, run_async, warmup_async
-from bench.peer_routers import _cpu_s
+from bench.peer_routers import cpu_seconds
 from bench.report import machine_info, summarize
 from bench.workloads import make_workload
 
@@ -59,9 +59,9 @@ def run_target(target: str, args: argparse.Namespace, log_dir: Path) -> dict:
         wl = make_workload(f"fixed:input_length={args.input_len},output_length={args.tokens}", args.requests, seed=0)
         cfg = ClientConfig(url=url, endpoint="chat", model=MODEL, stream=True, block_size=wl.block_size, timeout_s=300)
         asyncio.run(warmup_async(cfg, 4))
-        cpu0 = [_cpu_s(p.pid) for p in stack]
+        cpu0 = [cpu_seconds(p.pid) for p in stack]
         res = asyncio.run(run_async(wl.rows, cfg, Pacing(concurrency=args.concurrency)))
-        cpu1 = [_cpu_s(p.pid) for p in stack]
+        cpu1 = [cpu_seconds(p.pid) for p in stack]
         s = summarize(res)
         out_tokens = max(1, s.get("total_output_tokens") or args.requests * args.tokens)
         s["cpu_us_per_token"] = {name: 1e6 * (b - a) / out_tokens for name, a, b in zip(("router", "gateway"), cpu0, cpu1)}

@@ -6,16 +6,19 @@ exponent bytes as uint8), one power-of-two scale per 32 inputs of a row. A code 
 magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}: every dequantised weight ``code · 2^s`` is exact in bf16.
 
 ``fp4_grouped_linear`` is ``kernels.moe_fp8``'s grouped GEMM with the weight tile decoded in
-registers: one program per (expert, 128-column tile) returns at once when its expert has no rows,
-else loads each ``(BN, 64)``-byte packed tile and its ``(BN, 4)`` scales once per row tile, splits
-the nibbles, places each code's bits in an fp16 (``_fp4_tile``: no select), scales it and runs a
-bf16 tensor-core product with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for
-the scales); the decode costs a few integer operations per weight and row tile.
+registers: one program per (expert, ``BN``-column tile) returns at once when its expert has no
+rows, else reads the packed weights as 32-bit words, 8 codes each (``_fp4_grouped_kernel``): per
+K step a ``(BK/8, BN)`` word tile and its scales, then for each nibble position the codes decoded
+straight into the dot's operand by two shifts, a mask and two products (no join, reshape or
+transpose of the weight tile), against the rows' inputs at stride 8, a bf16 tensor-core product
+with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for the scales). Run 73
+(H100, V4-Flash experts, ``python -m bench.fp4_experts_bench``): 1.11-1.17× the byte floor of the
+experts touched from 16 tokens (96 rows) up; the tiles by rows are ``Fp4GroupedTuning``'s.
 
 That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
 average ``min_rows_per_expert`` rows or more per expert, in bf16 where ``torch._grouped_mm``
 exists) the experts are instead decoded once per call into a bf16 scratch, a chunk of experts at a
-time (``dequantize_fp4_kernel``, the same decoder), and multiplied by ``torch._grouped_mm``: the
+time (``dequantize_fp4_kernel``, the GEMV kernels' decoder ``_fp4_tile``), and multiplied by ``torch._grouped_mm``: the
 same bf16 weights and fp32 accumulation, another summation order. The choice is made from shapes
 alone, so a captured decode step never takes it (it reads the group ends on the host).
 """
@@ -56,8 +59,38 @@ class Fp4PrefillTuning:
 FP4_PREFILL = Fp4PrefillTuning()
 
 
+@dataclass(frozen=True)
+class Fp4GroupedTiles:
+    """``_fp4_grouped_kernel``'s launch: ``bn`` output columns per program, ``bk`` inputs per K
+    step (``BLOCK`` where ``bk`` does not divide K), warps and pipeline stages."""
+
+    bn: int = 128
+    bk: int = 128
+    warps: int = 4
+    stages: int = 3
+
+
+@dataclass(frozen=True)
+class Fp4GroupedTuning:
+    """The tiles by rows: fewer than ``few_rows`` rows touch at most that many experts, too few
+    programs of ``many``'s size to keep the copy engines busy, so ``few`` halves the columns and
+    doubles the bytes a program has in flight. Run 73 (H100, V4-Flash experts, sweep of 24 tiles,
+    ``python -m kernels.moe_fp4``): 6 rows gate_up 73.4 against 112.5 µs, 24 rows 179.3 against
+    186.3; from 96 rows ``many`` is the best or within 1% of it (1.11-1.17× the byte floor)."""
+
+    few_rows: int = 32
+    few: Fp4GroupedTiles = Fp4GroupedTiles(bn=64, bk=256, warps=4, stages=4)
+    many: Fp4GroupedTiles = Fp4GroupedTiles()
+
+    def tiles(self, rows: int) -> Fp4GroupedTiles:
+        return self.few if rows < self.few_rows else self.many
+
+
+FP4_GROUPED = Fp4GroupedTuning()
+
+
 def dequantize_fp4_kernel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``dequantize_fp4`` in one Triton pass (the grouped kernels' decoder, ``_fp4_tile``):
+    """``dequantize_fp4`` in one Triton pass (``_fp4_tile``, the decoder of ``kernels.moe_fp4_gemv``):
     ``q (E, N, K/2)``, ``scale (E, N, K/32)`` → ``(E, N, K)`` in ``dtype``; N and K multiples of 128."""
     e, n, half = q.shape
     k = 2 * half
@@ -69,14 +102,15 @@ def dequantize_fp4_kernel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 def fp4_grouped_linear(
     xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, *, block_m: int | None = None,
-    prefill: Fp4PrefillTuning = FP4_PREFILL,
+    prefill: Fp4PrefillTuning = FP4_PREFILL, tiles: Fp4GroupedTiles | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Rows ``xs (M, K)`` sorted by group (group ``g`` = rows ``[offs[g-1], offs[g])``, ``offs``
     int32 group ends) times ``dequant(wq[g], ws[g])ᵀ`` → ``(M, N)`` in ``xs.dtype``; at prefill
     sizes through a bf16 scratch (``prefill``, module docstring)."""
     m, k = xs.shape
     e, n, half = wq.shape
-    assert 2 * half == k and n % BLOCK == 0 and k % BLOCK == 0 and ws.shape == (e, n, k // GROUP), "fp4_grouped_linear: shapes"
+    tiles = tiles or FP4_GROUPED.tiles(m)
+    assert 2 * half == k and n % BLOCK == 0 and n % tiles.bn == 0 and k % BLOCK == 0 and ws.shape == (e, n, k // GROUP), "fp4_grouped_linear: shapes"
     assert xs.is_contiguous() and wq.is_contiguous() and ws.is_contiguous()
     out = torch.empty(m, n, dtype=xs.dtype, device=xs.device)
     if not use_triton(xs):
@@ -87,9 +121,10 @@ def fp4_grouped_linear(
         return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))
     if block_m is None:
         block_m = default_block_m(m, e)
-    _fp4_grouped_kernel[(e, n // BLOCK)](
-        xs, wq.view(torch.uint8), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=BLOCK, BK=BLOCK, G=GROUP,
-        PRECISION=dot_precision(xs.dtype), num_warps=4, num_stages=3,
+    bk = tiles.bk if k % tiles.bk == 0 else BLOCK
+    _fp4_grouped_kernel[(e, n // tiles.bn)](
+        xs, wq.view(torch.int32), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=tiles.bn, BK=bk, G=GROUP,
+        PRECISION=dot_precision(xs.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 
@@ -161,25 +196,44 @@ if HAS_TRITON:
         x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
+        """``fp4_grouped_linear``'s kernel over the packed weights read as 32-bit words (8 codes,
+        input ``8j + i`` in nibble ``i`` of word ``j``): per K step one ``(BK/8, BN)`` word tile and
+        its scales, then for each nibble ``i`` the codes of inputs ``k0 + 8j + i`` decoded straight
+        into the dot's ``(K, N)`` operand against the rows' inputs at stride 8. Decoding: the code
+        ``s e1 e0 m`` placed as the fp32 bits ``s << 31 | e1 e0 m << 22`` is the e2m1 value × 2^-126
+        exactly (e = 0 a subnormal), then × 2^126 × the group's scale: two shifts, a mask and two
+        products per weight, no join, reshape or transpose of the weight tile."""
         e = tl.program_id(0)
         nb = tl.program_id(1)
         end = tl.load(offs_ptr + e)
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         if end > start:
             cols = nb * BN + tl.arange(0, BN)
-            kk = tl.arange(0, BK)
+            jj = tl.arange(0, BK // 8)
+            gg = tl.arange(0, BK // G)
             ty = out_ptr.dtype.element_ty
-            w_base = w_ptr + e.to(tl.int64) * N * (K // 2)
-            s_base = s_ptr + e.to(tl.int64) * N * (K // G)
+            w_base = w_ptr + e.to(tl.int64) * N * (K // 8) + cols.to(tl.int64)[None, :] * (K // 8) + jj[:, None]  # (BK/8, BN)
+            s_base = s_ptr + e.to(tl.int64) * N * (K // G) + cols.to(tl.int64)[None, :] * (K // G) + gg[:, None]  # (BK/G, BN)
             for m0 in range(start, end, BM):
                 rows = m0 + tl.arange(0, BM)
                 r_ok = rows < end
+                x_base = x_ptr + rows.to(tl.int64)[:, None] * K + 8 * jj[None, :]  # (BM, BK/8): inputs 8j
                 acc = tl.zeros((BM, BN), tl.float32)
                 for k0 in range(0, K, BK):
-                    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + k0 + kk[None, :], mask=r_ok[:, None], other=0.0)
-                    w = _fp4_tile(w_base, s_base, cols, k0, K, BN, BK, G)  # (BN, BK)
-                    acc += mma(x, tl.trans(w).to(ty), PRECISION)
+                    words = tl.load(w_base + k0 // 8).to(tl.uint32, bitcast=True)
+                    sc = tl.load(s_base + k0 // G).to(tl.uint32)  # (BK/G, BN) e8m0
+                    sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (BK // G, G // 8, BN)), (BK // 8, BN))  # word j: group j·8/G
+                    scale = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)  # 2^(sc-127); code 0 is 2^-127
+                    for i in tl.static_range(8):
+                        if 4 * i <= 22:
+                            mag = (words << (22 - 4 * i)) & 0x01C00000
+                        else:
+                            mag = (words >> (4 * i - 22)) & 0x01C00000
+                        bits = ((words << (28 - 4 * i)) & 0x80000000) | mag
+                        w = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * scale  # × 2^126 × scale
+                        x = tl.load(x_base + k0 + i, mask=r_ok[:, None], other=0.0)
+                        acc += mma(x, w.to(ty), PRECISION)
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
 
 
-__all__ = ["FP4_PREFILL", "Fp4PrefillTuning", "dequantize_fp4", "dequantize_fp4_kernel", "fp4_grouped_linear", "moe_experts_fp4"]
+__all__ = ["FP4_GROUPED", "FP4_PREFILL", "Fp4GroupedTiles", "Fp4GroupedTuning", "Fp4PrefillTuning", "dequantize_fp4", "dequantize_fp4_kernel", "fp4_grouped_linear", "moe_experts_fp4"]

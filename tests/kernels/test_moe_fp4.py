@@ -13,7 +13,7 @@ import torch
 from engine.model.loader import dequantize
 from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
 from kernels.moe import moe_experts_reference
-from kernels.moe_fp4 import Fp4PrefillTuning, dequantize_fp4, dequantize_fp4_kernel, fp4_grouped_linear, moe_experts_fp4
+from kernels.moe_fp4 import Fp4GroupedTiles, Fp4PrefillTuning, dequantize_fp4, dequantize_fp4_kernel, fp4_grouped_linear, moe_experts_fp4
 
 DEV = "cuda" if ON_GPU else "cpu"
 SMALL = not ON_GPU
@@ -42,18 +42,36 @@ def test_dequantize_matches_the_loader() -> None:
 
 @pytest.mark.gpu
 def test_kernel_decoder_is_bit_exact() -> None:
-    """The kernels' in-register decoder gives ``dequantize_fp4``'s fp32 values bit for bit: every
+    """The GEMV kernels' in-register decoder gives ``dequantize_fp4``'s fp32 values bit for bit: every
     byte (both nibbles, ±0 included) under every e8m0 scale code but NaN's (0: 2^-127, up to 254)."""
     _needs_kernel()
     n, k = 128, 256 * 4
     q = torch.arange(256, dtype=torch.int32).repeat(n, k // 2 // 256).to(torch.uint8).view(torch.int8)  # (n, k/2): each byte 2x per row
     s = torch.arange(n * k // 32, dtype=torch.int32).remainder(255).to(torch.uint8).view(n, k // 32)  # codes 0..254
-    out = dequantize_fp4_kernel(q[None].to(DEV), s[None].to(DEV), torch.float32)[0]  # the grouped kernels' decoder, _fp4_tile
+    out = dequantize_fp4_kernel(q[None].to(DEV), s[None].to(DEV), torch.float32)[0]  # the GEMV kernels' decoder, _fp4_tile
     want = dequantize_fp4(q, s)
     assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
     normal = s.repeat_interleave(32, dim=-1) >= 2  # bf16 values from 2^-126 (the interpreter flushes subnormal conversions)
     bf16 = dequantize_fp4_kernel(q[None].to(DEV), s[None].to(DEV))[0].cpu()
     assert torch.equal(bf16[normal], want.bfloat16()[normal])  # exact in bf16 too
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_kernel_decodes_every_code_exactly(dtype) -> None:
+    """The grouped kernel's own decoder (32-bit words, subnormal fp32 bits scaled by 2^126): one-hot
+    rows read the dequantised weights back bit for bit, every byte (both nibbles, ±0) under the
+    e8m0 codes 2-252 (normal bf16 values, no fp32 overflow), for each K tile it takes."""
+    _needs_kernel()
+    n, k = 128, 512
+    q = torch.arange(256, dtype=torch.int32).repeat(n, k // 2 // 256).to(torch.uint8).view(torch.int8)
+    q = torch.stack([row.roll(r) for r, row in enumerate(q)])  # row r shifted by r: every byte at every place of a word
+    s = (torch.arange(n * k // 32, dtype=torch.int32) % 251 + 2).to(torch.uint8).view(n, k // 32)
+    want = dequantize_fp4(q, s).t().contiguous()  # (k, n): row r = input r's weights
+    eye = torch.eye(k, dtype=dtype, device=DEV)
+    for bk in (128, 256):
+        got = fp4_grouped_linear(eye, q[None].to(DEV), s[None].to(DEV), torch.tensor([k], dtype=torch.int32, device=DEV), tiles=Fp4GroupedTiles(bk=bk))
+        assert torch.equal(got.cpu(), want.to(dtype)), bk
 
 
 @pytest.mark.gpu

@@ -91,9 +91,10 @@ def grouped_rows(tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, 
     return rows
 
 
-def moe_rows(tokens: list[int], iters: int) -> list[dict]:
+def moe_rows(tokens: list[int], iters: int, baselines: dict[str, Callable] | None = None) -> list[dict]:
     """The whole routed MoE at a few tokens: ``moe_fp4_gemv`` (the static decode step's path up to
-    ``MoEGemvTuning.fp4_max_slots`` slots) beside ``moe_experts_fp4`` (the grouped kernel)."""
+    ``MoEGemvTuning.fp4_max_slots`` slots) beside ``moe_experts_fp4`` (the grouped kernel) and any
+    ``baselines`` of the same signature."""
     torch.manual_seed(1)
     gq, gs = _fp4(2 * INTER, HIDDEN)
     dq, ds = _fp4(HIDDEN, INTER)
@@ -102,7 +103,7 @@ def moe_rows(tokens: list[int], iters: int) -> list[dict]:
         x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
         w = torch.rand(t, TOP, device="cuda")
         picks = [torch.rand(t, EXPERTS, device="cuda").argsort(dim=-1)[:, :TOP] for _ in range(ROUTINGS)]
-        for label, fn in {"gemv": moe_fp4_gemv, "grouped": moe_experts_fp4}.items():
+        for label, fn in {"gemv": moe_fp4_gemv, "grouped": moe_experts_fp4, **(baselines or {})}.items():
             ms = graph_time_ms(lambda i, fn=fn: fn(x, w, picks[i], gq, gs, dq, ds, 10.0), ROUTINGS, iters)
             rows.append({"tokens": t, "gemm": "moe", "config": label, "ms": ms})
             print(f"tokens={t} moe {label}: {ms * 1e3:.1f} us", flush=True)

@@ -164,6 +164,42 @@ def moe_experts_fp4(
 if HAS_TRITON:
 
     @triton.jit
+    def _e8m0(sc):
+        """e8m0 codes (uint32) → their fp32 scales 2^(sc-127); code 0 is 2^-127 (a subnormal)."""
+        return tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp4_nibble(words, I: tl.constexpr):
+        """The e2m1 values in nibble ``I`` of uint32 ``words`` (8 codes each), fp32, unscaled.
+
+        The code ``s e1 e0 m`` placed as the fp32 bits ``s << 31 | e1 e0 m << 22`` is the e2m1
+        value × 2^-126 exactly (e = 0 a subnormal, which fp32 products keep), then × 2^126: two
+        shifts, a mask and a product, no select."""
+        if 4 * I <= 22:
+            mag = (words << (22 - 4 * I)) & 0x01C00000
+        else:
+            mag = (words >> (4 * I - 22)) & 0x01C00000
+        bits = ((words << (28 - 4 * I)) & 0x80000000) | mag
+        return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+    @triton.jit
+    def _fp4_rows_dot(w_base, s_base, rows, k0, K, x_ptr, BR: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
+        """Weight rows ``rows`` over inputs ``[k0, k0+BK)`` times the fp32-widened ``x_ptr[k0:k0+BK]``,
+        as ``(BR, BK/8)`` fp32 partial sums (sum them over axis 1): the rows' packed bytes read as
+        32-bit words, each nibble position's codes decoded (``_fp4_nibble``) against the inputs at
+        stride 8, the group's scale once per word (a word's 8 codes share one group)."""
+        jj = tl.arange(0, BK // 8)
+        gg = tl.arange(0, BK // G)
+        words = tl.load(w_base + rows.to(tl.int64)[:, None] * (K // 8) + k0 // 8 + jj[None, :]).to(tl.uint32, bitcast=True)
+        sc = tl.load(s_base + rows.to(tl.int64)[:, None] * (K // G) + k0 // G + gg[None, :]).to(tl.uint32)  # (BR, BK/G)
+        scale = _e8m0(tl.reshape(tl.broadcast_to(sc[:, :, None], (BR, BK // G, G // 8)), (BR, BK // 8)))
+        acc = tl.zeros((BR, BK // 8), tl.float32)
+        for i in tl.static_range(8):
+            x = tl.load(x_ptr + k0 + 8 * jj + i).to(tl.float32)
+            acc += _fp4_nibble(words, i) * x[None, :]
+        return acc * scale
+
+    @triton.jit
     def _fp4_tile(w_base, s_base, cols, k0, K, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
         """The dequantised weight tile ``(BN, BK)`` fp32 of columns ``cols`` and inputs ``[k0, k0+BK)``.
 
@@ -178,7 +214,7 @@ if HAS_TRITON:
         val = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
         gg = tl.arange(0, BK // G)
         sc = tl.load(s_base + cols.to(tl.int64)[:, None] * (K // G) + k0 // G + gg[None, :]).to(tl.int32)  # (BN, BK/G) e8m0
-        scale = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)  # 2^(sc-127); code 0 is 2^-127
+        scale = _e8m0(sc.to(tl.uint32))
         return tl.reshape(tl.reshape(val, (BN, BK // G, G)) * scale[:, :, None], (BN, BK))
 
     @triton.jit
@@ -198,11 +234,9 @@ if HAS_TRITON:
     ):  # fmt: skip
         """``fp4_grouped_linear``'s kernel over the packed weights read as 32-bit words (8 codes,
         input ``8j + i`` in nibble ``i`` of word ``j``): per K step one ``(BK/8, BN)`` word tile and
-        its scales, then for each nibble ``i`` the codes of inputs ``k0 + 8j + i`` decoded straight
-        into the dot's ``(K, N)`` operand against the rows' inputs at stride 8. Decoding: the code
-        ``s e1 e0 m`` placed as the fp32 bits ``s << 31 | e1 e0 m << 22`` is the e2m1 value × 2^-126
-        exactly (e = 0 a subnormal), then × 2^126 × the group's scale: two shifts, a mask and two
-        products per weight, no join, reshape or transpose of the weight tile."""
+        its scales, then for each nibble ``i`` the codes of inputs ``k0 + 8j + i`` decoded
+        (``_fp4_nibble``) and scaled straight into the dot's ``(K, N)`` operand against the rows'
+        inputs at stride 8: no join, reshape or transpose of the weight tile."""
         e = tl.program_id(0)
         nb = tl.program_id(1)
         end = tl.load(offs_ptr + e)
@@ -223,14 +257,9 @@ if HAS_TRITON:
                     words = tl.load(w_base + k0 // 8).to(tl.uint32, bitcast=True)
                     sc = tl.load(s_base + k0 // G).to(tl.uint32)  # (BK/G, BN) e8m0
                     sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (BK // G, G // 8, BN)), (BK // 8, BN))  # word j: group j·8/G
-                    scale = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)  # 2^(sc-127); code 0 is 2^-127
+                    scale = _e8m0(sc)
                     for i in tl.static_range(8):
-                        if 4 * i <= 22:
-                            mag = (words << (22 - 4 * i)) & 0x01C00000
-                        else:
-                            mag = (words >> (4 * i - 22)) & 0x01C00000
-                        bits = ((words << (28 - 4 * i)) & 0x80000000) | mag
-                        w = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37 * scale  # × 2^126 × scale
+                        w = _fp4_nibble(words, i) * scale
                         x = tl.load(x_base + k0 + i, mask=r_ok[:, None], other=0.0)
                         acc += mma(x, w.to(ty), PRECISION)
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])

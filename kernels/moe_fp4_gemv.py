@@ -48,20 +48,20 @@ def moe_fp4_gemv(
     bk = min(bk, triton.next_power_of_2(hidden))
     assert hidden % bk == 0 and inter % bi == 0, "moe_fp4_gemv: H a multiple of the K tile, I of the row tile"
     _fp4_up_kernel[(n * k, inter // bi)](
-        x, idx, gq, gs, act, hidden, inter, float(limit), K=k, BI=bi, BK=bk, G=GROUP, RND=_RND.get(x.dtype, 0), num_warps=warps,
+        x, idx, gq.view(torch.int32), gs, act, hidden, inter, float(limit), K=k, BI=bi, BK=bk, G=GROUP, RND=_RND.get(x.dtype, 0), num_warps=warps,
     )  # fmt: skip
     bh, bk, warps = resolved(tuning.down, inter)
     bk = min(bk, triton.next_power_of_2(inter))
     assert inter % bk == 0 and hidden % bh == 0, "moe_fp4_gemv: I a multiple of the K tile, H of the row tile"
     _fp4_down_kernel[(n, hidden // bh)](
-        act, idx, w, dq, ds, out, hidden, inter, K=k, BH=bh, BK=bk, G=GROUP, RND=_RND.get(x.dtype, 0), num_warps=warps,
+        act, idx, w, dq.view(torch.int32), ds, out, hidden, inter, K=k, BH=bh, BK=bk, G=GROUP, RND=_RND.get(x.dtype, 0), num_warps=warps,
     )  # fmt: skip
     return out
 
 
 if HAS_TRITON:
     from kernels.moe import _round_to
-    from kernels.moe_fp4 import _fp4_tile
+    from kernels.moe_fp4 import _fp4_rows_dot
 
     @triton.jit
     def _fp4_up_kernel(
@@ -71,17 +71,15 @@ if HAS_TRITON:
         s = tl.program_id(0)  # slot = token · K + pick
         t = s // K
         e = tl.load(idx_ptr + s).to(tl.int64)
-        w_base = w_ptr + e * (2 * I) * (H // 2)
+        w_base = w_ptr + e * (2 * I) * (H // 8)
         s_base = s_ptr + e * (2 * I) * (H // G)
         rows = tl.program_id(1) * BI + tl.arange(0, BI)
-        cols = tl.arange(0, BK)
         x_row = x_ptr + t.to(tl.int64) * H
-        acc_g = tl.zeros([BI, BK], dtype=tl.float32)
-        acc_u = tl.zeros([BI, BK], dtype=tl.float32)
+        acc_g = tl.zeros([BI, BK // 8], dtype=tl.float32)
+        acc_u = tl.zeros([BI, BK // 8], dtype=tl.float32)
         for k0 in range(0, H, BK):
-            xv = tl.load(x_row + k0 + cols).to(tl.float32)[None, :]
-            acc_g += _fp4_tile(w_base, s_base, rows, k0, H, BI, BK, G) * xv
-            acc_u += _fp4_tile(w_base, s_base, rows + I, k0, H, BI, BK, G) * xv
+            acc_g += _fp4_rows_dot(w_base, s_base, rows, k0, H, x_row, BI, BK, G)
+            acc_u += _fp4_rows_dot(w_base, s_base, rows + I, k0, H, x_row, BI, BK, G)
         gate = tl.minimum(_round_to(tl.sum(acc_g, axis=1), RND), limit)
         up = tl.minimum(tl.maximum(_round_to(tl.sum(acc_u, axis=1), RND), -limit), limit)
         act = gate / (1.0 + tl.exp(-gate)) * up
@@ -94,18 +92,16 @@ if HAS_TRITON:
     ):  # fmt: skip
         t = tl.program_id(0)
         rows = tl.program_id(1) * BH + tl.arange(0, BH)
-        cols = tl.arange(0, BK)
         total = tl.zeros([BH], dtype=tl.float32)
         for j in tl.static_range(K):
             e = tl.load(idx_ptr + t * K + j).to(tl.int64)
             wj = tl.load(w_ptr + t * K + j).to(tl.float32)
-            w_base = dq_ptr + e * H * (I // 2)
+            w_base = dq_ptr + e * H * (I // 8)
             s_base = ds_ptr + e * H * (I // G)
             a_row = act_ptr + (t * K + j).to(tl.int64) * I
-            acc = tl.zeros([BH, BK], dtype=tl.float32)
+            acc = tl.zeros([BH, BK // 8], dtype=tl.float32)
             for k0 in range(0, I, BK):
-                a = tl.load(a_row + k0 + cols).to(tl.float32)[None, :]
-                acc += _fp4_tile(w_base, s_base, rows, k0, I, BH, BK, G) * a
+                acc += _fp4_rows_dot(w_base, s_base, rows, k0, I, a_row, BH, BK, G)
             total += wj * _round_to(tl.sum(acc, axis=1), RND)
         tl.store(out_ptr + t.to(tl.int64) * H + rows, total.to(out_ptr.dtype.element_ty))
 

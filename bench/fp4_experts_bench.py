@@ -1,6 +1,7 @@
 """The checkpoint's FP4 routed experts on CUDA at V4-Flash's shapes (256 experts, hidden 4096,
 intermediate 2048, uniform random top-6): ``kernels.moe_fp4.fp4_grouped_linear``'s tiles beside
-the bytes of the experts the routing touches at the copy rate measured in the same run, the bf16
+the bytes of the experts the routing touches at the copy rate measured in the same run (bytes
+read + written per second, as every floor in docs/PERFORMANCE.md), the bf16
 scratch path at prefill sizes, and the whole routed MoE through the GEMV kernels beside the grouped
 kernel at a few tokens (where ``MoEGemvTuning.fp4_max_slots`` switches).
 
@@ -56,7 +57,7 @@ def grouped_rows(tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, 
     torch.manual_seed(0)
     shapes = {"gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
     weights = {name: _fp4(n, k) for name, (n, k) in shapes.items()}
-    rate = copy_rate() / 2  # bytes read per second
+    rate = copy_rate()  # the project's floor rate: the copy's bytes read + written per second, for bytes read
     rows = []
     for t in tokens:
         routings = [torch.rand(t, EXPERTS, device="cuda").argsort(dim=-1)[:, :TOP].reshape(-1) for _ in range(ROUTINGS)]

@@ -11,9 +11,8 @@ rows, else reads the packed weights as 32-bit words, 8 codes each (``_fp4_groupe
 K step a ``(BK/8, BN)`` word tile and its scales, then for each nibble position the codes decoded
 straight into the dot's operand by two shifts, a mask and two products (no join, reshape or
 transpose of the weight tile), against the rows' inputs at stride 8, a bf16 tensor-core product
-with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for the scales). Run 73
-(H100, V4-Flash experts, ``python -m bench.fp4_experts_bench``): 1.11-1.17× the byte floor of the
-experts touched from 16 tokens (96 rows) up; the tiles by rows are ``Fp4GroupedTuning``'s.
+with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for the scales); the tiles
+by rows are ``Fp4GroupedTuning``'s (figures: docs/PERFORMANCE.md, ``bench.fp4_experts_bench``).
 
 That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
 average ``min_rows_per_expert`` rows or more per expert, in bf16 where ``torch._grouped_mm``
@@ -74,9 +73,9 @@ class Fp4GroupedTiles:
 class Fp4GroupedTuning:
     """The tiles by rows: fewer than ``few_rows`` rows touch at most that many experts, too few
     programs of ``many``'s size to keep the copy engines busy, so ``few`` halves the columns and
-    doubles the bytes a program has in flight. Run 73 (H100, V4-Flash experts, sweep of 24 tiles,
-    ``python -m kernels.moe_fp4``): 6 rows gate_up 73.4 against 112.5 µs, 24 rows 179.3 against
-    186.3; from 96 rows ``many`` is the best or within 1% of it (1.11-1.17× the byte floor)."""
+    doubles the bytes a program has in flight. Run 73 (H100, V4-Flash experts, 24 tiles,
+    ``python -m bench.fp4_experts_bench``): 6 rows gate_up 73.4 against 112.5 µs, 24 rows 179.3
+    against 186.3; from 96 rows ``many`` is the best or within 1% of it."""
 
     few_rows: int = 32
     few: Fp4GroupedTiles = Fp4GroupedTiles(bn=64, bk=256, warps=4, stages=4)

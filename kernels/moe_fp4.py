@@ -7,18 +7,24 @@ magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}: every dequantised weight ``code · 2^s``
 
 ``fp4_grouped_linear`` is ``kernels.moe_fp8``'s grouped GEMM with the weight tile decoded in
 registers: one program per (expert, ``BN``-column tile) returns at once when its expert has no
-rows, else reads the packed weights as 32-bit words, 8 codes each (``_fp4_grouped_kernel``): per
-K step a ``(BK/8, BN)`` word tile and its scales, then for each nibble position the codes decoded
-straight into the dot's operand by two shifts, a mask and two products (no join, reshape or
-transpose of the weight tile), against the rows' inputs at stride 8, a bf16 tensor-core product
-with fp32 accumulation. A quarter of bf16's weight bytes (plus 1/32 for the scales); the tiles
-by rows are ``Fp4GroupedTuning``'s (figures: docs/PERFORMANCE.md, ``bench.fp4_experts_bench``).
+rows, else walks its rows in row tiles (``default_block_m``) and K in steps, a bf16 tensor-core
+product with fp32 accumulation per step. A quarter of bf16's weight bytes (plus 1/32 for the
+scales). Two kernels, by row tile (run 74, H100, V4-Flash experts, ``bench.fp4_experts_bench``):
+
+- up to ``WORDS_MAX_ROWS`` rows (decode: the decode costs more than the product), ``_fp4_words_kernel``
+  reads the packed bytes as 32-bit words and decodes each nibble position's codes straight into
+  the dot's operand, two shifts, a mask and two products a weight, against the rows' inputs at
+  stride 8 (``_fp4_nibble``): 13-16% faster than the tile kernel from 16 to 128 tokens (64 tokens:
+  gate_up 1.25 against 1.45 ms), with ``Fp4GroupedTuning``'s tiles by rows;
+- larger row tiles, ``_fp4_tiles_kernel`` decodes a ``(BN, BK)`` tile (``_fp4_tile``: the nibbles
+  joined in input order) and runs one ``K = BK`` product: the words kernel's 16-deep products and
+  strided inputs cost 2.8× there (2048 tokens, 48 rows an expert: gate_up 3.28 against 9.25 ms).
 
 That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
 average ``min_rows_per_expert`` rows or more per expert, in bf16 where ``torch._grouped_mm``
 exists) the experts are instead decoded once per call into a bf16 scratch, a chunk of experts at a
-time (``dequantize_fp4_kernel``, the GEMV kernels' decoder ``_fp4_tile``), and multiplied by ``torch._grouped_mm``: the
-same bf16 weights and fp32 accumulation, another summation order. The choice is made from shapes
+time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and multiplied by
+``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another summation order. The choice is made from shapes
 alone, so a captured decode step never takes it (it reads the group ends on the host).
 """
 
@@ -34,6 +40,7 @@ from kernels.moe_fp8 import default_block_m, grouped_linear_reference, quantized
 
 BLOCK = 128  # K per step; every 32-wide scale group lies inside one step
 GROUP = 32  # inputs per e8m0 scale
+WORDS_MAX_ROWS = 16  # row tiles up to this take _fp4_words_kernel (module docstring)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -60,7 +67,7 @@ FP4_PREFILL = Fp4PrefillTuning()
 
 @dataclass(frozen=True)
 class Fp4GroupedTiles:
-    """``_fp4_grouped_kernel``'s launch: ``bn`` output columns per program, ``bk`` inputs per K
+    """``_fp4_words_kernel``'s launch: ``bn`` output columns per program, ``bk`` inputs per K
     step (``BLOCK`` where ``bk`` does not divide K), warps and pipeline stages."""
 
     bn: int = 128
@@ -71,9 +78,9 @@ class Fp4GroupedTiles:
 
 @dataclass(frozen=True)
 class Fp4GroupedTuning:
-    """The tiles by rows: fewer than ``few_rows`` rows touch at most that many experts, too few
-    programs of ``many``'s size to keep the copy engines busy, so ``few`` halves the columns and
-    doubles the bytes a program has in flight. Run 73 (H100, V4-Flash experts, 24 tiles,
+    """``_fp4_words_kernel``'s tiles by rows: fewer than ``few_rows`` rows touch at most that many
+    experts, too few programs of ``many``'s size to keep the memory busy, so ``few`` halves the
+    columns and doubles the bytes a program has in flight. Run 73 (H100, V4-Flash experts, 24 tiles,
     ``python -m bench.fp4_experts_bench``): 6 rows gate_up 73.4 against 112.5 µs, 24 rows 179.3
     against 186.3; from 96 rows ``many`` is the best or within 1% of it."""
 
@@ -89,7 +96,7 @@ FP4_GROUPED = Fp4GroupedTuning()
 
 
 def dequantize_fp4_kernel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``dequantize_fp4`` in one Triton pass (``_fp4_tile``, the decoder of ``kernels.moe_fp4_gemv``):
+    """``dequantize_fp4`` in one Triton pass (``_fp4_tile``, the tile kernel's decoder):
     ``q (E, N, K/2)``, ``scale (E, N, K/32)`` → ``(E, N, K)`` in ``dtype``; N and K multiples of 128."""
     e, n, half = q.shape
     k = 2 * half
@@ -120,10 +127,17 @@ def fp4_grouped_linear(
         return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))
     if block_m is None:
         block_m = default_block_m(m, e)
+    precision = dot_precision(xs.dtype)
+    if block_m > WORDS_MAX_ROWS:
+        _fp4_tiles_kernel[(e, n // BLOCK)](
+            xs, wq.view(torch.uint8), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=BLOCK, BK=BLOCK, G=GROUP,
+            PRECISION=precision, num_warps=4, num_stages=3,
+        )  # fmt: skip
+        return out
     bk = tiles.bk if k % tiles.bk == 0 else BLOCK
-    _fp4_grouped_kernel[(e, n // tiles.bn)](
+    _fp4_words_kernel[(e, n // tiles.bn)](
         xs, wq.view(torch.int32), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=tiles.bn, BK=bk, G=GROUP,
-        PRECISION=dot_precision(xs.dtype), num_warps=tiles.warps, num_stages=tiles.stages,
+        PRECISION=precision, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 
@@ -227,11 +241,38 @@ if HAS_TRITON:
         tl.store(dst, tile.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _fp4_grouped_kernel(
+    def _fp4_tiles_kernel(
         x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """``fp4_grouped_linear``'s kernel over the packed weights read as 32-bit words (8 codes,
+        """``fp4_grouped_linear``'s kernel for row tiles of more than 16 rows: each ``(BN, BK)``
+        weight tile decoded by ``_fp4_tile`` once per row tile, one ``K = BK`` product."""
+        e = tl.program_id(0)
+        nb = tl.program_id(1)
+        end = tl.load(offs_ptr + e)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        if end > start:
+            cols = nb * BN + tl.arange(0, BN)
+            kk = tl.arange(0, BK)
+            ty = out_ptr.dtype.element_ty
+            w_base = w_ptr + e.to(tl.int64) * N * (K // 2)
+            s_base = s_ptr + e.to(tl.int64) * N * (K // G)
+            for m0 in range(start, end, BM):
+                rows = m0 + tl.arange(0, BM)
+                r_ok = rows < end
+                acc = tl.zeros((BM, BN), tl.float32)
+                for k0 in range(0, K, BK):
+                    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + k0 + kk[None, :], mask=r_ok[:, None], other=0.0)
+                    w = _fp4_tile(w_base, s_base, cols, k0, K, BN, BK, G)  # (BN, BK)
+                    acc += mma(x, tl.trans(w).to(ty), PRECISION)
+                tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
+
+    @triton.jit
+    def _fp4_words_kernel(
+        x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """``fp4_grouped_linear``'s kernel for row tiles of up to 16 rows (decode), over the packed weights read as 32-bit words (8 codes,
         input ``8j + i`` in nibble ``i`` of word ``j``): per K step one ``(BK/8, BN)`` word tile and
         its scales, then for each nibble ``i`` the codes of inputs ``k0 + 8j + i`` decoded
         (``_fp4_nibble``) and scaled straight into the dot's ``(K, N)`` operand against the rows'

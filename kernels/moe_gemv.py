@@ -44,12 +44,12 @@ class MoEGemvTuning:
     ms; a 24-slot bucket (144 pairs) 7.92 → 7.03 ms against 128, b=32 (192 pairs) 9.81 → 9.15 ms
     against 160, the b=16 k=1 verify (192 pairs) 10.28 → 9.37 ms; 288 pairs tie (the b=16 k=2
     verify 12.61 / 12.75 ms), 384 lose (k=3 14.34 → 16.54 ms); b=1 unchanged. ``fp4_max_slots``:
-    the same limit for the checkpoint's FP4 experts (``kernels.moe_fp4_gemv``), whose GEMV reads
-    every slot's expert whole and decodes it in registers at ~0.45 TB/s, so it gains nothing from
-    more slots: 16, the shared limit before run 34 (NOTES run 38, native V4 slice: at 192, b=16
-    took 11.07 ms against 8.38 on the grouped kernel in run 24, b=32 21.20 ms; the FP4 GEMVs were
-    10.1 / 20.0 ms of it). Where between 16 and 96 slots the grouped kernel starts to win is not
-    measured. ``up``/``down``: ``GemvConfig`` of the gate/up
+    the limit for the checkpoint's FP4 experts (``kernels.moe_fp4_gemv``), whose GEMV reads every
+    slot's expert whole (no gain from slots sharing an expert): 24. Run 74 (H100, V4-Flash experts,
+    the whole routed MoE, ``python -m bench.fp4_experts_bench``): 6 / 12 / 24 slots 66.1 / 123.5 /
+    226.6 µs against 150.2 / 216.1 / 321.8 on the grouped kernel; at 96 slots the GEMV of run 73
+    (before its word decoder, 1.36-1.46× slower than now at 6-24 slots) took 1,291 against 867 µs.
+    Between 24 and 96 slots is not measured. ``up``/``down``: ``GemvConfig`` of the gate/up
     and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them. None
     (the default): 4 rows a program, 4 warps, a 1024-column K block where it divides the hidden
     size (gate/up) or the intermediate size (down), else ``_common.even_tile``'s (V4.1's 2304:
@@ -57,7 +57,7 @@ class MoEGemvTuning:
     """
 
     max_slots: int = 192
-    fp4_max_slots: int = 16
+    fp4_max_slots: int = 24
     up: GemvConfig | None = None
     down: GemvConfig | None = None
 

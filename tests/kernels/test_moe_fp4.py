@@ -42,13 +42,13 @@ def test_dequantize_matches_the_loader() -> None:
 
 @pytest.mark.gpu
 def test_kernel_decoder_is_bit_exact() -> None:
-    """The GEMV kernels' in-register decoder gives ``dequantize_fp4``'s fp32 values bit for bit: every
+    """The tile kernel's in-register decoder gives ``dequantize_fp4``'s fp32 values bit for bit: every
     byte (both nibbles, ±0 included) under every e8m0 scale code but NaN's (0: 2^-127, up to 254)."""
     _needs_kernel()
     n, k = 128, 256 * 4
     q = torch.arange(256, dtype=torch.int32).repeat(n, k // 2 // 256).to(torch.uint8).view(torch.int8)  # (n, k/2): each byte 2x per row
     s = torch.arange(n * k // 32, dtype=torch.int32).remainder(255).to(torch.uint8).view(n, k // 32)  # codes 0..254
-    out = dequantize_fp4_kernel(q[None].to(DEV), s[None].to(DEV), torch.float32)[0]  # the GEMV kernels' decoder, _fp4_tile
+    out = dequantize_fp4_kernel(q[None].to(DEV), s[None].to(DEV), torch.float32)[0]  # the tile kernel's decoder, _fp4_tile
     want = dequantize_fp4(q, s)
     assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
     normal = s.repeat_interleave(32, dim=-1) >= 2  # bf16 values from 2^-126 (the interpreter flushes subnormal conversions)
@@ -58,10 +58,10 @@ def test_kernel_decoder_is_bit_exact() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_kernel_decodes_every_code_exactly(dtype) -> None:
-    """The grouped kernel's own decoder (32-bit words, subnormal fp32 bits scaled by 2^126): one-hot
-    rows read the dequantised weights back bit for bit, every byte (both nibbles, ±0) under the
-    e8m0 codes 2-252 (normal bf16 values, no fp32 overflow), for each K tile it takes."""
+def test_words_kernel_decodes_every_code_exactly(dtype) -> None:
+    """The words kernel's own decoder (32-bit words, subnormal fp32 bits scaled by 2^126): one-hot
+    rows, 16 a row tile, read the dequantised weights back bit for bit, every byte (both nibbles,
+    ±0) under the e8m0 codes 2-252 (normal bf16 values, no fp32 overflow), for each K tile it takes."""
     _needs_kernel()
     n, k = 128, 512
     q = torch.arange(256, dtype=torch.int32).repeat(n, k // 2 // 256).to(torch.uint8).view(torch.int8)
@@ -70,7 +70,8 @@ def test_grouped_kernel_decodes_every_code_exactly(dtype) -> None:
     want = dequantize_fp4(q, s).t().contiguous()  # (k, n): row r = input r's weights
     eye = torch.eye(k, dtype=dtype, device=DEV)
     for bk in (128, 256):
-        got = fp4_grouped_linear(eye, q[None].to(DEV), s[None].to(DEV), torch.tensor([k], dtype=torch.int32, device=DEV), tiles=Fp4GroupedTiles(bk=bk))
+        offs = torch.tensor([k], dtype=torch.int32, device=DEV)
+        got = fp4_grouped_linear(eye, q[None].to(DEV), s[None].to(DEV), offs, block_m=16, tiles=Fp4GroupedTiles(bk=bk))
         assert torch.equal(got.cpu(), want.to(dtype)), bk
 
 
@@ -96,8 +97,9 @@ def test_prefill_sizes_through_the_bf16_scratch() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 64], ids=["words-kernel", "tiles-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_linear(dtype) -> None:
+def test_grouped_linear(dtype, block_m) -> None:
     _needs_kernel()
     g = torch.Generator().manual_seed(1)
     e, n, k = (4, 256, 256) if SMALL else (16, 4096, 2048)
@@ -106,7 +108,7 @@ def test_grouped_linear(dtype) -> None:
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = torch.randn(int(counts.sum()), k, generator=g)
     want = torch.cat([xs[o - c : o] @ dequantize_fp4(q[i], s[i]).t() for i, (c, o) in enumerate(zip(counts.tolist(), offs.tolist()))])
-    got = fp4_grouped_linear(xs.to(DEV, dtype), q.to(DEV), s.to(DEV), offs.to(DEV)).float().cpu()
+    got = fp4_grouped_linear(xs.to(DEV, dtype), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=block_m).float().cpu()
     err = ((got - want).norm() / want.norm()).item()
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
 

@@ -115,7 +115,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 128])
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--grid", default="64,128/128,256/4,8/2,3,4", help="bn/bk/warps/stages values to cross")
+    ap.add_argument("--grid", default="64,128/128,256/4,8/2,3,4",
+                    help="values to cross of Fp4GroupedTiles' fields in order (bn/bk/warps/stages)")  # fmt: skip
     ap.add_argument("--out", help="JSON of every row")
     args = ap.parse_args()
     axes = [[int(v) for v in part.split(",")] for part in args.grid.split("/")]

@@ -13,12 +13,16 @@ scales). Two kernels, by row tile (run 74, H100, V4-Flash experts, ``bench.fp4_e
 
 - up to ``WORDS_MAX_ROWS`` rows (decode: the decode costs more than the product), ``_fp4_words_kernel``
   reads the packed bytes as 32-bit words and decodes each nibble position's codes straight into
-  the dot's operand, two shifts, a mask and two products a weight, against the rows' inputs at
-  stride 8 (``_fp4_nibble``): 13-16% faster than the tile kernel from 16 to 128 tokens (64 tokens:
-  gate_up 1.25 against 1.45 ms), with ``Fp4GroupedTuning``'s tiles by rows;
+  the dot's operand, for bf16 two codes an instruction in inline PTX (``_fp4_nibble_bf16x2``: a
+  byte permute, two shifts, two masks and two ``mul.bf16x2`` per pair), against the rows' inputs
+  reordered per K step so that each nibble position's are contiguous; ``Fp4GroupedTuning``'s tiles
+  by rows. Run 76 (64 tokens): gate_up 0.974 / down 0.478 ms, 1.65× / 1.62× the byte floor of the
+  touched experts; 1.296 / 0.659 ms with one code per instruction (``_fp4_nibble``) and the inputs
+  at stride 8, 1.446 / 0.731 ms for the tile kernel (run 74);
 - larger row tiles, ``_fp4_tiles_kernel`` decodes a ``(BN, BK)`` tile (``_fp4_tile``: the nibbles
-  joined in input order) and runs one ``K = BK`` product: the words kernel's 16-deep products and
-  strided inputs cost 2.8× there (2048 tokens, 48 rows an expert: gate_up 3.28 against 9.25 ms).
+  joined in input order) and runs one ``K = BK`` product: there the words kernel's 16-deep
+  products cost more than the decode saves (run 74, before the paired decode and the reordered
+  inputs: 2048 tokens, 48 rows an expert, gate_up 3.28 against 9.25 ms).
 
 That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
 average ``min_rows_per_expert`` rows or more per expert, in bf16 where ``torch._grouped_mm``
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._common import HAS_TRITON, dot_precision, mma, tl, triton, use_triton
+from kernels._common import HAS_TRITON, INTERPRET, dot_precision, mma, tl, triton, use_triton
 from kernels.moe import has_grouped_mm
 from kernels.moe_fp8 import default_block_m, grouped_linear_reference, quantized_moe_experts
 
@@ -85,7 +89,7 @@ class Fp4GroupedTuning:
     against 186.3; from 96 rows ``many`` is the best or within 1% of it."""
 
     few_rows: int = 32
-    few: Fp4GroupedTiles = Fp4GroupedTiles(bn=64, bk=256, warps=4, stages=4)
+    few: Fp4GroupedTiles = Fp4GroupedTiles(bn=64, bk=256, stages=4)
     many: Fp4GroupedTiles = Fp4GroupedTiles()
 
     def tiles(self, rows: int) -> Fp4GroupedTiles:
@@ -135,9 +139,10 @@ def fp4_grouped_linear(
         )  # fmt: skip
         return out
     bk = tiles.bk if k % tiles.bk == 0 else BLOCK
+    by_nibble = xs.view(m, k // bk, bk // 8, 8).transpose(2, 3).contiguous().view(m, k)  # input 8j + i of a K step at i·bk/8 + j
     _fp4_words_kernel[(e, n // tiles.bn)](
-        xs, wq.view(torch.int32), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=tiles.bn, BK=bk, G=GROUP,
-        PRECISION=precision, num_warps=tiles.warps, num_stages=tiles.stages,
+        by_nibble, wq.view(torch.int32), ws.view(torch.uint8), offs, out, n, k, BM=block_m, BN=tiles.bn, BK=bk, G=GROUP,
+        PRECISION=precision, BF16X2=xs.dtype == torch.bfloat16 and not INTERPRET, num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 
@@ -194,6 +199,33 @@ if HAS_TRITON:
             mag = (words >> (4 * I - 22)) & 0x01C00000
         bits = ((words << (28 - 4 * I)) & 0x80000000) | mag
         return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+    @triton.jit
+    def _fp4_nibble_bf16x2(words, scale, I: tl.constexpr):
+        """``_fp4_nibble(words, I) · scale`` rounded to bf16 (the same values), two weights an
+        instruction: one ``prmt`` puts byte ``I // 2`` of two neighbouring words in the halves of a
+        register, two shifts and masks place both codes as bf16 bits ``s << 15 | e1 e0 m << 6`` (the
+        e2m1 value × 2^-126, e = 0 a bf16 subnormal), two ``mul.bf16x2`` by 2^126 and by the
+        ``scale`` pair (exact: powers of two). Inline PTX for sm_90, elements paired as the dot's
+        operand holds them (neighbouring K rows, one scale group)."""
+        sel = tl.full(words.shape, (I // 2) * 0x1111 + 0x4400, tl.uint32)  # bytes I//2 of word a → lanes 0-1, of word b → 2-3
+        if I % 2 == 0:  # the low nibble: sign bit 3 → 15, code bits 0-2 → 6-8 (and 16 bits up for word b)
+            out = tl.inline_asm_elementwise(
+                """{ .reg .b32 p, s, m, c;
+                prmt.b32 p, $1, $2, $3; shl.b32 s, p, 12; shl.b32 m, p, 6;
+                and.b32 s, s, 0x80008000; and.b32 m, m, 0x01C001C0; or.b32 p, s, m;
+                mov.b32 c, 0x7E807E80; mul.rn.bf16x2 p, p, c; mul.rn.bf16x2 $0, p, $5; }""",
+                "=r,r,r,r,r,r", [words, sel, scale], dtype=tl.bfloat16, is_pure=True, pack=2,
+            )  # fmt: skip
+        else:  # the high nibble: sign bit 7 → 15, code bits 4-6 → 6-8
+            out = tl.inline_asm_elementwise(
+                """{ .reg .b32 p, s, m, c;
+                prmt.b32 p, $1, $2, $3; shl.b32 s, p, 8; shl.b32 m, p, 2;
+                and.b32 s, s, 0x80008000; and.b32 m, m, 0x01C001C0; or.b32 p, s, m;
+                mov.b32 c, 0x7E807E80; mul.rn.bf16x2 p, p, c; mul.rn.bf16x2 $0, p, $5; }""",
+                "=r,r,r,r,r,r", [words, sel, scale], dtype=tl.bfloat16, is_pure=True, pack=2,
+            )  # fmt: skip
+        return out
 
     @triton.jit
     def _fp4_rows_dot(w_base, s_base, rows, k0, K, x_ptr, BR: tl.constexpr, BK: tl.constexpr, G: tl.constexpr):
@@ -270,13 +302,15 @@ if HAS_TRITON:
     @triton.jit
     def _fp4_words_kernel(
         x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr, BF16X2: tl.constexpr,
     ):  # fmt: skip
-        """``fp4_grouped_linear``'s kernel for row tiles of up to 16 rows (decode), over the packed weights read as 32-bit words (8 codes,
-        input ``8j + i`` in nibble ``i`` of word ``j``): per K step one ``(BK/8, BN)`` word tile and
-        its scales, then for each nibble ``i`` the codes of inputs ``k0 + 8j + i`` decoded
-        (``_fp4_nibble``) and scaled straight into the dot's ``(K, N)`` operand against the rows'
-        inputs at stride 8: no join, reshape or transpose of the weight tile."""
+        """``fp4_grouped_linear``'s kernel for row tiles of up to 16 rows (decode), over the packed
+        weights read as 32-bit words (8 codes, input ``8j + i`` in nibble ``i`` of word ``j``): per
+        K step one ``(BK/8, BN)`` word tile and its scales, then for each nibble ``i`` the codes of
+        inputs ``k0 + 8j + i`` decoded and scaled straight into the dot's ``(K, N)`` operand
+        (``_fp4_nibble_bf16x2`` for bf16 on the GPU, else ``_fp4_nibble``) against those inputs,
+        which ``x_ptr`` holds reordered nibble position first (``fp4_grouped_linear``): contiguous
+        loads, no join, reshape or transpose of the weight tile."""
         e = tl.program_id(0)
         nb = tl.program_id(1)
         end = tl.load(offs_ptr + e)
@@ -291,17 +325,22 @@ if HAS_TRITON:
             for m0 in range(start, end, BM):
                 rows = m0 + tl.arange(0, BM)
                 r_ok = rows < end
-                x_base = x_ptr + rows.to(tl.int64)[:, None] * K + 8 * jj[None, :]  # (BM, BK/8): inputs 8j
+                x_base = x_ptr + rows.to(tl.int64)[:, None] * K + jj[None, :]  # (BM, BK/8): nibble position 0's inputs
                 acc = tl.zeros((BM, BN), tl.float32)
                 for k0 in range(0, K, BK):
                     words = tl.load(w_base + k0 // 8).to(tl.uint32, bitcast=True)
                     sc = tl.load(s_base + k0 // G).to(tl.uint32)  # (BK/G, BN) e8m0
                     sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (BK // G, G // 8, BN)), (BK // 8, BN))  # word j: group j·8/G
                     scale = _e8m0(sc)
+                    if BF16X2:
+                        scale = scale.to(tl.bfloat16)  # exact: a power of two
                     for i in tl.static_range(8):
-                        w = _fp4_nibble(words, i) * scale
-                        x = tl.load(x_base + k0 + i, mask=r_ok[:, None], other=0.0)
-                        acc += mma(x, w.to(ty), PRECISION)
+                        if BF16X2:
+                            w = _fp4_nibble_bf16x2(words, scale, i)
+                        else:
+                            w = (_fp4_nibble(words, i) * scale).to(ty)
+                        x = tl.load(x_base + k0 + i * (BK // 8), mask=r_ok[:, None], other=0.0)
+                        acc += mma(x, w, PRECISION)
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
 
 

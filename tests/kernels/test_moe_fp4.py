@@ -59,9 +59,10 @@ def test_kernel_decoder_is_bit_exact() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_words_kernel_decodes_every_code_exactly(dtype) -> None:
-    """The words kernel's own decoder (32-bit words, subnormal fp32 bits scaled by 2^126): one-hot
-    rows, 16 a row tile, read the dequantised weights back bit for bit, every byte (both nibbles,
-    ±0) under the e8m0 codes 2-252 (normal bf16 values, no fp32 overflow), for each K tile it takes."""
+    """The words kernel's own decoders (32-bit words; fp32: subnormal fp32 bits scaled by 2^126,
+    bf16 on the GPU: two codes an instruction in inline PTX) and its reordered inputs: one-hot rows,
+    16 a row tile, read the dequantised weights back bit for bit, every byte (both nibbles, ±0)
+    under the e8m0 codes 2-252 (normal bf16 values, no fp32 overflow), for each K tile it takes."""
     _needs_kernel()
     n, k = 128, 512
     q = torch.arange(256, dtype=torch.int32).repeat(n, k // 2 // 256).to(torch.uint8).view(torch.int8)

@@ -45,11 +45,10 @@ class MoEGemvTuning:
     against 160, the b=16 k=1 verify (192 pairs) 10.28 → 9.37 ms; 288 pairs tie (the b=16 k=2
     verify 12.61 / 12.75 ms), 384 lose (k=3 14.34 → 16.54 ms); b=1 unchanged. ``fp4_max_slots``:
     the limit for the checkpoint's FP4 experts (``kernels.moe_fp4_gemv``), whose GEMV reads every
-    slot's expert whole (no gain from slots sharing an expert): 24. Run 74 (H100, V4-Flash experts,
-    the whole routed MoE, ``python -m bench.fp4_experts_bench``): 6 / 12 / 24 slots 66.1 / 123.5 /
-    226.6 µs against 150.2 / 216.1 / 321.8 on the grouped kernel; at 96 slots the GEMV of run 73
-    (before its word decoder, 1.36-1.46× slower than now at 6-24 slots) took 1,291 against 867 µs.
-    Between 24 and 96 slots is not measured. ``up``/``down``: ``GemvConfig`` of the gate/up
+    slot's expert whole (no gain from slots sharing an expert): 24. Run 76 (H100, V4-Flash experts,
+    the whole routed MoE, ``python -m bench.fp4_experts_bench``): 6 / 24 / 96 slots 66.3 / 229.3 /
+    839.7 µs against 122.5 / 231.0 / 631.1 on the grouped kernel (bf16 codes decoded in pairs):
+    the two tie at 24. Between 24 and 96 slots is not measured. ``up``/``down``: ``GemvConfig`` of the gate/up
     and the down kernel; the microbench (``python -m bench.moe_gemv_sweep``) sweeps them. None
     (the default): 4 rows a program, 4 warps, a 1024-column K block where it divides the hidden
     size (gate/up) or the intermediate size (down), else ``_common.even_tile``'s (V4.1's 2304:

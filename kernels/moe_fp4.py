@@ -206,8 +206,8 @@ if HAS_TRITON:
         instruction: one ``prmt`` puts byte ``I // 2`` of two neighbouring words in the halves of a
         register, two shifts and masks place both codes as bf16 bits ``s << 15 | e1 e0 m << 6`` (the
         e2m1 value × 2^-126, e = 0 a bf16 subnormal), two ``mul.bf16x2`` by 2^126 and by the
-        ``scale`` pair (exact: powers of two). Inline PTX for sm_90, elements paired as the dot's
-        operand holds them (neighbouring K rows, one scale group)."""
+        ``scale`` pair (exact: powers of two). Inline PTX for sm_90 over whichever two elements
+        Triton packs in a register, each with its own word and scale lane."""
         sel = tl.full(words.shape, (I // 2) * 0x1111 + 0x4400, tl.uint32)  # bytes I//2 of word a → lanes 0-1, of word b → 2-3
         if I % 2 == 0:  # the low nibble: sign bit 3 → 15, code bits 0-2 → 6-8 (and 16 bits up for word b)
             out = tl.inline_asm_elementwise(
@@ -277,7 +277,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """``fp4_grouped_linear``'s kernel for row tiles of more than 16 rows: each ``(BN, BK)``
+        """``fp4_grouped_linear``'s kernel for row tiles of more than ``WORDS_MAX_ROWS`` rows: each ``(BN, BK)``
         weight tile decoded by ``_fp4_tile`` once per row tile, one ``K = BK`` product."""
         e = tl.program_id(0)
         nb = tl.program_id(1)

@@ -179,7 +179,15 @@ def moe_experts_fp4(
     )  # fmt: skip
 
 
+_PAIR_ASM = """{{ .reg .b32 p, s, m, c;
+    prmt.b32 p, $1, $2, $3; shl.b32 s, p, {sign}; shl.b32 m, p, {code};
+    and.b32 s, s, 0x80008000; and.b32 m, m, 0x01C001C0; or.b32 p, s, m;
+    mov.b32 c, 0x7E807E80; mul.rn.bf16x2 p, p, c; mul.rn.bf16x2 $0, p, $5; }}"""  # _fp4_nibble_bf16x2; 0x7E80 is bf16 2^126
+
 if HAS_TRITON:
+    # the low nibble of a byte: sign bit 3 → 15, code bits 0-2 → 6-8 (16 bits up for word b); the high one: bits 7, 4-6
+    _PAIR_ASM_LOW = tl.constexpr(_PAIR_ASM.format(sign=12, code=6))
+    _PAIR_ASM_HIGH = tl.constexpr(_PAIR_ASM.format(sign=8, code=2))
 
     @triton.jit
     def _e8m0(sc):
@@ -209,22 +217,10 @@ if HAS_TRITON:
         ``scale`` pair (exact: powers of two). Inline PTX for sm_90 over whichever two elements
         Triton packs in a register, each with its own word and scale lane."""
         sel = tl.full(words.shape, (I // 2) * 0x1111 + 0x4400, tl.uint32)  # bytes I//2 of word a → lanes 0-1, of word b → 2-3
-        if I % 2 == 0:  # the low nibble: sign bit 3 → 15, code bits 0-2 → 6-8 (and 16 bits up for word b)
-            out = tl.inline_asm_elementwise(
-                """{ .reg .b32 p, s, m, c;
-                prmt.b32 p, $1, $2, $3; shl.b32 s, p, 12; shl.b32 m, p, 6;
-                and.b32 s, s, 0x80008000; and.b32 m, m, 0x01C001C0; or.b32 p, s, m;
-                mov.b32 c, 0x7E807E80; mul.rn.bf16x2 p, p, c; mul.rn.bf16x2 $0, p, $5; }""",
-                "=r,r,r,r,r,r", [words, sel, scale], dtype=tl.bfloat16, is_pure=True, pack=2,
-            )  # fmt: skip
-        else:  # the high nibble: sign bit 7 → 15, code bits 4-6 → 6-8
-            out = tl.inline_asm_elementwise(
-                """{ .reg .b32 p, s, m, c;
-                prmt.b32 p, $1, $2, $3; shl.b32 s, p, 8; shl.b32 m, p, 2;
-                and.b32 s, s, 0x80008000; and.b32 m, m, 0x01C001C0; or.b32 p, s, m;
-                mov.b32 c, 0x7E807E80; mul.rn.bf16x2 p, p, c; mul.rn.bf16x2 $0, p, $5; }""",
-                "=r,r,r,r,r,r", [words, sel, scale], dtype=tl.bfloat16, is_pure=True, pack=2,
-            )  # fmt: skip
+        if I % 2 == 0:
+            out = tl.inline_asm_elementwise(_PAIR_ASM_LOW, "=r,r,r,r,r,r", [words, sel, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            out = tl.inline_asm_elementwise(_PAIR_ASM_HIGH, "=r,r,r,r,r,r", [words, sel, scale], dtype=tl.bfloat16, is_pure=True, pack=2)
         return out
 
     @triton.jit

@@ -2,10 +2,11 @@
 intermediate 2048, uniform random top-6): ``kernels.moe_fp4.fp4_grouped_linear``'s tiles beside
 the bytes of the experts the routing touches at the copy rate measured in the same run (bytes
 read + written per second, as every floor in docs/PERFORMANCE.md), the bf16
-scratch path at prefill sizes, and the whole routed MoE through the GEMV kernels beside the grouped
+scratch path and ``kernels.moe_fp4_fp8``'s FP8 products (``--fp8-grid``) at prefill sizes, and the whole routed MoE through the GEMV kernels beside the grouped
 kernel at a few tokens (where ``MoEGemvTuning.fp4_max_slots`` switches).
 
     python -m bench.fp4_experts_bench --out OUT.json [--tokens 1 4 16 64 128] [--grid 64,128/128,256/4,8/2,3,4]
+        [--fp8-grid 64,128/64,128/4,8/3,4/1]
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import torch
 from bench.fp8_gemm_bench import copy_rate
 from bench.kernel_helpers import graph_time_ms
 from kernels.moe_fp4 import GROUP, Fp4GroupedTiles, Fp4PrefillTuning, fp4_grouped_linear, moe_experts_fp4
+from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear
 from kernels.moe_fp4_gemv import moe_fp4_gemv
 
 EXPERTS, HIDDEN, INTER, TOP = 256, 4096, 2048, 6
 ROUTINGS = 8  # cycled, so that no call finds its experts in L2
 IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=1 << 30)
-SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1)
+SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1, fp8_products=False)
 
 
 def _fp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +52,13 @@ def eager_ms(fn: Callable[[int], object], reps: int, iters: int) -> float:
     return a.elapsed_time(b) / iters / reps
 
 
-def grouped_rows(tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, baseline: Callable | None = None) -> list[dict]:
+def grouped_rows(
+    tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, baseline: Callable | None = None, fp8: list[tuple] = (),
+) -> list[dict]:  # fmt: skip
     """One row per (tokens, GEMM, tiles): ms per call, × the byte floor, TFLOP/s, error against the
     first case; ``baseline`` (``fp4_grouped_linear``'s signature without keywords) joins as a case.
-    From 32 rows per expert on average the bf16 scratch path joins too, and every case is timed eagerly."""
+    From 32 rows per expert on average the bf16 scratch path and the FP8 products (``fp8``: their
+    block_m, block_n, warps, stages, chain) join too, and every case is timed eagerly."""
     torch.manual_seed(0)
     shapes = {"gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
     weights = {name: _fp4(n, k) for name, (n, k) in shapes.items()}
@@ -73,6 +78,9 @@ def grouped_rows(tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, 
                 cases["baseline"] = lambda o: baseline(xs, wq, ws, o)
             if prefill:
                 cases["bf16 scratch"] = lambda o: fp4_grouped_linear(xs, wq, ws, o, prefill=SCRATCH)
+                for bm, bn, w, st, ch in fp8:
+                    cases[f"fp8 {bm}/{bn}/{w}/{st}/{ch}"] = lambda o, c=(bm, bn, w, st, ch): fp4_fp8_grouped_linear(
+                        xs, wq, ws, o, block_m=c[0], block_n=c[1], warps=c[2], stages=c[3], chain=bool(c[4]))
             want = None
             for label, fn in cases.items():
                 try:
@@ -117,10 +125,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--grid", default="64,128/128,256/4,8/2,3,4",
                     help="values to cross of Fp4GroupedTiles' fields in order (bn/bk/warps/stages)")  # fmt: skip
+    ap.add_argument("--fp8-grid", default="", help="values to cross of fp4_fp8_grouped_linear's block_m/block_n/warps/stages/chain")
     ap.add_argument("--out", help="JSON of every row")
     args = ap.parse_args()
     axes = [[int(v) for v in part.split(",")] for part in args.grid.split("/")]
-    rows = grouped_rows(args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters)
+    fp8 = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.fp8_grid.split("/")])) if args.fp8_grid else []
+    rows = grouped_rows(args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters, fp8=fp8)
     rows += moe_rows([t for t in args.tokens if t <= 16], args.iters)
     if args.out:
         with open(args.out, "w") as f:

@@ -25,11 +25,14 @@ scales). Two kernels, by row tile (run 74, H100, V4-Flash experts, ``bench.fp4_e
   inputs: 2048 tokens, 48 rows an expert, gate_up 3.28 against 9.25 ms).
 
 That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
-average ``min_rows_per_expert`` rows or more per expert, in bf16 where ``torch._grouped_mm``
-exists) the experts are instead decoded once per call into a bf16 scratch, a chunk of experts at a
-time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and multiplied by
-``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another summation order. The choice is made from shapes
-alone, so a captured decode step never takes it (it reads the group ends on the host).
+average ``min_rows_per_expert`` rows or more per expert) the products move to FP8 tensor cores
+on Hopper (``kernels.moe_fp4_fp8``: the inputs rounded to e4m3 per 128 as DeepSeek's inference
+does, the weights decoded to e4m3 with integer operations), or elsewhere, in bf16 where
+``torch._grouped_mm`` exists, the experts are decoded once per call into a bf16 scratch, a chunk
+of experts at a time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and
+multiplied by ``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another
+summation order. The choice is made from shapes alone, so a captured decode step never takes
+either (the scratch path reads the group ends on the host).
 """
 
 from __future__ import annotations
@@ -59,11 +62,14 @@ def dequantize_fp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 
 @dataclass(frozen=True)
 class Fp4PrefillTuning:
-    """When ``fp4_grouped_linear`` decodes the experts once into a bf16 scratch (module docstring):
-    from ``min_rows_per_expert`` rows per expert on average, ``scratch_bytes`` of bf16 weights at a time."""
+    """``fp4_grouped_linear`` at prefill sizes (module docstring): from ``min_rows_per_expert`` rows
+    per expert on average; with ``fp8_products`` on a GPU with FP8 tensor cores (Hopper on) through
+    ``kernels.moe_fp4_fp8`` (the inputs rounded to e4m3 as DeepSeek's inference does), else
+    decoded once into a bf16 scratch, ``scratch_bytes`` of bf16 weights at a time."""
 
     min_rows_per_expert: int = 96
     scratch_bytes: int = 2 << 30
+    fp8_products: bool = True
 
 
 FP4_PREFILL = Fp4PrefillTuning()
@@ -127,8 +133,13 @@ def fp4_grouped_linear(
         return grouped_linear_reference(xs, wq, ws, offs, dequantize_fp4, out)
     if m == 0:
         return out
-    if xs.is_cuda and has_grouped_mm(xs.dtype) and m >= prefill.min_rows_per_expert * e:
-        return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))
+    if xs.is_cuda and m >= prefill.min_rows_per_expert * e:
+        if prefill.fp8_products and torch.cuda.get_device_capability(xs.device)[0] >= 9:
+            from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear  # (it imports this module)
+
+            return fp4_fp8_grouped_linear(xs, wq, ws, offs)
+        if has_grouped_mm(xs.dtype):
+            return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))
     if block_m is None:
         block_m = default_block_m(m, e)
     precision = dot_precision(xs.dtype)

@@ -1,0 +1,153 @@
+"""FP4 routed experts at prefill sizes on FP8 tensor cores: DeepSeek's ``act_quant`` + ``fp4_gemm``.
+
+DeepSeek's inference multiplies an FP4 expert by quantising its input to e4m3 per row and 128-input
+group (``kernels.fp8_gemm.quantize_act``: ue8m0 scales, the same as its FP8 dense layers) and
+running an FP8 product against the e2m1 weights with their e8m0 scale per 32 inputs. Every e2m1
+value is an e4m3 value, so a weight tile decodes to FP8 codes with integer operations only, and
+the 32-input scale groups are promoted into fp32 registers one by one::
+
+    y[m, n] = Σ_kb  sx[m, kb] · Σ_{j<4}  sw[n, 4·kb + j] · Σ_{k in group 4·kb + j}  qx[m, k] · w[n, k]
+
+The inner sum is one ``K = 32`` FP8 tensor-core product (e4m3 products are exact in fp32), the
+two outer sums fp32 multiply-adds in registers. ``fp4_fp8_grouped_linear_reference``
+(dequantise both sides, fp32 matmul) is the same function up to fp32 summation order.
+
+The decode (``_e4m3_pair``): a packed byte ``h3 h2 h1 h0 l3 l2 l1 l0`` (two codes ``s e1 e0 m``)
+gives the e4m3 bytes ``l3 0 0 l2 l1 l0 0 0`` and ``h3 0 0 h2 h1 h0 0 0``: exponent ``e1 e0`` and
+mantissa ``m 0 0`` are the e2m1 value times 2^-6 exactly (e = 0: the subnormal m·2^-7 = (m/2)·2^-6),
+so 2^6 joins the scale. On the GPU four bytes at a time in inline PTX (two and-shift-or per
+output word); under the interpreter the same bit operations on bytes.
+
+The kernel walks, per (expert, ``BN``-column tile) program, its expert's rows in ``BM``-row
+tiles (``kernels.moe_fp4``'s schedule), the weight tile decoded per row tile. Against the bf16
+scratch path of ``kernels.moe_fp4`` it reads the packed weights (a quarter of bf16's bytes) once
+per row tile and runs the products at FP8's rate; the price is the inputs' e4m3 rounding, which
+is DeepSeek's own (its ``linear`` quantises every FP8/FP4 layer's input).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._common import HAS_TRITON, INTERPRET, mma, tl, triton, use_triton
+from kernels.fp8_gemm import quantize_act, quantize_act_reference
+from kernels.moe_fp4 import BLOCK, GROUP, dequantize_fp4
+
+
+def fp4_fp8_grouped_linear_reference(
+    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:  # fmt: skip
+    """``fp4_fp8_grouped_linear`` without Triton: each group's dequantised inputs ``qx · sx`` times
+    its dequantised weights, fp32 math, cast to ``out_dtype``."""
+    m, k = xq.shape
+    x = (xq.float().view(m, -1, BLOCK) * xs[:, :, None]).view(m, k)
+    out = torch.empty(m, wq.shape[1], dtype=out_dtype, device=xq.device)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = (x[start:end] @ dequantize_fp4(wq[g], ws[g]).t()).to(out_dtype)
+        start = end
+    return out
+
+
+def fp4_fp8_grouped_linear(
+    x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, *, block_m: int = 64, block_n: int = 128,
+    warps: int = 4, stages: int = 3, chain: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """Rows ``x (M, K)`` (bf16/fp16/fp32) sorted by group (``offs`` int32 group ends) times the
+    FP4 weights ``wq (E, N, K/2)``, ``ws (E, N, K/32)`` → ``(M, N)`` in ``x.dtype``, the inputs
+    quantised to e4m3 per 128 first (module docstring)."""
+    m, k = x.shape
+    e, n, half = wq.shape
+    assert 2 * half == k and k % BLOCK == 0 and n % block_n == 0 and ws.shape == (e, n, k // GROUP), "fp4_fp8_grouped_linear: shapes"
+    if not use_triton(x):
+        xq, xs = quantize_act_reference(x)
+        return fp4_fp8_grouped_linear_reference(xq, xs, wq, ws, offs, x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    xq, xs = quantize_act(x.contiguous())
+    _fp4_fp8_kernel[(e, n // block_n)](
+        xq, xs, wq.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8), offs, out, n, k,
+        BM=block_m, BN=block_n, G=GROUP, ASM=not INTERPRET, PRECISION="interpret" if INTERPRET else "tf32", CHAIN=chain, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+if HAS_TRITON:
+    from kernels.moe_fp4 import _e8m0
+
+    @triton.jit
+    def _e4m3_pair(packed, ASM: tl.constexpr):
+        """Packed e2m1 bytes → the e4m3 codes of their low and high nibbles, each the e2m1 value
+        times 2^-6 (module docstring)."""
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                """{ .reg .b32 a, b;
+                and.b32 a, $2, 0x08080808; shl.b32 a, a, 4; and.b32 b, $2, 0x07070707; shl.b32 b, b, 2; or.b32 $0, a, b;
+                shr.b32 a, $2, 2; and.b32 a, a, 0x1C1C1C1C; and.b32 b, $2, 0x80808080; or.b32 $1, a, b; }""",
+                "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
+            hi = (packed & 0x80) | ((packed >> 2) & 0x1C)
+        return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def _fp4_fp8_kernel(
+        xq_ptr, xs_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
+        BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr, CHAIN: tl.constexpr,
+    ):  # fmt: skip
+        e = tl.program_id(0)
+        nb = tl.program_id(1)
+        end = tl.load(offs_ptr + e)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        if end > start:
+            kb_n = K // 128
+            cols = nb * BN + tl.arange(0, BN)
+            jj = tl.arange(0, G // 2)
+            kk = tl.arange(0, G)
+            w_tile = w_ptr + e.to(tl.int64) * N * (K // 2)  # this expert's packed rows
+            w_offs = cols[:, None] * (K // 2) + jj[None, :]  # (BN, G/2) int32: one row of codes is K/2 bytes
+            s_tile = s_ptr + e.to(tl.int64) * N * (K // G)
+            s_offs = cols * (K // G)  # (BN,)
+            ty = out_ptr.dtype.element_ty
+            for m0 in range(start, end, BM):
+                rows = m0 + tl.arange(0, BM)
+                r_ok = rows < end
+                x_tile = xq_ptr + tl.full((), m0, tl.int64) * K
+                x_offs = tl.arange(0, BM)[:, None] * K + kk[None, :]  # (BM, G) int32, from the tile's first row
+                acc = tl.zeros((BM, BN), tl.float32)
+                for kb in range(0, kb_n):
+                    if CHAIN:  # one accumulator: the running sum kept in units of the current group's scale
+                        code = tl.load(s_tile + kb * (128 // G) + s_offs).to(tl.int32)  # (BN,) e8m0
+                        a = tl.load(x_tile + kb * 128 + x_offs, mask=r_ok[:, None], other=0.0)
+                        lo, hi = _e4m3_pair(tl.load(w_tile + kb * 64 + w_offs), ASM)
+                        inner = mma(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, G))), PRECISION)
+                        for j in tl.static_range(1, 128 // G):
+                            g = kb * (128 // G) + j
+                            nxt = tl.load(s_tile + g + s_offs).to(tl.int32)
+                            ratio = (tl.minimum(tl.maximum(code - nxt, -126), 127) + 127) << 23
+                            inner = inner * ratio.to(tl.float32, bitcast=True)[None, :]
+                            code = nxt
+                            a = tl.load(x_tile + g * G + x_offs, mask=r_ok[:, None], other=0.0)
+                            lo, hi = _e4m3_pair(tl.load(w_tile + g * (G // 2) + w_offs), ASM)
+                            inner = tl.dot(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, G))), inner) if PRECISION != "interpret" else inner + mma(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, G))), PRECISION)
+                        sa = tl.load(xs_ptr + rows * kb_n + kb, mask=r_ok, other=0.0)  # (BM,)
+                        acc += (inner * _e8m0(code.to(tl.uint32))[None, :]) * sa[:, None]
+                    else:
+                        inner = tl.zeros((BM, BN), tl.float32)
+                        for j in tl.static_range(128 // G):
+                            g = kb * (128 // G) + j
+                            a = tl.load(x_tile + g * G + x_offs, mask=r_ok[:, None], other=0.0)  # (BM, G) e4m3
+                            lo, hi = _e4m3_pair(tl.load(w_tile + g * (G // 2) + w_offs), ASM)  # (BN, G/2) each
+                            b = tl.reshape(tl.join(lo, hi), (BN, G))  # low nibble first: input order
+                            sb = _e8m0(tl.load(s_tile + g + s_offs).to(tl.uint32))  # (BN,)
+                            inner += mma(a, tl.trans(b), PRECISION) * sb[None, :]
+                        sa = tl.load(xs_ptr + rows * kb_n + kb, mask=r_ok, other=0.0)  # (BM,)
+                        acc += inner * sa[:, None]
+                acc = acc * 64.0  # the decode's 2^-6 (module docstring)
+                tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
+
+
+__all__ = ["fp4_fp8_grouped_linear", "fp4_fp8_grouped_linear_reference"]

@@ -1,0 +1,102 @@
+"""FP4 experts on FP8 tensor cores (``kernels.moe_fp4_fp8``) against the dequantised reference.
+
+GPU: ``pytest -m gpu tests/kernels/test_moe_fp4_fp8.py``; on CPU the same tests run under Triton's
+interpreter (``test_moe_fp4_fp8_under_interpreter``, slow). The inputs' e4m3 values and every
+dequantised weight are exact, their products exact in fp32, so against
+``fp4_fp8_grouped_linear_reference`` on the same quantised inputs only the fp32 summation order
+differs. The compile test builds the kernel with its inline PTX for sm_90 on any machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import moe_fp4_fp8
+from kernels.fp8_gemm import quantize_act_reference
+from kernels.moe_fp4 import dequantize_fp4
+from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear, fp4_fp8_grouped_linear_reference
+from tests.kernels.interpreted import INTERPRETED, ON_GPU, run_gpu_tests_interpreted
+
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+def _fp4(e: int, n: int, k: int, g: torch.Generator, lo: int = 127 - 9, hi: int = 127 - 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed codes (every byte value) and e8m0 scale codes in ``[lo, hi)``."""
+    q = torch.randint(-128, 128, (e, n, k // 2), generator=g, dtype=torch.int16).to(torch.int8)
+    return q, torch.randint(lo, hi, (e, n, k // 32), generator=g).to(torch.uint8)
+
+
+def _needs_kernel() -> None:
+    if not (ON_GPU or INTERPRETED):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see test_moe_fp4_fp8_under_interpreter)")
+
+
+def test_reference_is_the_dequantised_product() -> None:
+    """The reference (e4m3 inputs times their scales, FP4 weights dequantised) against a plain
+    fp32 product of the dequantised inputs: the same values, so equal up to summation order."""
+    g = torch.Generator().manual_seed(0)
+    q, s = _fp4(2, 64, 256, g)
+    x = torch.randn(9, 256, generator=g)
+    xq, xs = quantize_act_reference(x)
+    xd = (xq.float().view(9, 2, 128) * xs[:, :, None]).view(9, 256)
+    offs = torch.tensor([4, 9], dtype=torch.int32)
+    got = fp4_fp8_grouped_linear_reference(xq, xs, q, s, offs, torch.float32)
+    want = torch.cat([xd[:4] @ dequantize_fp4(q[0], s[0]).t(), xd[4:] @ dequantize_fp4(q[1], s[1]).t()])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert ((xd - x).norm() / x.norm()).item() < 0.05  # the e4m3 rounding of the inputs, DeepSeek's own
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chain", [True, False], ids=["chained", "per-group"])
+@pytest.mark.parametrize("tiles", [(16, 128, 4, 3), (64, 128, 4, 3)], ids=["bm16", "bm64"])
+def test_grouped_linear_matches_the_reference(chain, tiles) -> None:
+    """Groups of 0, 1, a row tile and several row tiles; scale codes spread over 2^-20..2^4
+    (groups of one 128-input step at different scales): the kernel's product of the quantised
+    inputs equals the reference's up to fp32 summation order."""
+    _needs_kernel()
+    g = torch.Generator().manual_seed(1)
+    small = not ON_GPU
+    e, n, k = (3, 128, 256) if small else (6, 512, 1024)
+    q, s = _fp4(e, n, k, g, lo=127 - 20, hi=127 + 5)
+    counts = torch.tensor([5, 0, 40] if small else [1, 0, 64, 200, 17, 0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), k, generator=g) * 4
+    xq, xs = quantize_act_reference(x)
+    want = fp4_fp8_grouped_linear_reference(xq, xs, q, s, offs, torch.float32)
+    bm, bn, warps, stages = tiles
+    got = fp4_fp8_grouped_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=bm, block_n=bn, warps=warps, stages=stages, chain=chain)
+    err = ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-5, err
+    bf16 = fp4_fp8_grouped_linear(x.to(DEV, torch.bfloat16), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=bm, chain=chain).float().cpu()
+    xq16, xs16 = quantize_act_reference(x.bfloat16())
+    want16 = fp4_fp8_grouped_linear_reference(xq16, xs16, q, s, offs, torch.float32)
+    assert ((bf16 - want16).abs() <= want16.abs() * 2**-7 + 1e-6 * want16.abs().max()).all()  # one bf16 rounding (the interpreter truncates)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_the_kernel_builds_for_sm90(chain) -> None:
+    """With its inline PTX decode and one ``K = 32`` e4m3 wgmma per scale group (Triton's own ptxas,
+    no GPU needed)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
+        **dict.fromkeys(["BM", "BN", "G", "ASM", "PRECISION", "CHAIN"], "constexpr"),
+    }  # fmt: skip
+    assert list(signature) == moe_fp4_fp8._fp4_fp8_kernel.arg_names
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(8)}
+    consts = {"BM": 64, "BN": 128, "G": 32, "ASM": True, "PRECISION": "tf32", "CHAIN": chain}
+    kernel = triton.compile(ASTSource(moe_fp4_fp8._fp4_fp8_kernel, signature=signature, attrs=aligned, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})  # fmt: skip
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4  # one per 32-input group
+    assert "and.b32 a, %r" in ptx or "0x08080808" in ptx
+
+
+@pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively
+def test_moe_fp4_fp8_under_interpreter() -> None:
+    """The kernel tests above on CPU through Triton's interpreter (a child pytest)."""
+    run_gpu_tests_interpreted(__file__)

@@ -17,6 +17,7 @@ takes these instead, on the same values:
   (``kernels.prefill.hc_pre_block_parts``: the norm applied after the projection, where it
   commutes) and the gates and Sinkhorn in one kernel (``kernels.mhc.hc_mix_parts``); the collapse
   with the block's RMSNorm and the expand in one pass each (``kernels.v41_mhc``);
+- router: after its fp32 logits one ``kernels.moe.route`` launch (``routed``);
 - routed experts: over the layer's stacked weights (``MoE.stack``), tokens sorted by expert, one
   grouped GEMM per projection (``torch._grouped_mm`` in bf16 on CUDA, then the weighted SwiGLU in
   one pass, ``kernels.v41_moe``; on Hopper, or where ``V41Tuning.expert_gemm`` gives configs,
@@ -44,12 +45,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from engine.model.v41.layers import HyperSite, MoE, RMSNorm, collapse, expand
+from engine.model.v41.layers import HyperSite, MoE, RMSNorm, Router, collapse, expand, linear_fp32
 from kernels import v41_mhc
 from kernels._common import use_triton
 from kernels.indexer import indexer_scores_prefill
 from kernels.mhc import hc_mix, hc_mix_parts
-from kernels.moe import grouped_linear, has_grouped_mm
+from kernels.moe import SCORING_FUNCS, grouped_linear, has_grouped_mm, route
 from kernels.moe_grouped import GemmConfig, grouped_mm
 from kernels.v41_moe import combine_in_order, weighted_swiglu
 from kernels.prefill import AttentionTuning, hc_pre_block_parts, prefill_attention
@@ -122,6 +123,16 @@ def collapse_norm(pre: torch.Tensor, streams: torch.Tensor, norm: RMSNorm) -> to
     return v41_mhc.collapse_norm(pre, streams, norm.weight, norm.eps)
 
 
+def routed(gate: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Router.forward`` of ``x (N, H)``: after the fp32 logits, where Triton runs, the scores,
+    bias, top-k, weights and their normalisation in one launch (``kernels.moe.route``, as the slot
+    decoder: the same math, ties to the lower expert) instead of ``Router.route``'s dozen."""
+    logits = linear_fp32(x, gate.weight)  # (N, E)
+    if not use_triton(x) or gate.scoring_func not in SCORING_FUNCS:
+        return gate.route(logits)
+    return route(logits, gate.top_k, gate.scaling, gate.bias, scoring_func=gate.scoring_func, temp=gate.temp, normalize=gate.normalize)
+
+
 def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> torch.Tensor:
     """``MoE.forward`` of ``x (N, H)`` with grouped expert GEMMs in its rounding order → ``(N, H)``.
 
@@ -130,7 +141,7 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> t
     ``weight · silu(gate) · up`` in fp32 as ``Expert.forward``; each token's outputs summed in fp32 in
     ascending expert order, then the shared expert's (``_shared_expert``), as ``MoE.forward``. ``expert_gemm``: the
     Triton launch configs of the bf16 GEMMs (``V41Tuning.expert_gemm``, ``expert_gemms``)."""
-    weights, indices = layer.gate(x)  # (N, k) each
+    weights, indices = routed(layer.gate, x)  # (N, k) each
     indices, order = indices.sort(dim=-1)  # a token's picks in ascending expert order
     weights = weights.gather(1, order)
     gate_up, down = layer.stack()

@@ -25,13 +25,12 @@ scales). Two kernels, by row tile (run 74, H100, V4-Flash experts, ``bench.fp4_e
   inputs: 2048 tokens, 48 rows an expert, gate_up 3.28 against 9.25 ms).
 
 That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
-average ``min_rows_per_expert`` rows or more per expert) the products move to FP8 tensor cores
-on Hopper (``kernels.moe_fp4_fp8``: the inputs rounded to e4m3 per 128 as DeepSeek's inference
-does, the weights decoded to e4m3 with integer operations), or elsewhere, in bf16 where
-``torch._grouped_mm`` exists, the experts are decoded once per call into a bf16 scratch, a chunk
-of experts at a time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and
+average ``min_rows_per_expert`` rows or more per expert), in bf16 where ``torch._grouped_mm``
+exists, the experts are decoded once per call into a bf16 scratch, a chunk of experts at a time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and
 multiplied by ``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another
-summation order. The choice is made from shapes alone, so a captured decode step never takes
+summation order. ``Fp4PrefillTuning.fp8_products`` instead runs them on FP8 tensor cores
+(``kernels.moe_fp4_fp8``: DeepSeek's ``act_quant`` + ``fp4_gemm``, inputs rounded to e4m3), not
+yet faster (run 79). The choice is made from shapes alone, so a captured decode step never takes
 either (the scratch path reads the group ends on the host).
 """
 
@@ -64,12 +63,13 @@ def dequantize_fp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 class Fp4PrefillTuning:
     """``fp4_grouped_linear`` at prefill sizes (module docstring): from ``min_rows_per_expert`` rows
     per expert on average; with ``fp8_products`` on a GPU with FP8 tensor cores (Hopper on) through
-    ``kernels.moe_fp4_fp8`` (the inputs rounded to e4m3 as DeepSeek's inference does), else
-    decoded once into a bf16 scratch, ``scratch_bytes`` of bf16 weights at a time."""
+    ``kernels.moe_fp4_fp8`` (the inputs rounded to e4m3 as DeepSeek's inference does; off by
+    default: slower than the scratch at 8K on an H100, run 79), else decoded once into a bf16
+    scratch, ``scratch_bytes`` of bf16 weights at a time."""
 
     min_rows_per_expert: int = 96
     scratch_bytes: int = 2 << 30
-    fp8_products: bool = True
+    fp8_products: bool = False
 
 
 FP4_PREFILL = Fp4PrefillTuning()

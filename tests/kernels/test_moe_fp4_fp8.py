@@ -53,7 +53,10 @@ def test_reference_is_the_dequantised_product() -> None:
 def test_grouped_linear_matches_the_reference(chain, tiles) -> None:
     """Groups of 0, 1, a row tile and several row tiles; scale codes spread over 2^-20..2^4
     (groups of one 128-input step at different scales): the kernel's product of the quantised
-    inputs equals the reference's up to fp32 summation order."""
+    inputs equals the reference's up to the accumulation's rounding. Hopper's FP8 tensor cores
+    add into their accumulator at reduced precision (DeepSeek-V3's report: about 14 bits, hence
+    its promotion into fp32 registers, here every 32 inputs): 5.0e-5 of the largest output on an
+    H100 for 64-row tiles (run 79), so the bound is 2e-4; the interpreter's fp32 math gives ~1e-7."""
     _needs_kernel()
     g = torch.Generator().manual_seed(1)
     small = not ON_GPU
@@ -67,7 +70,7 @@ def test_grouped_linear_matches_the_reference(chain, tiles) -> None:
     bm, bn, warps, stages = tiles
     got = fp4_fp8_grouped_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=bm, block_n=bn, warps=warps, stages=stages, chain=chain)
     err = ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
-    assert err <= 1e-5, err
+    assert err <= 2e-4, err
     bf16 = fp4_fp8_grouped_linear(x.to(DEV, torch.bfloat16), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=bm, chain=chain).float().cpu()
     xq16, xs16 = quantize_act_reference(x.bfloat16())
     want16 = fp4_fp8_grouped_linear_reference(xq16, xs16, q, s, offs, torch.float32)

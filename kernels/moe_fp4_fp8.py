@@ -103,6 +103,23 @@ if HAS_TRITON:
         return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
+    def _group_operands(x_tile, x_offs, r_ok, w_tile, w_offs, g, G: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
+        """Scale group ``g``'s operands: the rows' e4m3 inputs ``(BM, G)`` and the weight tile decoded
+        to e4m3 ``(G, BN)`` (``_e4m3_pair``, low nibble first: input order)."""
+        a = tl.load(x_tile + g * G + x_offs, mask=r_ok[:, None], other=0.0)
+        lo, hi = _e4m3_pair(tl.load(w_tile + g * (G // 2) + w_offs), ASM)
+        return a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, G)))
+
+    @triton.jit
+    def _mma_acc(a, b, acc, PRECISION: tl.constexpr):
+        """``acc + a·b`` with ``acc`` the tensor cores' accumulator on the GPU (``mma``'s widening under the interpreter)."""
+        if PRECISION == "interpret":
+            out = acc + mma(a, b, PRECISION)
+        else:
+            out = tl.dot(a, b, acc)
+        return out
+
+    @triton.jit
     def _fp4_fp8_kernel(
         xq_ptr, xs_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, N, K,
         BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr, CHAIN: tl.constexpr,
@@ -128,33 +145,26 @@ if HAS_TRITON:
                 x_offs = tl.arange(0, BM)[:, None] * K + kk[None, :]  # (BM, G) int32, from the tile's first row
                 acc = tl.zeros((BM, BN), tl.float32)
                 for kb in range(0, kb_n):
+                    g0 = kb * (128 // G)
                     if CHAIN:  # one accumulator: the running sum kept in units of the current group's scale
-                        code = tl.load(s_tile + kb * (128 // G) + s_offs).to(tl.int32)  # (BN,) e8m0
-                        a = tl.load(x_tile + kb * 128 + x_offs, mask=r_ok[:, None], other=0.0)
-                        lo, hi = _e4m3_pair(tl.load(w_tile + kb * 64 + w_offs), ASM)
-                        inner = mma(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, G))), PRECISION)
+                        code = tl.load(s_tile + g0 + s_offs).to(tl.int32)  # (BN,) e8m0
+                        a, b = _group_operands(x_tile, x_offs, r_ok, w_tile, w_offs, g0, G, BN, ASM)
+                        inner = mma(a, b, PRECISION)
                         for j in tl.static_range(1, 128 // G):
-                            g = kb * (128 // G) + j
-                            nxt = tl.load(s_tile + g + s_offs).to(tl.int32)
-                            ratio = (tl.minimum(tl.maximum(code - nxt, -126), 127) + 127) << 23
-                            inner = inner * ratio.to(tl.float32, bitcast=True)[None, :]
+                            nxt = tl.load(s_tile + g0 + j + s_offs).to(tl.int32)
+                            ratio = (tl.minimum(tl.maximum(code - nxt, -126), 127) + 127) << 23  # 2^(code − nxt)
                             code = nxt
-                            a = tl.load(x_tile + g * G + x_offs, mask=r_ok[:, None], other=0.0)
-                            lo, hi = _e4m3_pair(tl.load(w_tile + g * (G // 2) + w_offs), ASM)
-                            inner = tl.dot(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, G))), inner) if PRECISION != "interpret" else inner + mma(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, G))), PRECISION)
-                        sa = tl.load(xs_ptr + rows * kb_n + kb, mask=r_ok, other=0.0)  # (BM,)
-                        acc += (inner * _e8m0(code.to(tl.uint32))[None, :]) * sa[:, None]
+                            a, b = _group_operands(x_tile, x_offs, r_ok, w_tile, w_offs, g0 + j, G, BN, ASM)
+                            inner = _mma_acc(a, b, inner * ratio.to(tl.float32, bitcast=True)[None, :], PRECISION)
+                        inner = inner * _e8m0(code.to(tl.uint32))[None, :]
                     else:
                         inner = tl.zeros((BM, BN), tl.float32)
                         for j in tl.static_range(128 // G):
-                            g = kb * (128 // G) + j
-                            a = tl.load(x_tile + g * G + x_offs, mask=r_ok[:, None], other=0.0)  # (BM, G) e4m3
-                            lo, hi = _e4m3_pair(tl.load(w_tile + g * (G // 2) + w_offs), ASM)  # (BN, G/2) each
-                            b = tl.reshape(tl.join(lo, hi), (BN, G))  # low nibble first: input order
-                            sb = _e8m0(tl.load(s_tile + g + s_offs).to(tl.uint32))  # (BN,)
-                            inner += mma(a, tl.trans(b), PRECISION) * sb[None, :]
-                        sa = tl.load(xs_ptr + rows * kb_n + kb, mask=r_ok, other=0.0)  # (BM,)
-                        acc += inner * sa[:, None]
+                            a, b = _group_operands(x_tile, x_offs, r_ok, w_tile, w_offs, g0 + j, G, BN, ASM)
+                            sb = _e8m0(tl.load(s_tile + g0 + j + s_offs).to(tl.uint32))  # (BN,)
+                            inner += mma(a, b, PRECISION) * sb[None, :]
+                    sa = tl.load(xs_ptr + rows * kb_n + kb, mask=r_ok, other=0.0)  # (BM,)
+                    acc += inner * sa[:, None]
                 acc = acc * 64.0  # the decode's 2^-6 (module docstring)
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
 

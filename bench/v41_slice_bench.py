@@ -267,8 +267,7 @@ def slot_tuning(kv: dict[str, str]) -> V41SlotTuning:
 def prefill_tuning(kv: dict[str, str], base: V41Tuning) -> V41Tuning:
     """``base`` with ``expert_gemm`` from variant options ``up=`` / ``down=BM.BN.BK.WARPS.STAGES``
     (``torch``: ``torch._grouped_mm``; both left out: ``base``'s) and ``attention`` from
-    ``attn=BH.BN.WARPS.STAGES`` (left out: ``base``'s) and ``shared_blocks`` from ``shared=ROWS.COL_TILES``
-    (``none``: off; left out: ``base``'s)."""
+    ``attn=BH.BN.WARPS.STAGES`` (left out: ``base``'s)."""
 
     def cfg(key: str):
         v = kv.get(key, "torch")
@@ -277,8 +276,6 @@ def prefill_tuning(kv: dict[str, str], base: V41Tuning) -> V41Tuning:
     out = replace(base, expert_gemm=(cfg("up"), cfg("down"))) if "up" in kv or "down" in kv else base
     if "attn" in kv:
         out = replace(out, attention=AttentionTuning(*(int(a) for a in kv["attn"].split("."))))
-    if "shared" in kv:
-        out = replace(out, shared_blocks=None if kv["shared"] == "none" else tuple(int(a) for a in kv["shared"].split(".")))
     return out
 
 

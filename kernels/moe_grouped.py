@@ -25,12 +25,6 @@ tile with at most ``GemmConfig.tail`` rows runs as a ``tail``-row tile (the same
 fewer rows): at V4.1's ~128 rows per expert about half the experts spill a few rows past one
 128-row tile, and the tensor cores are what bounds the padded 128-row tiles. With ``rows`` the
 loads gather the GEMM's rows from the unsorted token rows (no sorted copy of them in memory).
-
-With ``shared`` (``SharedRows``) the rows past the experts' are a shared expert's, multiplied by one
-more matrix in the same launch: split into blocks of rows × column tiles, each block a group of its
-own, spread evenly between the experts' groups. At ~128 rows an expert's programs stream weights
-from HBM while the tensor cores wait; the shared expert's blocks (thousands of rows per weight
-tile) are compute-bound, so in one launch they run in the experts' memory-bound time.
 """
 
 from __future__ import annotations
@@ -54,17 +48,6 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tail: int = 0
-
-
-class SharedRows(NamedTuple):
-    """The GEMM's rows ``[first, M)`` times one more matrix ``weight (N, K)`` (a shared expert),
-    as groups of ``rows`` rows × ``col_tiles`` column tiles spread between the experts' groups
-    (``grouped_mm``); ``row_weight`` of those rows applies as for the experts' (1.0: none)."""
-
-    weight: torch.Tensor
-    first: int
-    rows: int = 2048
-    col_tiles: int = 4
 
 
 @dataclass(frozen=True)
@@ -97,47 +80,16 @@ def _schedule(offs: torch.Tensor, bm: int, n_tiles: int) -> tuple[torch.Tensor, 
     return starts, pstart
 
 
-def _shared_schedule(
-    offs: torch.Tensor, m: int, shared: SharedRows, bm: int, n_tiles: int
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Groups of the experts (``offs``) and of ``shared``'s blocks, the blocks spread evenly
-    between the experts: row starts, row ends, weight index (``E``: the shared matrix), first
-    column tile of each group ``(G,)``, and program offsets ``(G+1,)`` (a group's programs: its
-    row tiles × its column tiles), int32."""
-    e, dev = offs.shape[0], offs.device
-    ends = offs.to(torch.int32)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    r0 = list(range(shared.first, m, shared.rows))
-    c0 = list(range(0, n_tiles, shared.col_tiles))
-    blocks = [(r, c) for r in r0 for c in c0]  # row block major: a block's rows stay in L2 across its column tiles
-    s_start = torch.tensor([r for r, _ in blocks], dtype=torch.int32, device=dev)
-    s_end = torch.clamp(s_start + shared.rows, max=m)
-    s_col = torch.tensor([c for _, c in blocks], dtype=torch.int32, device=dev)
-    s_ncol = torch.clamp(n_tiles - s_col, max=shared.col_tiles)
-    # block j goes after expert (j + 1) · E // (B + 1) - 1: the host knows the order, not the sizes
-    order = sorted([(g, 0, g) for g in range(e)] + [((j + 1) * e // (len(blocks) + 1) - 1, 1, e + j) for j in range(len(blocks))])
-    perm = torch.tensor([g for *_, g in order], dtype=torch.long, device=dev)
-    col0 = torch.cat([ends.new_zeros(e), s_col])[perm]
-    ncol = torch.cat([ends.new_full((e,), n_tiles), s_ncol])[perm]
-    starts, ends = torch.cat([starts, s_start])[perm], torch.cat([ends, s_end])[perm]
-    wid = torch.cat([torch.arange(e, dtype=torch.int32, device=dev), ends.new_full((len(blocks),), e)])[perm]
-    tiles = (ends - starts + bm - 1) // bm * ncol
-    pstart = torch.cat([ends.new_zeros(1), torch.cumsum(tiles, 0, dtype=torch.int32)])
-    return starts, ends, wid, col0, pstart
-
-
 def grouped_mm(
     xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu_limit: float | None = None,
     row_weight: torch.Tensor | None = None, rows: torch.Tensor | None = None, cfg: GemmConfig | tuple = (64, 128, 64, 4, 4),
-    shared: SharedRows | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Rows ``xs (M, K)`` sorted by group (group ``g`` = rows ``[offs[g-1], offs[g])``) times
     ``w[g]ᵀ`` (``w (E, N, K)``) → ``(M, N)``; with ``swiglu_limit`` ``w`` holds gate rows ``[:N/2]``
     and up rows ``[N/2:]`` and the result is the clamped SwiGLU ``(M, N/2)`` (``swiglu_rows``);
     with ``row_weight (M,)`` fp32 as well, V4.1's weighted SwiGLU (``weighted_swiglu``, module
     docstring). ``rows (M,)`` int: the GEMM's row ``i`` is ``xs[rows[i]]`` (the gather done by the
-    loads; ``xs`` then has any number of rows). ``shared``: the rows from ``shared.first`` on
-    times ``shared.weight`` (``offs`` then ends at ``shared.first``; module docstring). Triton only."""
+    loads; ``xs`` then has any number of rows). Triton only."""
     m, k = xs.shape if rows is None else (rows.numel(), xs.shape[1])
     e, n, k2 = w.shape
     assert k == k2 and xs.stride(-1) == 1 and w.stride(-1) == 1
@@ -154,26 +106,15 @@ def grouped_mm(
     if m == 0:
         return out
     n_tiles = triton.cdiv(n_out, bn)
-    if shared is None:
-        starts, pstart = _schedule(offs, bm, n_tiles)
-        ends = wid = col0 = offs
-        sw, n_groups = w, e
-    else:
-        sw = shared.weight
-        assert sw.shape == w.shape[1:] and sw.stride() == w.stride()[1:] and 0 < shared.rows and 0 < shared.col_tiles, (
-            "shared.weight: one more (N, K) matrix with the experts' strides"
-        )
-        starts, ends, wid, col0, pstart = _shared_schedule(offs, m, shared, bm, n_tiles)
-        n_groups = starts.shape[0]
-    grid = ((triton.cdiv(m, bm) + n_groups) * n_tiles,)
+    starts, pstart = _schedule(offs, bm, n_tiles)
+    grid = ((triton.cdiv(m, bm) + e) * n_tiles,)
     limit = float(swiglu_limit or 0.0)
     _gmm_kernel[grid](
-        xs, w, sw, out, starts, ends, pstart, wid, col0, row_weight.contiguous() if weighted else out,
-        rows if rows is not None else offs, n_groups, e, m, n_out, k, xs.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        limit, n_tiles, n_out,
+        xs, w, out, starts, offs, pstart, row_weight.contiguous() if weighted else out, rows if rows is not None else offs,
+        e, m, n_out, k, xs.stride(0), w.stride(0), w.stride(1), out.stride(0), limit, n_tiles, n_out,
         BM=bm, BN=bn, BK=bk, TAIL=tail if 0 < tail < bm else 0, SWIGLU=swiglu_limit is not None, WEIGHTED=weighted,
-        CLAMP=not weighted or limit > 0, EXACT=weighted and not INTERPRET, GATHER=rows is not None, MIXED=shared is not None,
-        LOG_G=max(1, (n_groups - 1).bit_length()) + 1, PRECISION=dot_precision(xs.dtype), num_warps=warps, num_stages=stages,
+        CLAMP=not weighted or limit > 0, EXACT=weighted and not INTERPRET, GATHER=rows is not None,
+        LOG_E=max(1, (e - 1).bit_length()) + 1, PRECISION=dot_precision(xs.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -228,12 +169,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _gmm_tile(
-        x_ptr, w_base, out_ptr, rw_ptr, src_ptr, r0, r1, n_t, M, N_OUT, K,
-        stride_x, stride_wn, stride_o, limit, up_off,
+        x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K,
+        stride_x, stride_we, stride_wn, stride_o, limit, up_off,
         TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr, WEIGHTED: tl.constexpr,
         CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """Rows ``[r0, r1)`` (at most ``TM``) times column tile ``n_t`` of the matrix at ``w_base``:
+        """Rows ``[r0, r1)`` (at most ``TM``) of expert ``e`` times its column tile ``n_t``:
         the K loop, the epilogue (module docstring) and the masked store."""
         rows = r0 + tl.arange(0, TM)
         r_ok = rows < r1
@@ -247,6 +188,7 @@ if HAS_TRITON:
         cols_c = tl.minimum(cols, N_OUT - 1).to(tl.int64)
         kk = tl.arange(0, BK)
         a_ptrs = x_ptr + a_rows[:, None] * stride_x + kk[None, :]
+        w_base = w_ptr + e.to(tl.int64) * stride_we
         b_ptrs = w_base + cols_c[None, :] * stride_wn + kk[:, None]  # (BK, BN)
         acc = tl.zeros((TM, BN), dtype=tl.float32)
         if SWIGLU:
@@ -285,53 +227,44 @@ if HAS_TRITON:
 
     @triton.jit
     def _gmm_kernel(
-        x_ptr, w_ptr, sw_ptr, out_ptr, start_ptr, end_ptr, pstart_ptr, wid_ptr, col0_ptr, rw_ptr, src_ptr,
-        G, E, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o, limit, n_tiles, up_off,
+        x_ptr, w_ptr, out_ptr, start_ptr, end_ptr, pstart_ptr, rw_ptr, src_ptr,
+        E, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o, limit, n_tiles, up_off,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TAIL: tl.constexpr, SWIGLU: tl.constexpr,
-        WEIGHTED: tl.constexpr, CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr, MIXED: tl.constexpr,
-        LOG_G: tl.constexpr, PRECISION: tl.constexpr,
+        WEIGHTED: tl.constexpr, CLAMP: tl.constexpr, EXACT: tl.constexpr, GATHER: tl.constexpr,
+        LOG_E: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        total = tl.load(pstart_ptr + G)
+        total = tl.load(pstart_ptr + E)
         if pid < total:
-            # largest g with pstart[g] <= pid (empty groups have no programs: equal offsets)
+            # largest e with pstart[e] <= pid (empty experts have no programs: equal offsets)
             lo = pid * 0
-            hi = lo + G
-            for _ in tl.static_range(LOG_G):
+            hi = lo + E
+            for _ in tl.static_range(LOG_E):
                 mid = (lo + hi) // 2
                 go = (tl.load(pstart_ptr + mid) <= pid) & (hi - lo > 1)
                 lo = tl.where(go, mid, lo)
                 hi = tl.where(go | (hi - lo <= 1), hi, mid)
-            g = lo
-            row0 = tl.load(start_ptr + g)
-            row1 = tl.load(end_ptr + g)
+            e = lo
+            row0 = tl.load(start_ptr + e)
+            row1 = tl.load(end_ptr + e)
             m_tiles = (row1 - row0 + BM - 1) // BM
-            local = pid - tl.load(pstart_ptr + g)
+            local = pid - tl.load(pstart_ptr + e)
             n_t = local // m_tiles
-            if MIXED:  # a group: one matrix (E: the shared one) over some column tiles
-                wid = tl.load(wid_ptr + g)
-                n_t += tl.load(col0_ptr + g)
-                if wid == E:
-                    w_base = sw_ptr
-                else:
-                    w_base = w_ptr + wid.to(tl.int64) * stride_we
-            else:
-                w_base = w_ptr + g.to(tl.int64) * stride_we
             r0 = row0 + (local % m_tiles) * BM
             r1 = tl.minimum(r0 + BM, row1)
-            if TAIL > 0 and r1 - r0 <= TAIL:  # a group's last few rows: a TAIL-row tile, not a BM-row one
+            if TAIL > 0 and r1 - r0 <= TAIL:  # an expert's last few rows: a TAIL-row tile, not a BM-row one
                 _gmm_tile(
-                    x_ptr, w_base, out_ptr, rw_ptr, src_ptr, r0, r1, n_t, M, N_OUT, K, stride_x, stride_wn, stride_o,
+                    x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o,
                     limit, up_off, TAIL, BN, BK, SWIGLU, WEIGHTED, CLAMP, EXACT, GATHER, PRECISION,
                 )  # fmt: skip
             else:
                 _gmm_tile(
-                    x_ptr, w_base, out_ptr, rw_ptr, src_ptr, r0, r1, n_t, M, N_OUT, K, stride_x, stride_wn, stride_o,
+                    x_ptr, w_ptr, out_ptr, rw_ptr, src_ptr, e, r0, r1, n_t, M, N_OUT, K, stride_x, stride_we, stride_wn, stride_o,
                     limit, up_off, BM, BN, BK, SWIGLU, WEIGHTED, CLAMP, EXACT, GATHER, PRECISION,
                 )  # fmt: skip
 
 
-__all__ = ["SharedRows", "grouped_mm", "grouped_mm_reference", "moe_experts_prefill", "use_prefill_gemm"]
+__all__ = ["grouped_mm", "grouped_mm_reference", "moe_experts_prefill", "use_prefill_gemm"]
 
 
 SHAPES = {"v4": (256, 4096, 2048, 6), "v41": (384, 5120, 2304, 6)}  # (experts, hidden, inter, top-k)

@@ -32,6 +32,3 @@ def test_expert_gemv_sites_and_prefill_gemm_options() -> None:
     assert prefill_tuning({"down": "torch"}, V41_TUNING).expert_gemm == (None, None)  # the torch GEMMs, on any device
     attn = prefill_tuning({"attn": "64.32.8.2"}, V41_TUNING)
     assert attn.expert_gemm == V41_TUNING.expert_gemm and (attn.attention.block_h, attn.attention.block_n, attn.attention.num_warps, attn.attention.num_stages) == (64, 32, 8, 2)
-    ride = prefill_tuning({"shared": "2048.4"}, V41_TUNING)
-    assert ride.shared_blocks == (2048, 4) and ride.expert_gemm == V41_TUNING.expert_gemm
-    assert prefill_tuning({"shared": "none"}, ride).shared_blocks is None

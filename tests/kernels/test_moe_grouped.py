@@ -117,38 +117,3 @@ def test_gathered_rows_and_tail_tiles(dtype, swiglu) -> None:
     tailed = grouped_mm(xs, w, offs, swiglu_limit=lim, rows=rows, cfg=GemmConfig(*base, tail=bm // 4))
     want = grouped_mm_reference(xs[rows].float(), w.float(), offs, swiglu_limit=lim)
     assert tailed.shape == want.shape and rel_err(tailed, want) <= TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_shared_rows_ride_in_the_experts_launch(dtype, swiglu) -> None:
-    """``shared=``: the rows past the experts' times one more matrix, in blocks spread between the
-    experts' groups (a partial last row block, column blocks of one tile): every output row the
-    same bits as the experts' GEMM alone and the shared matrix's GEMM alone (the same tiles), with
-    the gather, the weighted SwiGLU and the tail tiles on."""
-    from kernels.moe_grouped import GemmConfig, SharedRows, grouped_mm, grouped_mm_reference
-
-    bm = 16 if SMALL else 128
-    sizes = [bm + 3, 0, bm, 5, 2 * bm + 1]
-    e, n, k = len(sizes), (64 if SMALL else 1024), (32 if SMALL else 1024)
-    m_r, n_s = sum(sizes), (3 * bm + 5 if SMALL else 2000)
-    cfg = GemmConfig(*((bm, 16, 16, 4, 1) if SMALL else (bm, 128, 64, 8, 4 if dtype != torch.float32 else 2)), tail=bm // 4)
-    g = torch.Generator(device=DEV).manual_seed(8)
-    xs = torch.randn(m_r + n_s + 7, k, generator=g, device=DEV).to(dtype)
-    w = (torch.randn(e, n, k, generator=g, device=DEV) * k**-0.5).to(dtype)
-    sw = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).to(dtype)
-    rows = torch.randperm(m_r + n_s + 7, generator=torch.Generator().manual_seed(9))[: m_r + n_s].to(DEV)
-    rw = torch.rand(m_r + n_s, generator=g, device=DEV) if swiglu else None
-    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).to(DEV)
-    lim = 1.5 if swiglu else None
-
-    def part(ws, o, r):
-        return grouped_mm(xs, ws, o, swiglu_limit=lim, row_weight=None if rw is None else rw[r], rows=rows[r], cfg=cfg)
-
-    got = grouped_mm(xs, w, offs, swiglu_limit=lim, row_weight=rw, rows=rows, cfg=cfg, shared=SharedRows(sw, m_r, rows=2 * bm, col_tiles=1))
-    assert got.shape == (m_r + n_s, n // 2 if swiglu else n)
-    assert torch.equal(got[:m_r], part(w, offs, slice(0, m_r)))
-    assert torch.equal(got[m_r:], part(sw[None], offs.new_tensor([n_s]), slice(m_r, None)))
-    if not swiglu:
-        want = grouped_mm_reference(xs[rows].float(), torch.cat([w, sw[None]]).float(), torch.cat([offs, offs.new_tensor([m_r + n_s])]))
-        assert rel_err(got, want) <= TOL[dtype]

@@ -54,16 +54,13 @@ class V41Tuning:
     for both: by device (``prefill.expert_gemms``: the H200 sweep's configs on Hopper,
     ``python -m kernels.moe_grouped --shapes v41``); fp32 always keeps the torch path.
     ``attention``: the fast path's attention launch (``kernels.prefill.AttentionTuning``; None:
-    ``prefill_attention``'s choice). ``shared_blocks``: where both expert GEMMs are Triton's, the
-    shared expert's rows ride in their launches in blocks of (rows, column tiles) (``prefill.moe``);
-    None: its own GEMMs."""
+    ``prefill_attention``'s choice)."""
 
     query_tile: int = 256
     fast: bool | None = None
     fast_index_tile: int = 4096
     expert_gemm: tuple[GemmConfig | None, GemmConfig | None] | None = None
     attention: AttentionTuning | None = None
-    shared_blocks: tuple[int, int] | None = None
 
 
 V41_TUNING = V41Tuning()  # the default

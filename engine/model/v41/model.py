@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
         streams = ops.expand(self.attn(x, positions, ropes, rotary, chunks), streams, post, comb)
         ffn_pre, post, comb = ops.gates(self.hc_ffn, streams)
         x = ops.collapse_norm(attn_pre, streams, self.ffn_norm)
-        return ops.expand(ops.moe(self.ffn, x, self.tuning.expert_gemm, self.tuning.shared_blocks), streams, post, comb), ffn_pre
+        return ops.expand(ops.moe(self.ffn, x, self.tuning.expert_gemm), streams, post, comb), ffn_pre
 
 
 class DeepseekV41Model(nn.Module):

@@ -51,13 +51,12 @@ from kernels._common import use_triton
 from kernels.indexer import indexer_scores_prefill
 from kernels.mhc import hc_mix, hc_mix_parts
 from kernels.moe import SCORING_FUNCS, grouped_linear, has_grouped_mm, route
-from kernels.moe_grouped import GemmConfig, SharedRows, grouped_mm
+from kernels.moe_grouped import GemmConfig, grouped_mm
 from kernels.v41_moe import combine_in_order, weighted_swiglu
 from kernels.prefill import AttentionTuning, hc_pre_block_parts, prefill_attention
 
 
 ExpertGemm = tuple[GemmConfig | None, GemmConfig | None]  # gate|up, down (see V41Tuning.expert_gemm)
-SharedBlocks = tuple[int, int]  # rows, column tiles (see V41Tuning.shared_blocks)
 TORCH_GEMMS: ExpertGemm = (None, None)
 # the H200 sweep at V4.1-Flash's shapes, 8K tokens (NOTES run 59): gate|up + weighted SwiGLU
 # 5.57 ms with 32-row tail tiles (6.29 without; 8.14 for torch._grouped_mm + weighted_swiglu),
@@ -134,17 +133,14 @@ def routed(gate: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return route(logits, gate.top_k, gate.scaling, gate.bias, scoring_func=gate.scoring_func, temp=gate.temp, normalize=gate.normalize)
 
 
-def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None, shared_blocks: SharedBlocks | None = None) -> torch.Tensor:
+def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> torch.Tensor:
     """``MoE.forward`` of ``x (N, H)`` with grouped expert GEMMs in its rounding order → ``(N, H)``.
 
     The (token, pick) slots sorted by expert (tokens ascending inside an expert: the rows the
     general path hands each expert), one grouped GEMM for gate|up and one for down; between them
     ``weight · silu(gate) · up`` in fp32 as ``Expert.forward``; each token's outputs summed in fp32 in
     ascending expert order, then the shared expert's (``_shared_expert``), as ``MoE.forward``. ``expert_gemm``: the
-    Triton launch configs of the bf16 GEMMs (``V41Tuning.expert_gemm``, ``expert_gemms``).
-    ``shared_blocks``: where both GEMMs are Triton's, the shared expert's rows ride in their
-    launches in blocks of (rows, column tiles) (``kernels.moe_grouped.SharedRows``; None: its own
-    GEMMs, ``_shared_expert``); the same roundings, its GEMMs' sums in the grouped kernel's order."""
+    Triton launch configs of the bf16 GEMMs (``V41Tuning.expert_gemm``, ``expert_gemms``)."""
     weights, indices = routed(layer.gate, x)  # (N, k) each
     indices, order = indices.sort(dim=-1)  # a token's picks in ascending expert order
     weights = weights.gather(1, order)
@@ -156,14 +152,6 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None, shar
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) group end offsets
     up_cfg, down_cfg = expert_gemms(expert_gemm, x)
     src, w, limit = slots // k, weights.reshape(-1)[slots], layer.shared_experts.limit  # (N·k,) token of each sorted row, its weight
-    row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=x.device))
-    if shared_blocks is not None and _rides(layer, x, up_cfg, down_cfg):  # rows [N·k, N·k + N): the shared expert's
-        m, rows, cols = slots.numel(), *shared_blocks
-        src = torch.cat([src, torch.arange(n, device=x.device)])
-        w = torch.cat([w.float(), torch.ones(n, device=x.device)])
-        act = grouped_mm(x, gate_up, offs, swiglu_limit=limit, row_weight=w, rows=src, cfg=up_cfg, shared=SharedRows(layer.shared_gate_up(), m, rows, cols))
-        y = grouped_mm(act, down, offs, cfg=down_cfg, shared=SharedRows(layer.shared_experts.w2.weight, m, rows, cols))  # (N·k + N, H)
-        return combine_in_order(y, row_of_slot, k, y[m:])
     if _triton_gemm(x, up_cfg):  # the weighted SwiGLU in the epilogue, the rows gathered by the loads
         act = grouped_mm(x, gate_up, offs, swiglu_limit=limit, row_weight=w.float(), rows=src, cfg=up_cfg)  # (N·k, I)
     else:
@@ -172,6 +160,7 @@ def moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None, shar
         y = grouped_mm(act, down, offs, cfg=down_cfg)  # (N·k, H)
     else:
         y = grouped_linear(act, down, offs, counts)
+    row_of_slot = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=x.device))
     return combine_in_order(y, row_of_slot, k, _shared_expert(layer, x))
 
 
@@ -183,17 +172,6 @@ def _shared_expert(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         return se(x)
     act = weighted_swiglu(F.linear(x, layer.shared_gate_up()), torch.ones(x.shape[0], device=x.device), se.limit)  # (N, I)
     return se.w2(act)
-
-
-def _rides(layer: MoE, x: torch.Tensor, up_cfg: GemmConfig | None, down_cfg: GemmConfig | None) -> bool:
-    """Whether the shared expert can ride in the routed GEMMs' launches: both Triton's, and its
-    matrices the shape and strides of one routed expert's."""
-    gate_up, down = layer.stack()
-    w2 = layer.shared_experts.w2.weight
-    return (
-        _triton_gemm(x, up_cfg) and down_cfg is not None and gate_up.shape[1] // 2 % down_cfg[2] == 0
-        and layer.shared_gate_up().shape == gate_up.shape[1:] and w2.shape == down.shape[1:] and w2.is_contiguous()
-    )  # fmt: skip
 
 
 def _triton_gemm(xs: torch.Tensor, cfg: GemmConfig | None) -> bool:
@@ -221,10 +199,10 @@ class LayerOps(NamedTuple):
     gates: Callable[[HyperSite, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     collapse_norm: Callable[[torch.Tensor, torch.Tensor, RMSNorm], torch.Tensor]
     expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    moe: Callable[[MoE, torch.Tensor, ExpertGemm | None, SharedBlocks | None], torch.Tensor]
+    moe: Callable[[MoE, torch.Tensor, ExpertGemm], torch.Tensor]
 
 
-def _general_moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None, shared_blocks: SharedBlocks | None = None) -> torch.Tensor:
+def _general_moe(layer: MoE, x: torch.Tensor, expert_gemm: ExpertGemm | None = None) -> torch.Tensor:
     """``MoE.forward`` (its per-expert loop takes no GEMM configs)."""
     return layer(x)
 

@@ -29,7 +29,7 @@ KERNEL_TESTS = ["tests/kernels/test_kernels.py", "tests/kernels/test_prefill.py"
 FAST_PREFILL = "tests/engine/model/test_fast_prefill_gpu.py"
 V41_KERNEL_TESTS = [
     "tests/kernels/test_v41_attention.py", "tests/kernels/test_v41_indexer.py", "tests/kernels/test_v41_pack.py", "tests/kernels/test_v41_mhc.py",
-    "tests/kernels/test_moe_grouped.py", "tests/kernels/test_rope.py",
+    "tests/kernels/test_moe_grouped.py", "tests/kernels/test_rope.py", "tests/kernels/test_topk.py",
 ]
 
 
@@ -42,7 +42,7 @@ def run_interpreted(targets: list[str], timeout: float) -> None:
 
 
 def test_v41_kernels_under_triton_interpreter() -> None:
-    """V4.1's kernels (decode attention, indexer scores, fused packing, mHC, grouped GEMMs, RoPE) at small sizes, one child."""
+    """V4.1's kernels (decode attention, indexer scores, fused packing, mHC, grouped GEMMs, RoPE, row top-k) at small sizes, one child."""
     run_gpu_tests_interpreted(*V41_KERNEL_TESTS)
 
 

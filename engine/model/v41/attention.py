@@ -33,10 +33,12 @@ from engine.model.v41.layers import RMSNorm, linear_fp32
 from engine.model.v41.prefill import use_fast
 from engine.model.v41.quant import fp4_compressed, fp4_indexer, fp8_window
 from engine.model.v41.state import SourceState, V41SequenceState
+from kernels._common import use_triton
 from kernels.moe_grouped import GemmConfig
 from kernels.prefill import AttentionTuning
 from kernels.reference import apply_rope_eager as apply_rope
 from kernels.rope import rope_inplace
+from kernels.topk import row_topk
 from kernels.v41_pack import fp4_indexer_quant
 
 
@@ -175,10 +177,14 @@ class Indexer(nn.Module):
             elif self.uses_candidates and shared.candidates is not None:
                 scores = scores.masked_fill(~shared.candidates[r], float("-inf"))
             # torch.topk over every row so far, future ones at -inf, as the reference: exact ties
-            # (relu zeros) are then broken the same way
-            top = scores.topk(min(self.topk, t), dim=-1, sorted=False)
-            picks.append(top.indices)
-            valid.append(top.values > float("-inf"))
+            # (relu zeros) are then broken the same way; where Triton runs the fast path, one
+            # launch that breaks them as torch.topk on CUDA does (kernels.topk)
+            if fast and use_triton(scores):
+                values, indices = row_topk(scores, min(self.topk, t))
+            else:
+                values, indices = scores.topk(min(self.topk, t), dim=-1, sorted=False)
+            picks.append(indices)
+            valid.append(values > float("-inf"))
         if self.is_candidate_source:
             shared.candidates = torch.cat(cands)  # (S, T)
         return torch.cat(picks), torch.cat(valid)

@@ -11,8 +11,9 @@ takes these instead, on the same values:
   a strided view of the left-padded ``[ring, new keys]``, and only its chosen compressed rows
   (``row_idx``, ``-1`` = none), never a score matrix; the output's inverse RoPE in its epilogue;
 - indexer scores: ``kernels.indexer.indexer_scores_prefill`` (relu, weighted head sum and the
-  causal ``-inf`` in one kernel; the ``(s, Hi, T)`` logits never reach memory), level one and two
-  of the top-k as the general path;
+  causal ``-inf`` in one kernel; the ``(s, Hi, T)`` logits never reach memory), level one of the
+  top-k as the general path, level two in one launch (``kernels.topk.row_topk``: ``torch.topk``'s
+  set on CUDA, ties to the lowest row; the CPU keeps ``torch.topk``);
 - mHC: the gates' input norm and projection as V4's blocked dots over the raw streams
   (``kernels.prefill.hc_pre_block_parts``: the norm applied after the projection, where it
   commutes) and the gates and Sinkhorn in one kernel (``kernels.mhc.hc_mix_parts``); the collapse

@@ -21,7 +21,7 @@ import torch
 from bench.fp8_gemm_bench import copy_rate
 from bench.kernel_helpers import graph_time_ms
 from kernels.moe_fp4 import GROUP, Fp4GroupedTiles, Fp4PrefillTuning, fp4_grouped_linear, moe_experts_fp4
-from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear
+from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear, fp4_fp8_scratch_linear
 from kernels.moe_fp4_gemv import moe_fp4_gemv
 
 EXPERTS, HIDDEN, INTER, TOP = 256, 4096, 2048, 6
@@ -54,11 +54,13 @@ def eager_ms(fn: Callable[[int], object], reps: int, iters: int) -> float:
 
 def grouped_rows(
     tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, baseline: Callable | None = None, fp8: list[tuple] = (),
+    scratch_tiles: list[tuple] = (),
 ) -> list[dict]:  # fmt: skip
     """One row per (tokens, GEMM, tiles): ms per call, × the byte floor, TFLOP/s, error against the
     first case; ``baseline`` (``fp4_grouped_linear``'s signature without keywords) joins as a case.
-    From 32 rows per expert on average the bf16 scratch path and the FP8 products (``fp8``: their
-    block_m, block_n, warps, stages, chain) join too, and every case is timed eagerly."""
+    From 32 rows per expert on average the bf16 scratch path, the FP8 products (``fp8``: their
+    block_m, block_n, warps, stages, chain) and the e4m3 scratch (``scratch_tiles``: its GEMM's
+    block_m, block_n, warps, stages) join too, and every case is timed eagerly."""
     torch.manual_seed(0)
     shapes = {"gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
     weights = {name: _fp4(n, k) for name, (n, k) in shapes.items()}
@@ -78,6 +80,8 @@ def grouped_rows(
                 cases["baseline"] = lambda o: baseline(xs, wq, ws, o)
             if prefill:
                 cases["bf16 scratch"] = lambda o: fp4_grouped_linear(xs, wq, ws, o, prefill=SCRATCH)
+                for bm, bn, w, st in scratch_tiles:
+                    cases[f"e4m3 scratch {bm}/{bn}/{w}/{st}"] = lambda o, c=(bm, bn, w, st): fp4_fp8_scratch_linear(xs, wq, ws, o, tiles=c)
                 for bm, bn, w, st, ch in fp8:
                     cases[f"fp8 {bm}/{bn}/{w}/{st}/{ch}"] = lambda o, c=(bm, bn, w, st, ch): fp4_fp8_grouped_linear(
                         xs, wq, ws, o, block_m=c[0], block_n=c[1], warps=c[2], stages=c[3], chain=bool(c[4]))
@@ -126,11 +130,13 @@ def main() -> None:
     ap.add_argument("--grid", default="64,128/128,256/4,8/2,3,4",
                     help="values to cross of Fp4GroupedTiles' fields in order (bn/bk/warps/stages)")  # fmt: skip
     ap.add_argument("--fp8-grid", default="", help="values to cross of fp4_fp8_grouped_linear's block_m/block_n/warps/stages/chain")
+    ap.add_argument("--scratch-grid", default="", help="values to cross of fp4_fp8_scratch_linear's GEMM tiles: block_m/block_n/warps/stages")
     ap.add_argument("--out", help="JSON of every row")
     args = ap.parse_args()
     axes = [[int(v) for v in part.split(",")] for part in args.grid.split("/")]
     fp8 = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.fp8_grid.split("/")])) if args.fp8_grid else []
-    rows = grouped_rows(args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters, fp8=fp8)
+    scratch = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.scratch_grid.split("/")])) if args.scratch_grid else []
+    rows = grouped_rows(args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters, fp8=fp8, scratch_tiles=scratch)
     rows += moe_rows([t for t in args.tokens if t <= 16], args.iters)
     if args.out:
         with open(args.out, "w") as f:

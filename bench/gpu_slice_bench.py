@@ -568,7 +568,8 @@ def fp8_matmul_rate() -> float:
 def fp4_prefill_rows(model, tokens: int, mm: float, rows: list) -> None:
     """The first layer's FP4 routed experts at a ``tokens``-token prefill's sizes (every token's
     top-k, random and balanced): ``fp4_grouped_linear`` with the in-register kernel beside the bf16
-    scratch + ``torch._grouped_mm`` path and the FP8 products (``kernels.moe_fp4_fp8``) (``Fp4PrefillTuning``),
+    scratch + ``torch._grouped_mm`` path, the FP8 products and the e4m3 scratch + FP8 grouped GEMM
+    (``kernels.moe_fp4_fp8``) (``Fp4PrefillTuning``),
     each projection, against the bf16 matmul rate."""
     from kernels.moe_fp4 import Fp4PrefillTuning, fp4_grouped_linear
 
@@ -584,7 +585,7 @@ def fp4_prefill_rows(model, tokens: int, mm: float, rows: list) -> None:
         row = {"what": f"fp4 experts {name} at prefill {tokens}", "rows_per_expert": m / e}
         for label, tuning in (
             ("kernel", Fp4PrefillTuning(min_rows_per_expert=10**9)), ("scratch", Fp4PrefillTuning(min_rows_per_expert=0, fp8_products=False)),
-            ("fp8", Fp4PrefillTuning(min_rows_per_expert=0)),
+            ("fp8", Fp4PrefillTuning(min_rows_per_expert=0, fp8_products=True)), ("fp8_scratch", Fp4PrefillTuning(min_rows_per_expert=0, fp8_scratch=True)),
         ):  # fmt: skip
             t = _sync_time(lambda tuning=tuning: fp4_grouped_linear(xs, wq, ws, offs, prefill=tuning), 2, 5)
             row[f"{label}_ms"], row[f"{label}_of_bf16_rate"] = t * 1e3, flops / t / mm

@@ -28,9 +28,10 @@ That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillT
 average ``min_rows_per_expert`` rows or more per expert), in bf16 where ``torch._grouped_mm``
 exists, the experts are decoded once per call into a bf16 scratch, a chunk of experts at a time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and
 multiplied by ``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another
-summation order. ``Fp4PrefillTuning.fp8_products`` instead runs them on FP8 tensor cores
-(``kernels.moe_fp4_fp8``: DeepSeek's ``act_quant`` + ``fp4_gemm``, inputs rounded to e4m3), not
-yet faster (run 79). The choice is made from shapes alone, so a captured decode step never takes
+summation order. ``Fp4PrefillTuning.fp8_products`` / ``fp8_scratch`` instead run them on FP8
+tensor cores (``kernels.moe_fp4_fp8``: DeepSeek's ``act_quant`` + ``fp4_gemm``, inputs rounded to
+e4m3; the weights decoded in the product loop / once into an e4m3 scratch), the first not yet
+faster (run 79), the second not yet measured. The choice is made from shapes alone, so a captured decode step never takes
 either (the scratch path reads the group ends on the host).
 """
 
@@ -62,14 +63,17 @@ def dequantize_fp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 @dataclass(frozen=True)
 class Fp4PrefillTuning:
     """``fp4_grouped_linear`` at prefill sizes (module docstring): from ``min_rows_per_expert`` rows
-    per expert on average; with ``fp8_products`` on a GPU with FP8 tensor cores (Hopper on) through
-    ``kernels.moe_fp4_fp8`` (the inputs rounded to e4m3 as DeepSeek's inference does; off by
-    default: slower than the scratch at 8K on an H100, run 79), else decoded once into a bf16
-    scratch, ``scratch_bytes`` of bf16 weights at a time."""
+    per expert on average; on a GPU with FP8 tensor cores (Hopper on), with ``fp8_scratch`` through
+    ``kernels.moe_fp4_fp8``'s e4m3 scratch and block-scaled FP8 grouped GEMM, else with
+    ``fp8_products`` through its in-register decode (both round the inputs to e4m3 as DeepSeek's
+    inference does; both off by default: the products were slower than the bf16 scratch at 8K on an
+    H100, run 79, the e4m3 scratch is not yet measured), else decoded once into a bf16 scratch;
+    ``scratch_bytes`` of decoded weights at a time."""
 
     min_rows_per_expert: int = 96
     scratch_bytes: int = 2 << 30
     fp8_products: bool = False
+    fp8_scratch: bool = False
 
 
 FP4_PREFILL = Fp4PrefillTuning()
@@ -134,9 +138,11 @@ def fp4_grouped_linear(
     if m == 0:
         return out
     if xs.is_cuda and m >= prefill.min_rows_per_expert * e:
-        if prefill.fp8_products and torch.cuda.get_device_capability(xs.device)[0] >= 9:
-            from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear  # (it imports this module)
+        if (prefill.fp8_scratch or prefill.fp8_products) and torch.cuda.get_device_capability(xs.device)[0] >= 9:
+            from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear, fp4_fp8_scratch_linear  # (it imports this module)
 
+            if prefill.fp8_scratch:
+                return fp4_fp8_scratch_linear(xs, wq, ws, offs, prefill.scratch_bytes)
             return fp4_fp8_grouped_linear(xs, wq, ws, offs)
         if has_grouped_mm(xs.dtype):
             return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))

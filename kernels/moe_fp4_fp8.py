@@ -32,6 +32,16 @@ TFLOP/s, ~12% of the FP8 rate); 64×128 tiles with 4 warps were the fastest of 6
 Each ``K = 32`` product waits on its decoded tile's trip through shared memory, four to a
 128-input step. The inputs' e4m3 rounding is DeepSeek's own (its ``linear`` quantises every
 FP8/FP4 layer's input).
+
+``fp4_fp8_scratch_linear`` (``Fp4PrefillTuning.fp8_scratch``) takes the other road: decode the
+experts once per call into an e4m3 scratch (``fp4_to_e4m3``: a 128-input block of a row in units
+of its largest group scale ``2^S``, each code ``e2m1 · 2^(s − S + 6)``, the block's scale
+``2^(S − 6)``; exact while the block's four group scales lie within 2^14 of each other, past that
+e4m3's subnormals round the smaller groups) and run a block-scaled FP8 grouped GEMM over it
+(``fp8_grouped_mm``: one ``K = 128`` product per block, the input's and the weight row's scales
+applied in fp32 registers, programs as ``kernels.moe_grouped``'s: an expert's row tiles beside each
+other, so they read each weight tile from L2). Half the bf16 scratch's bytes, FP8 products, and no
+decode inside the product loop. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -39,8 +49,11 @@ from __future__ import annotations
 import torch
 
 from kernels._common import HAS_TRITON, INTERPRET, mma, tl, triton, use_triton
-from kernels.fp8_gemm import quantize_act, quantize_act_reference
+from kernels.fp8_gemm import FP8, quantize_act, quantize_act_reference
 from kernels.moe_fp4 import BLOCK, GROUP, dequantize_fp4
+from kernels.moe_grouped import tile_schedule
+
+SCALE_MIN = 7  # the e8m0 code a 128-input block's scale is at least: 2^(7 - 127 - 6) = 2^-126, fp32's least normal
 
 
 def fp4_fp8_grouped_linear_reference(
@@ -83,8 +96,89 @@ def fp4_fp8_grouped_linear(
     return out
 
 
+def fp4_to_e4m3_reference(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 weights ``wq (E, N, K/2)``, ``ws (E, N, K/32)`` → e4m3 ``(E, N, K)`` and fp32 scales
+    ``(E, N, K/128)`` whose product is the dequantised weight (module docstring: exact while a
+    block's four group scales lie within 2^14; its scale code is at least ``SCALE_MIN``)."""
+    e, n, half = wq.shape
+    k = 2 * half
+    code = ws.contiguous().view(torch.uint8).to(torch.int32).view(e, n, k // BLOCK, BLOCK // GROUP)
+    top = code.amax(-1).clamp(min=SCALE_MIN)  # (E, N, KB)
+    unit = torch.pow(2.0, (133 - top).float())  # 2^(127 + 6 - S)
+    w8 = (dequantize_fp4(wq, ws).view(e, n, k // BLOCK, BLOCK) * unit[..., None]).to(FP8).view(e, n, k)
+    return w8, torch.pow(2.0, (top - 133).float())
+
+
+def fp4_to_e4m3(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp4_to_e4m3_reference`` in one Triton pass (the same bytes); N a multiple of 64, K of 128."""
+    e, n, half = wq.shape
+    k = 2 * half
+    assert n % 64 == 0 and k % BLOCK == 0 and ws.shape == (e, n, k // GROUP), "fp4_to_e4m3: shapes"
+    if not use_triton(wq):
+        return fp4_to_e4m3_reference(wq, ws)
+    w8 = torch.empty(e, n, k, dtype=FP8, device=wq.device)
+    sw = torch.empty(e, n, k // BLOCK, dtype=torch.float32, device=wq.device)
+    if e:
+        _fp4_e4m3_kernel[(e, n // 64, k // BLOCK)](
+            wq.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8), w8, sw, n, k, BN=64, ASM=not INTERPRET, num_warps=4
+        )  # fmt: skip
+    return w8, sw
+
+
+def fp8_grouped_mm(
+    xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+    *, block_m: int = 128, block_n: int = 128, warps: int = 8, stages: int = 3,
+) -> torch.Tensor:  # fmt: skip
+    """Rows ``xq (M, K)`` e4m3 with scales ``xs (M, K/128)``, sorted by group (``offs`` int32 group
+    ends), times ``w8[g] (N, K)`` e4m3 with scales ``sw[g] (N, K/128)`` → written into ``out (M, N)``
+    (module docstring); ``block_n`` divides N."""
+    m, k = xq.shape
+    e, n, _ = w8.shape
+    assert k % BLOCK == 0 and n % block_n == 0 and out.shape == (m, n) and out.stride(1) == 1 and xq.is_contiguous() and w8.is_contiguous()
+    if m == 0:
+        return out
+    n_tiles = n // block_n
+    starts, pstart = tile_schedule(offs, block_m, n_tiles)
+    _fp8_grouped_kernel[((triton.cdiv(m, block_m) + e) * n_tiles,)](
+        xq, xs.contiguous(), w8, sw.contiguous(), starts, offs, pstart, out, e, m, n, k, out.stride(0),
+        BM=block_m, BN=block_n, LOG_E=max(1, (e - 1).bit_length()) + 1, PRECISION="interpret" if INTERPRET else "tf32",
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def fp4_fp8_scratch_linear(
+    x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, scratch_bytes: int = 2 << 30,
+    tiles: tuple[int, int, int, int] = (128, 128, 8, 3),
+) -> torch.Tensor:  # fmt: skip
+    """``fp4_fp8_grouped_linear``'s function through an e4m3 scratch (module docstring): the inputs
+    quantised once, ``scratch_bytes`` of e4m3 experts decoded at a time (``fp4_to_e4m3``), their rows
+    through ``fp8_grouped_mm`` with ``tiles`` (block_m, block_n, warps, stages) (one host sync for
+    the group ends) → ``(M, N)`` in ``x.dtype``."""
+    m, k = x.shape
+    e, n, half = wq.shape
+    assert 2 * half == k and k % BLOCK == 0 and n % 128 == 0 and ws.shape == (e, n, k // GROUP), "fp4_fp8_scratch_linear: shapes"
+    if not use_triton(x):
+        return fp4_fp8_grouped_linear_reference(*quantize_act_reference(x), wq, ws, offs, x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    xq, xs = quantize_act(x.contiguous())
+    per = max(1, scratch_bytes // (n * k))
+    ends = offs.tolist()
+    for a in range(0, e, per):
+        b = min(e, a + per)
+        r0, r1 = (ends[a - 1] if a else 0), ends[b - 1]
+        if r1 > r0:
+            w8, sw = fp4_to_e4m3(wq[a:b], ws[a:b])
+            bm, bn, warps, stages = tiles
+            fp8_grouped_mm(xq[r0:r1], xs[r0:r1], w8, sw, offs[a:b] - r0, out[r0:r1], block_m=bm, block_n=bn, warps=warps, stages=stages)
+    return out
+
+
 if HAS_TRITON:
     from kernels.moe_fp4 import _e8m0
+    from kernels.moe_grouped import group_of
 
     @triton.jit
     def _e4m3_pair(packed, ASM: tl.constexpr):
@@ -101,6 +195,53 @@ if HAS_TRITON:
             lo = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
             hi = (packed & 0x80) | ((packed >> 2) & 0x1C)
         return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def _fp4_e4m3_kernel(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, BN: tl.constexpr, ASM: tl.constexpr):
+        """One ``(BN, 128)`` block of expert ``program_id(0)``'s rows → e4m3 and its ``BN`` scales."""
+        e = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        kb = tl.program_id(2)
+        lo, hi = _e4m3_pair(tl.load(w_ptr + e * N * (K // 2) + cols[:, None] * (K // 2) + kb * 64 + tl.arange(0, 64)[None, :]), ASM)
+        v = tl.reshape(tl.join(lo, hi), (BN, 128)).to(tl.float32)  # the e2m1 values · 2^-6, input order
+        code = tl.load(s_ptr + e * N * (K // 32) + cols[:, None] * (K // 32) + kb * 4 + tl.arange(0, 4)[None, :]).to(tl.int32)  # (BN, 4)
+        top = tl.maximum(tl.max(code, axis=1), 7)  # SCALE_MIN
+        unit = (tl.maximum(139 - (top[:, None] - code), 1) << 23).to(tl.float32, bitcast=True)  # 2^(12 - (S - s)), (BN, 4)
+        unit = tl.reshape(tl.broadcast_to(unit[:, :, None], (BN, 4, 32)), (BN, 128))
+        kk = kb * 128 + tl.arange(0, 128)
+        tl.store(w8_ptr + e * N * K + cols[:, None] * K + kk[None, :], (v * unit).to(tl.float8e4nv))
+        tl.store(sw_ptr + e * N * (K // 128) + cols * (K // 128) + kb, ((top - 6) << 23).to(tl.float32, bitcast=True))  # 2^(S - 133)
+
+    @triton.jit
+    def _fp8_grouped_kernel(
+        xq_ptr, xs_ptr, w_ptr, sw_ptr, start_ptr, end_ptr, pstart_ptr, out_ptr, E, M, N, K, stride_o,
+        BM: tl.constexpr, BN: tl.constexpr, LOG_E: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        if pid < tl.load(pstart_ptr + E):
+            g = group_of(pstart_ptr, pid, E, LOG_E)
+            row0 = tl.load(start_ptr + g)
+            row1 = tl.load(end_ptr + g)
+            m_tiles = (row1 - row0 + BM - 1) // BM
+            local = pid - tl.load(pstart_ptr + g)
+            rows = row0 + (local % m_tiles) * BM + tl.arange(0, BM)
+            r_ok = rows < row1
+            rows_c = tl.minimum(rows, M - 1).to(tl.int64)
+            cols = (local // m_tiles) * BN + tl.arange(0, BN)
+            kb_n = K // 128
+            kk = tl.arange(0, 128)
+            a_ptrs = xq_ptr + rows_c[:, None] * K + kk[None, :]  # (BM, 128)
+            b_ptrs = w_ptr + g.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K + kk[:, None]  # (128, BN)
+            sb_ptrs = sw_ptr + g.to(tl.int64) * N * kb_n + cols * kb_n  # (BN,)
+            acc = tl.zeros((BM, BN), tl.float32)
+            for kb in range(0, kb_n):
+                a = tl.load(a_ptrs + kb * 128)
+                b = tl.load(b_ptrs + kb * 128)
+                sa = tl.load(xs_ptr + rows_c * kb_n + kb)
+                sb = tl.load(sb_ptrs + kb)
+                acc += (mma(a, b, PRECISION) * sa[:, None]) * sb[None, :]  # the row scale first, as kernels.fp8_gemm
+            o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
 
     @triton.jit
     def _group_operands(x_tile, x_offs, r_ok, w_tile, w_offs, g, G: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
@@ -169,4 +310,7 @@ if HAS_TRITON:
                 tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(ty), mask=r_ok[:, None])
 
 
-__all__ = ["fp4_fp8_grouped_linear", "fp4_fp8_grouped_linear_reference"]
+__all__ = [
+    "fp4_fp8_grouped_linear", "fp4_fp8_grouped_linear_reference", "fp4_fp8_scratch_linear", "fp4_to_e4m3", "fp4_to_e4m3_reference",
+    "fp8_grouped_mm",
+]  # fmt: skip

@@ -71,8 +71,10 @@ class GroupedMoETuning:
 GROUPED_MOE = GroupedMoETuning()  # the default
 
 
-def _schedule(offs: torch.Tensor, bm: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row starts ``(E,)`` int32 and per-expert program offsets ``(E+1,)`` int32 (exclusive scan)."""
+def tile_schedule(offs: torch.Tensor, bm: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row starts ``(E,)`` int32 and per-expert program offsets ``(E+1,)`` int32 (exclusive scan)
+    of the groups ending at ``offs``: ``bm``-row tiles × ``n_tiles`` column tiles a group (the
+    launch of this module's kernel and ``kernels.moe_fp4_fp8``'s scratch GEMM; ``group_of``)."""
     ends = offs.to(torch.int32)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles = (ends - starts + bm - 1) // bm * n_tiles
@@ -106,7 +108,7 @@ def grouped_mm(
     if m == 0:
         return out
     n_tiles = triton.cdiv(n_out, bn)
-    starts, pstart = _schedule(offs, bm, n_tiles)
+    starts, pstart = tile_schedule(offs, bm, n_tiles)
     grid = ((triton.cdiv(m, bm) + e) * n_tiles,)
     limit = float(swiglu_limit or 0.0)
     _gmm_kernel[grid](
@@ -166,6 +168,19 @@ def use_prefill_gemm(x: torch.Tensor, indices: torch.Tensor, tuning: GroupedMoET
 
 if HAS_TRITON:
     from triton.language.extra.cuda import libdevice
+
+    @triton.jit
+    def group_of(pstart_ptr, pid, E, LOG_E: tl.constexpr):
+        """The group of program ``pid``: the largest ``e`` with ``pstart[e] <= pid`` (a binary
+        search over ``tile_schedule``'s offsets; empty groups have no programs: equal offsets)."""
+        lo = pid * 0
+        hi = lo + E
+        for _ in tl.static_range(LOG_E):
+            mid = (lo + hi) // 2
+            go = (tl.load(pstart_ptr + mid) <= pid) & (hi - lo > 1)
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go | (hi - lo <= 1), hi, mid)
+        return lo
 
     @triton.jit
     def _gmm_tile(
@@ -236,15 +251,7 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         total = tl.load(pstart_ptr + E)
         if pid < total:
-            # largest e with pstart[e] <= pid (empty experts have no programs: equal offsets)
-            lo = pid * 0
-            hi = lo + E
-            for _ in tl.static_range(LOG_E):
-                mid = (lo + hi) // 2
-                go = (tl.load(pstart_ptr + mid) <= pid) & (hi - lo > 1)
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go | (hi - lo <= 1), hi, mid)
-            e = lo
+            e = group_of(pstart_ptr, pid, E, LOG_E)
             row0 = tl.load(start_ptr + e)
             row1 = tl.load(end_ptr + e)
             m_tiles = (row1 - row0 + BM - 1) // BM

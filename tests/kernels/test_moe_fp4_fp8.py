@@ -4,7 +4,9 @@ GPU: ``pytest -m gpu tests/kernels/test_moe_fp4_fp8.py``; on CPU the same tests 
 interpreter (``test_moe_fp4_fp8_under_interpreter``, slow). The inputs' e4m3 values and every
 dequantised weight are exact, their products exact in fp32, so against
 ``fp4_fp8_grouped_linear_reference`` on the same quantised inputs only the fp32 summation order
-differs. The compile test builds the kernel with its inline PTX for sm_90 on any machine.
+differs. The compile tests build the kernels with their inline PTX for sm_90 on any machine.
+The e4m3 scratch (``fp4_to_e4m3``) is exact where a block's group scales lie within 2^14, so its
+GEMM (``fp8_grouped_mm``) is held to the same reference and bound.
 """
 
 from __future__ import annotations
@@ -77,6 +79,72 @@ def test_grouped_linear_matches_the_reference(chain, tiles) -> None:
     assert ((bf16 - want16).abs() <= want16.abs() * 2**-7 + 1e-6 * want16.abs().max()).all()  # one bf16 rounding (the interpreter truncates)
 
 
+def test_e4m3_scratch_reference_is_exact_within_2_14() -> None:
+    """``fp4_to_e4m3_reference``: each block's codes in units of its largest group scale; where the
+    four scales lie within 2^14 of each other the e4m3 weights times their block scale are the
+    dequantised FP4 weights exactly; a block spread wider loses only its smallest groups' values."""
+    g = torch.Generator().manual_seed(3)
+    q, s = _fp4(2, 64, 512, g, lo=127 - 20, hi=127 + 5)
+    s.view(2, 64, 4, 4)[..., 1:] = s.view(2, 64, 4, 4)[..., :1]  # most blocks: one scale
+    s.view(2, 64, 4, 4)[:, :, 1, 3] = s.view(2, 64, 4, 4)[:, :, 1, 0] - 14  # a spread of exactly 2^14
+    s.view(2, 64, 4, 4)[:, :, 2, 2] = s.view(2, 64, 4, 4)[:, :, 2, 0] + 9  # the largest group elsewhere than first
+    w8, sw = moe_fp4_fp8.fp4_to_e4m3_reference(q, s)
+    assert w8.dtype == torch.float8_e4m3fn and sw.shape == (2, 64, 4)
+    back = (w8.float().view(2, 64, 4, 128) * sw[..., None]).view(2, 64, 512)
+    assert torch.equal(back, dequantize_fp4(q, s))
+    s.view(2, 64, 4, 4)[:, :, 3, 1] = s.view(2, 64, 4, 4)[:, :, 3, 0] - 20  # a spread of 2^20: that group rounds
+    w8, sw = moe_fp4_fp8.fp4_to_e4m3_reference(q, s)
+    back = (w8.float().view(2, 64, 4, 128) * sw[..., None]).view(2, 64, 512)
+    want = dequantize_fp4(q, s)
+    wide = torch.zeros(2, 64, 4, 128, dtype=torch.bool)
+    wide[:, :, 3, 32:64] = True
+    assert torch.equal(back[~wide.view(2, 64, 512)], want[~wide.view(2, 64, 512)])
+    assert (back - want).abs().max() <= want.view(2, 64, 4, 128)[:, :, 3, :32].abs().max() * 2**-14
+
+
+@pytest.mark.gpu
+def test_e4m3_scratch_kernel_is_the_reference_bytes() -> None:
+    """``fp4_to_e4m3`` (inline-PTX decode, fp32 rescale, e4m3 store) gives the reference's bytes and
+    scales where they are exact (a block's scales within 2^14; past that the e4m3 rounding of the
+    interpreter and of torch differ), the ``SCALE_MIN`` clamp included."""
+    _needs_kernel()
+    g = torch.Generator().manual_seed(4)
+    q, s = _fp4(3, 128, 256, g, lo=127 - 12, hi=127 + 2)
+    s[0, :4, :4] = 2  # a block of scales below SCALE_MIN
+    w8, sw = moe_fp4_fp8.fp4_to_e4m3(q.to(DEV), s.to(DEV))
+    want_w8, want_sw = moe_fp4_fp8.fp4_to_e4m3_reference(q, s)
+    assert torch.equal(w8.cpu().view(torch.uint8), want_w8.view(torch.uint8)) and torch.equal(sw.cpu(), want_sw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(16, 128, 4, 2), (128, 128, 8, 3)], ids=["bm16", "bm128"])
+def test_scratch_path_matches_the_reference(tiles) -> None:
+    """The e4m3 scratch and ``fp8_grouped_mm`` against ``fp4_fp8_grouped_linear_reference`` (groups of
+    0, 1, a row tile and several; scales within 2^14 a block, so the scratch is exact): only the
+    accumulation's rounding differs (the bound of ``test_grouped_linear_matches_the_reference``);
+    ``fp4_fp8_scratch_linear`` with a scratch of one expert at a time gives the same bits as one
+    of all of them."""
+    _needs_kernel()
+    g = torch.Generator().manual_seed(5)
+    small = not ON_GPU
+    e, n, k = (3, 128, 256) if small else (6, 512, 1024)
+    q, s = _fp4(e, n, k, g, lo=127 - 12, hi=127 + 2)
+    counts = torch.tensor([5, 0, 40] if small else [1, 0, 128, 300, 17, 0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), k, generator=g) * 4
+    xq, xs = quantize_act_reference(x)
+    want = fp4_fp8_grouped_linear_reference(xq, xs, q, s, offs, torch.float32)
+    w8, sw = moe_fp4_fp8.fp4_to_e4m3(q.to(DEV), s.to(DEV))
+    bm, bn, warps, stages = tiles
+    out = torch.empty(x.shape[0], n, device=DEV)
+    got = moe_fp4_fp8.fp8_grouped_mm(xq.to(DEV), xs.to(DEV), w8, sw, offs.to(DEV), out, block_m=bm, block_n=bn, warps=warps, stages=stages)
+    err = ((got.cpu() - want).abs().max() / want.abs().max()).item()
+    assert err <= 2e-4, err
+    whole = moe_fp4_fp8.fp4_fp8_scratch_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV))
+    one_by_one = moe_fp4_fp8.fp4_fp8_scratch_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV), scratch_bytes=n * k)
+    assert torch.equal(whole, one_by_one) and ((whole.cpu() - want).abs().max() / want.abs().max()).item() <= 2e-4
+
+
 @pytest.mark.parametrize("chain", [True, False])
 def test_the_kernel_builds_for_sm90(chain) -> None:
     """With its inline PTX decode and one ``K = 32`` e4m3 wgmma per scale group (Triton's own ptxas,
@@ -97,6 +165,30 @@ def test_the_kernel_builds_for_sm90(chain) -> None:
     ptx = kernel.asm["ptx"]
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4  # one per 32-input group
     assert "and.b32 a, %r" in ptx or "0x08080808" in ptx
+
+
+def test_the_scratch_kernels_build_for_sm90() -> None:
+    """The e4m3 scratch decode (inline PTX, ``cvt`` to e4m3) and the block-scaled grouped GEMM (one
+    ``K = 128`` e4m3 product a block: four k32 wgmmas) build for sm_90 (Triton's own ptxas)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "start_ptr": "*i32", "end_ptr": "*i32", "pstart_ptr": "*i32",
+        "out_ptr": "*bf16", **dict.fromkeys(["E", "M", "N", "K", "stride_o"], "i32"), **dict.fromkeys(["BM", "BN", "LOG_E", "PRECISION"], "constexpr"),
+    }  # fmt: skip
+    assert list(signature) == moe_fp4_fp8._fp8_grouped_kernel.arg_names
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (*range(8), 11, 12)}
+    consts = {"BM": 128, "BN": 128, "LOG_E": 9, "PRECISION": "tf32"}
+    kernel = triton.compile(ASTSource(moe_fp4_fp8._fp8_grouped_kernel, signature=signature, attrs=aligned, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})  # fmt: skip
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in kernel.asm["ptx"]
+    signature = {"w_ptr": "*u8", "s_ptr": "*u8", "w8_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "N": "i32", "K": "i32", "BN": "constexpr", "ASM": "constexpr"}
+    assert list(signature) == moe_fp4_fp8._fp4_e4m3_kernel.arg_names
+    kernel = triton.compile(ASTSource(moe_fp4_fp8._fp4_e4m3_kernel, signature=signature, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
+                                      constexprs={"BN": 64, "ASM": True}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
+    assert "0x08080808" in kernel.asm["ptx"] and "e4m3x2" in kernel.asm["ptx"]
 
 
 @pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively

@@ -31,8 +31,8 @@ multiplied by ``torch._grouped_mm``: the same bf16 weights and fp32 accumulation
 summation order. ``Fp4PrefillTuning.fp8_products`` / ``fp8_scratch`` instead run them on FP8
 tensor cores (``kernels.moe_fp4_fp8``: DeepSeek's ``act_quant`` + ``fp4_gemm``, inputs rounded to
 e4m3; the weights decoded in the product loop / once into an e4m3 scratch), the first not yet
-faster (run 79), the second not yet measured. The choice is made from shapes alone, so a captured decode step never takes
-either (the scratch path reads the group ends on the host).
+faster (run 79), the second not yet measured. The choice is made from shapes alone, so a
+captured decode step never takes any of them (the scratch paths read the group ends on the host).
 """
 
 from __future__ import annotations

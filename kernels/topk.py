@@ -76,29 +76,21 @@ if HAS_TRITON:
 __all__ = ["MAX_T", "row_topk", "row_topk_reference"]
 
 
-def _bench(rows: int, cols: int, k: int, iters: int = 20) -> dict:  # pragma: no cover - device only
+def _bench(rows: int, cols: int, k: int, rep_ms: int = 50) -> dict:  # pragma: no cover - device only
     """``row_topk`` against ``torch.topk`` on CUDA over relu'd scores with a causal ``-inf`` tail
-    (the indexer's ties): ms per call each, and whether the column sets agree."""
+    (the indexer's ties): ms per call each (``do_bench`` over ``rep_ms``), and whether the column
+    sets agree."""
+    from triton.testing import do_bench
+
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     scores = torch.randn(rows, cols, device=dev, generator=g).relu()
     ar = torch.arange(cols, device=dev)
     scores = scores.masked_fill(ar[None, :] > torch.arange(rows, device=dev)[:, None] * cols // rows + 16, float("-inf"))
-
-    def t_ms(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / iters
-
     same = torch.equal(row_topk(scores, k)[1], scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values)
     return {"device": torch.cuda.get_device_name(), "rows": rows, "cols": cols, "k": k, "same_set": same,
-            "row_topk_ms": t_ms(lambda: row_topk(scores, k)), "torch_topk_ms": t_ms(lambda: scores.topk(k, dim=-1, sorted=False))}  # fmt: skip
+            "row_topk_ms": do_bench(lambda: row_topk(scores, k), rep=rep_ms),
+            "torch_topk_ms": do_bench(lambda: scores.topk(k, dim=-1, sorted=False), rep=rep_ms)}  # fmt: skip
 
 
 if __name__ == "__main__":  # pragma: no cover

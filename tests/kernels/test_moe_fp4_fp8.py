@@ -29,6 +29,19 @@ def _fp4(e: int, n: int, k: int, g: torch.Generator, lo: int = 127 - 9, hi: int 
     return q, torch.randint(lo, hi, (e, n, k // 32), generator=g).to(torch.uint8)
 
 
+def _grouped_case(seed: int, lo: int, hi: int, gpu_counts: list[int]):
+    """FP4 experts with scale codes in ``[lo, hi)``, groups of ``gpu_counts`` rows on a GPU (5, 0 and
+    40 rows elsewhere), their inputs, the inputs quantised and the reference's fp32 product."""
+    g = torch.Generator().manual_seed(seed)
+    e, n, k = (6, 512, 1024) if ON_GPU else (3, 128, 256)
+    q, s = _fp4(e, n, k, g, lo=lo, hi=hi)
+    counts = torch.tensor(gpu_counts if ON_GPU else [5, 0, 40])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), k, generator=g) * 4
+    xq, xs = quantize_act_reference(x)
+    return q, s, offs, x, xq, xs, fp4_fp8_grouped_linear_reference(xq, xs, q, s, offs, torch.float32)
+
+
 def _needs_kernel() -> None:
     if not (ON_GPU or INTERPRETED):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see test_moe_fp4_fp8_under_interpreter)")
@@ -60,15 +73,7 @@ def test_grouped_linear_matches_the_reference(chain, tiles) -> None:
     its promotion into fp32 registers, here every 32 inputs): 5.0e-5 of the largest output on an
     H100 for 64-row tiles (run 79), so the bound is 2e-4; the interpreter's fp32 math gives ~1e-7."""
     _needs_kernel()
-    g = torch.Generator().manual_seed(1)
-    small = not ON_GPU
-    e, n, k = (3, 128, 256) if small else (6, 512, 1024)
-    q, s = _fp4(e, n, k, g, lo=127 - 20, hi=127 + 5)
-    counts = torch.tensor([5, 0, 40] if small else [1, 0, 64, 200, 17, 0])
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    x = torch.randn(int(counts.sum()), k, generator=g) * 4
-    xq, xs = quantize_act_reference(x)
-    want = fp4_fp8_grouped_linear_reference(xq, xs, q, s, offs, torch.float32)
+    q, s, offs, x, xq, xs, want = _grouped_case(1, 127 - 20, 127 + 5, [1, 0, 64, 200, 17, 0])
     bm, bn, warps, stages = tiles
     got = fp4_fp8_grouped_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=bm, block_n=bn, warps=warps, stages=stages, chain=chain)
     err = ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
@@ -125,15 +130,8 @@ def test_scratch_path_matches_the_reference(tiles) -> None:
     ``fp4_fp8_scratch_linear`` with a scratch of one expert at a time gives the same bits as one
     of all of them."""
     _needs_kernel()
-    g = torch.Generator().manual_seed(5)
-    small = not ON_GPU
-    e, n, k = (3, 128, 256) if small else (6, 512, 1024)
-    q, s = _fp4(e, n, k, g, lo=127 - 12, hi=127 + 2)
-    counts = torch.tensor([5, 0, 40] if small else [1, 0, 128, 300, 17, 0])
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    x = torch.randn(int(counts.sum()), k, generator=g) * 4
-    xq, xs = quantize_act_reference(x)
-    want = fp4_fp8_grouped_linear_reference(xq, xs, q, s, offs, torch.float32)
+    q, s, offs, x, xq, xs, want = _grouped_case(5, 127 - 12, 127 + 2, [1, 0, 128, 300, 17, 0])
+    n, k = q.shape[1], x.shape[1]
     w8, sw = moe_fp4_fp8.fp4_to_e4m3(q.to(DEV), s.to(DEV))
     bm, bn, warps, stages = tiles
     out = torch.empty(x.shape[0], n, device=DEV)

@@ -164,16 +164,20 @@ def fp4_grouped_linear(
     return out
 
 
+def scratch_chunks(offs: torch.Tensor, per: int) -> list[tuple[int, int, int, int]]:
+    """The experts of group ends ``offs`` a scratch of ``per`` experts at a time: ``(first expert,
+    end expert, first row, end row)`` of each chunk with rows (one host sync for the ends)."""
+    ends = offs.tolist()
+    chunks = [(a, min(len(ends), a + per)) for a in range(0, len(ends), per)]
+    return [(a, b, ends[a - 1] if a else 0, ends[b - 1]) for a, b in chunks if ends[b - 1] > (ends[a - 1] if a else 0)]
+
+
 def _through_scratch(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, per: int) -> torch.Tensor:
     """``fp4_grouped_linear`` at prefill sizes: ``per`` experts at a time decoded to ``xs.dtype``,
     their rows through ``torch._grouped_mm``, written into ``out``."""
-    ends = offs.tolist()  # one host sync per call
-    for a in range(0, wq.shape[0], per):
-        b = min(wq.shape[0], a + per)
-        r0, r1 = (ends[a - 1] if a else 0), ends[b - 1]
-        if r1 > r0:
-            w = dequantize_fp4_kernel(wq[a:b], ws[a:b], xs.dtype)  # (C, N, K)
-            out[r0:r1] = torch._grouped_mm(xs[r0:r1], w.transpose(-2, -1), offs=offs[a:b] - r0)
+    for a, b, r0, r1 in scratch_chunks(offs, per):
+        w = dequantize_fp4_kernel(wq[a:b], ws[a:b], xs.dtype)  # (C, N, K)
+        out[r0:r1] = torch._grouped_mm(xs[r0:r1], w.transpose(-2, -1), offs=offs[a:b] - r0)
     return out
 
 

@@ -50,7 +50,7 @@ import torch
 
 from kernels._common import HAS_TRITON, INTERPRET, mma, tl, triton, use_triton
 from kernels.fp8_gemm import FP8, quantize_act, quantize_act_reference
-from kernels.moe_fp4 import BLOCK, GROUP, dequantize_fp4
+from kernels.moe_fp4 import BLOCK, GROUP, dequantize_fp4, scratch_chunks
 from kernels.moe_grouped import tile_schedule
 
 SCALE_MIN = 7  # the e8m0 code a 128-input block's scale is at least: 2^(7 - 127 - 6) = 2^-126, fp32's least normal
@@ -120,7 +120,7 @@ def fp4_to_e4m3(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch
     sw = torch.empty(e, n, k // BLOCK, dtype=torch.float32, device=wq.device)
     if e:
         _fp4_e4m3_kernel[(e, n // 64, k // BLOCK)](
-            wq.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8), w8, sw, n, k, BN=64, ASM=not INTERPRET, num_warps=4
+            wq.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8), w8, sw, n, k, BN=64, S_MIN=SCALE_MIN, ASM=not INTERPRET, num_warps=4
         )  # fmt: skip
     return w8, sw
 
@@ -164,15 +164,10 @@ def fp4_fp8_scratch_linear(
     if m == 0:
         return out
     xq, xs = quantize_act(x.contiguous())
-    per = max(1, scratch_bytes // (n * k))
-    ends = offs.tolist()
-    for a in range(0, e, per):
-        b = min(e, a + per)
-        r0, r1 = (ends[a - 1] if a else 0), ends[b - 1]
-        if r1 > r0:
-            w8, sw = fp4_to_e4m3(wq[a:b], ws[a:b])
-            bm, bn, warps, stages = tiles
-            fp8_grouped_mm(xq[r0:r1], xs[r0:r1], w8, sw, offs[a:b] - r0, out[r0:r1], block_m=bm, block_n=bn, warps=warps, stages=stages)
+    bm, bn, warps, stages = tiles
+    for a, b, r0, r1 in scratch_chunks(offs, max(1, scratch_bytes // (n * k))):
+        w8, sw = fp4_to_e4m3(wq[a:b], ws[a:b])
+        fp8_grouped_mm(xq[r0:r1], xs[r0:r1], w8, sw, offs[a:b] - r0, out[r0:r1], block_m=bm, block_n=bn, warps=warps, stages=stages)
     return out
 
 
@@ -197,7 +192,7 @@ if HAS_TRITON:
         return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
-    def _fp4_e4m3_kernel(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, BN: tl.constexpr, ASM: tl.constexpr):
+    def _fp4_e4m3_kernel(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, BN: tl.constexpr, S_MIN: tl.constexpr, ASM: tl.constexpr):
         """One ``(BN, 128)`` block of expert ``program_id(0)``'s rows → e4m3 and its ``BN`` scales."""
         e = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -205,7 +200,7 @@ if HAS_TRITON:
         lo, hi = _e4m3_pair(tl.load(w_ptr + e * N * (K // 2) + cols[:, None] * (K // 2) + kb * 64 + tl.arange(0, 64)[None, :]), ASM)
         v = tl.reshape(tl.join(lo, hi), (BN, 128)).to(tl.float32)  # the e2m1 values · 2^-6, input order
         code = tl.load(s_ptr + e * N * (K // 32) + cols[:, None] * (K // 32) + kb * 4 + tl.arange(0, 4)[None, :]).to(tl.int32)  # (BN, 4)
-        top = tl.maximum(tl.max(code, axis=1), 7)  # SCALE_MIN
+        top = tl.maximum(tl.max(code, axis=1), S_MIN)
         unit = (tl.maximum(139 - (top[:, None] - code), 1) << 23).to(tl.float32, bitcast=True)  # 2^(12 - (S - s)), (BN, 4)
         unit = tl.reshape(tl.broadcast_to(unit[:, :, None], (BN, 4, 32)), (BN, 128))
         kk = kb * 128 + tl.arange(0, 128)

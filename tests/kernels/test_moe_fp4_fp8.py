@@ -182,10 +182,10 @@ def test_the_scratch_kernels_build_for_sm90() -> None:
     kernel = triton.compile(ASTSource(moe_fp4_fp8._fp8_grouped_kernel, signature=signature, attrs=aligned, constexprs=consts),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})  # fmt: skip
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in kernel.asm["ptx"]
-    signature = {"w_ptr": "*u8", "s_ptr": "*u8", "w8_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "N": "i32", "K": "i32", "BN": "constexpr", "ASM": "constexpr"}
+    signature = {"w_ptr": "*u8", "s_ptr": "*u8", "w8_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "N": "i32", "K": "i32", **dict.fromkeys(["BN", "S_MIN", "ASM"], "constexpr")}
     assert list(signature) == moe_fp4_fp8._fp4_e4m3_kernel.arg_names
     kernel = triton.compile(ASTSource(moe_fp4_fp8._fp4_e4m3_kernel, signature=signature, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
-                                      constexprs={"BN": 64, "ASM": True}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
+                                      constexprs={"BN": 64, "S_MIN": moe_fp4_fp8.SCALE_MIN, "ASM": True}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
     assert "0x08080808" in kernel.asm["ptx"] and "e4m3x2" in kernel.asm["ptx"]
 
 

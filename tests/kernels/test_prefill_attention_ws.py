@@ -1,7 +1,9 @@
 """The warp-specialised Hopper prefill attention (``kernels.prefill_attention_ws``) against the
 fp32 reference and the Triton kernel it replaces: windows that start inside the padding, windows
 not a multiple of the key tile, picks with holes (-1) and picks past a query's row count, one and
-two blocks of 64 heads, the output's inverse RoPE as ``prefill_attention`` applies it."""
+two blocks of 64 heads, the output's inverse RoPE as ``prefill_attention`` applies it; more
+(query, head block) items than SMs, so each persistent program walks several, one-tile items
+included."""
 
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ def _case(s: int, prev: int, w: int, h: int, n_rows: int, k: int, seed: int):
 
 @pytest.mark.parametrize(
     "s, prev, w, h, n_rows, k",
-    [(300, 0, 128, 64, 0, 0), (300, 5, 128, 128, 400, 64), (257, 200, 128, 64, 600, 100), (130, 0, 100, 64, 90, 37)],
-    ids=["window-only", "picks-two-head-blocks", "picks-straddle-tiles", "window-100"],
+    [(300, 0, 128, 64, 0, 0), (300, 5, 128, 128, 400, 64), (257, 200, 128, 64, 600, 100), (130, 0, 100, 64, 90, 37), (600, 0, 64, 64, 0, 0)],
+    ids=["window-only", "picks-two-head-blocks", "picks-straddle-tiles", "window-100", "one-tile-items"],
 )
 def test_ws_kernel_matches_the_reference_and_the_triton_kernel(s, prev, w, h, n_rows, k) -> None:
     q, keys, pad, sinks, rows, row_len, row_idx = _case(s, prev, w, h, n_rows, k, seed=s + w + h)

@@ -15,7 +15,7 @@ SIGNATURE = {
     **dict.fromkeys(["idx_ptr", "slot_ptr", "swa_len_ptr", "row_len_ptr"], "*i32"),
     "sinks_ptr": "*fp32",
     "out_ptr": "*bf16",
-    **dict.fromkeys(["stride_qb", "stride_qh", "stride_k", "stride_r", "stride_ib", "stride_ob", "stride_oh", "W", "K_ROWS", "n_tiles"], "i32"),
+    **dict.fromkeys(["stride_qb", "stride_qh", "stride_k", "stride_r", "stride_ib", "stride_ob", "stride_oh", "W", "K_ROWS", "n_tiles", "n_items", "n_hb"], "i32"),
     "qk_scale": "fp32",
     **dict.fromkeys(["D", "BN", "HAS_ROWS"], "constexpr"),
 }

@@ -109,18 +109,20 @@ def fp4_to_e4m3_reference(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Ten
     return w8, torch.pow(2.0, (top - 133).float())
 
 
-def fp4_to_e4m3(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp4_to_e4m3_reference`` in one Triton pass (the same bytes); N a multiple of 64, K of 128."""
+def fp4_to_e4m3(wq: torch.Tensor, ws: torch.Tensor, rows: int = 64, k_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp4_to_e4m3_reference`` in one Triton pass (the same bytes), a program per ``rows`` weight
+    rows × ``k_blocks`` 128-input blocks; N a multiple of ``rows``, K of 128 · ``k_blocks``."""
     e, n, half = wq.shape
     k = 2 * half
-    assert n % 64 == 0 and k % BLOCK == 0 and ws.shape == (e, n, k // GROUP), "fp4_to_e4m3: shapes"
+    assert n % rows == 0 and k % (BLOCK * k_blocks) == 0 and ws.shape == (e, n, k // GROUP), "fp4_to_e4m3: shapes"
     if not use_triton(wq):
         return fp4_to_e4m3_reference(wq, ws)
     w8 = torch.empty(e, n, k, dtype=FP8, device=wq.device)
     sw = torch.empty(e, n, k // BLOCK, dtype=torch.float32, device=wq.device)
     if e:
-        _fp4_e4m3_kernel[(e, n // 64, k // BLOCK)](
-            wq.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8), w8, sw, n, k, BN=64, S_MIN=SCALE_MIN, ASM=not INTERPRET, num_warps=4
+        _fp4_e4m3_kernel[(e, n // rows, k // (BLOCK * k_blocks))](
+            wq.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8), w8, sw, n, k,
+            BN=rows, KB=k_blocks, S_MIN=SCALE_MIN, ASM=not INTERPRET, num_warps=4,
         )  # fmt: skip
     return w8, sw
 
@@ -192,11 +194,16 @@ if HAS_TRITON:
         return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
-    def _fp4_e4m3_kernel(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, BN: tl.constexpr, S_MIN: tl.constexpr, ASM: tl.constexpr):
-        """One ``(BN, 128)`` block of expert ``program_id(0)``'s rows → e4m3 and its ``BN`` scales."""
+    def _fp4_e4m3_kernel(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, BN: tl.constexpr, KB: tl.constexpr, S_MIN: tl.constexpr, ASM: tl.constexpr):
+        """``KB`` ``(BN, 128)`` blocks of expert ``program_id(0)``'s rows → e4m3 and their scales."""
         e = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        kb = tl.program_id(2)
+        for j in range(KB):
+            _fp4_e4m3_block(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, e, cols, tl.program_id(2) * KB + j, BN, S_MIN, ASM)
+
+    @triton.jit
+    def _fp4_e4m3_block(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, e, cols, kb, BN: tl.constexpr, S_MIN: tl.constexpr, ASM: tl.constexpr):
+        """Rows ``cols`` of expert ``e``, 128-input block ``kb`` → e4m3 and the rows' scales of that block."""
         lo, hi = _e4m3_pair(tl.load(w_ptr + e * N * (K // 2) + cols[:, None] * (K // 2) + kb * 64 + tl.arange(0, 64)[None, :]), ASM)
         v = tl.reshape(tl.join(lo, hi), (BN, 128)).to(tl.float32)  # the e2m1 values · 2^-6, input order
         code = tl.load(s_ptr + e * N * (K // 32) + cols[:, None] * (K // 32) + kb * 4 + tl.arange(0, 4)[None, :]).to(tl.int32)  # (BN, 4)

@@ -108,15 +108,16 @@ def test_e4m3_scratch_reference_is_exact_within_2_14() -> None:
 
 
 @pytest.mark.gpu
-def test_e4m3_scratch_kernel_is_the_reference_bytes() -> None:
+@pytest.mark.parametrize("rows, k_blocks", [(64, 1), (128, 2)])
+def test_e4m3_scratch_kernel_is_the_reference_bytes(rows, k_blocks) -> None:
     """``fp4_to_e4m3`` (inline-PTX decode, fp32 rescale, e4m3 store) gives the reference's bytes and
     scales where they are exact (a block's scales within 2^14; past that the e4m3 rounding of the
-    interpreter and of torch differ), the ``SCALE_MIN`` clamp included."""
+    interpreter and of torch differ), the ``SCALE_MIN`` clamp included, for any program shape."""
     _needs_kernel()
     g = torch.Generator().manual_seed(4)
     q, s = _fp4(3, 128, 256, g, lo=127 - 12, hi=127 + 2)
     s[0, :4, :4] = 2  # a block of scales below SCALE_MIN
-    w8, sw = moe_fp4_fp8.fp4_to_e4m3(q.to(DEV), s.to(DEV))
+    w8, sw = moe_fp4_fp8.fp4_to_e4m3(q.to(DEV), s.to(DEV), rows=rows, k_blocks=k_blocks)
     want_w8, want_sw = moe_fp4_fp8.fp4_to_e4m3_reference(q, s)
     assert torch.equal(w8.cpu().view(torch.uint8), want_w8.view(torch.uint8)) and torch.equal(sw.cpu(), want_sw)
 
@@ -182,10 +183,10 @@ def test_the_scratch_kernels_build_for_sm90() -> None:
     kernel = triton.compile(ASTSource(moe_fp4_fp8._fp8_grouped_kernel, signature=signature, attrs=aligned, constexprs=consts),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})  # fmt: skip
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in kernel.asm["ptx"]
-    signature = {"w_ptr": "*u8", "s_ptr": "*u8", "w8_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "N": "i32", "K": "i32", **dict.fromkeys(["BN", "S_MIN", "ASM"], "constexpr")}
+    signature = {"w_ptr": "*u8", "s_ptr": "*u8", "w8_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "N": "i32", "K": "i32", **dict.fromkeys(["BN", "KB", "S_MIN", "ASM"], "constexpr")}
     assert list(signature) == moe_fp4_fp8._fp4_e4m3_kernel.arg_names
     kernel = triton.compile(ASTSource(moe_fp4_fp8._fp4_e4m3_kernel, signature=signature, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
-                                      constexprs={"BN": 64, "S_MIN": moe_fp4_fp8.SCALE_MIN, "ASM": True}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
+                                      constexprs={"BN": 64, "KB": 2, "S_MIN": moe_fp4_fp8.SCALE_MIN, "ASM": True}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
     assert "0x08080808" in kernel.asm["ptx"] and "e4m3x2" in kernel.asm["ptx"]
 
 

@@ -42,6 +42,18 @@ def _grouped_case(seed: int, lo: int, hi: int, gpu_counts: list[int]):
     return q, s, offs, x, xq, xs, fp4_fp8_grouped_linear_reference(xq, xs, q, s, offs, torch.float32)
 
 
+ACCUMULATION = 2**-10  # Hopper's FP8 tensor cores keep ~14 bits a step, ~8 steps a 128-input product
+
+
+def _within_accumulation(got: torch.Tensor, want: torch.Tensor, xq, xs, q, s, offs, rounding: float = 0.0) -> bool:
+    """``got`` equals ``want`` up to the FP8 tensor cores' accumulation: each output within
+    ``ACCUMULATION`` of the sum of its products' magnitudes (the classic bound of a rounded sum; a
+    wrong scale, row or code is off by about the output itself, ~2^-5 of that sum at these K), plus
+    ``rounding`` of the output (a cast)."""
+    mag = fp4_fp8_grouped_linear_reference(xq.float().abs().to(xq.dtype), xs, q & 0x77, s, offs, torch.float32)  # |codes|: signs cleared
+    return bool(((got.float().cpu() - want).abs() <= ACCUMULATION * mag + rounding * want.abs()).all())
+
+
 def _needs_kernel() -> None:
     if not (ON_GPU or INTERPRETED):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 (see test_moe_fp4_fp8_under_interpreter)")
@@ -70,18 +82,18 @@ def test_grouped_linear_matches_the_reference(chain, tiles) -> None:
     (groups of one 128-input step at different scales): the kernel's product of the quantised
     inputs equals the reference's up to the accumulation's rounding. Hopper's FP8 tensor cores
     add into their accumulator at reduced precision (DeepSeek-V3's report: about 14 bits, hence
-    its promotion into fp32 registers, here every 32 inputs): 5.0e-5 of the largest output on an
-    H100 for 64-row tiles (run 79), so the bound is 2e-4; the interpreter's fp32 math gives ~1e-7."""
+    its promotion into fp32 registers, here every 32 inputs): up to 3.3e-4 of the largest output
+    on an H100 for 64-row tiles (run 85), so each output is held to ``_within_accumulation``; the
+    interpreter's fp32 math gives ~1e-7."""
     _needs_kernel()
     q, s, offs, x, xq, xs, want = _grouped_case(1, 127 - 20, 127 + 5, [1, 0, 64, 200, 17, 0])
     bm, bn, warps, stages = tiles
     got = fp4_fp8_grouped_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=bm, block_n=bn, warps=warps, stages=stages, chain=chain)
-    err = ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
-    assert err <= 2e-4, err
+    assert _within_accumulation(got, want, xq, xs, q, s, offs)
     bf16 = fp4_fp8_grouped_linear(x.to(DEV, torch.bfloat16), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=bm, chain=chain).float().cpu()
     xq16, xs16 = quantize_act_reference(x.bfloat16())
     want16 = fp4_fp8_grouped_linear_reference(xq16, xs16, q, s, offs, torch.float32)
-    assert ((bf16 - want16).abs() <= want16.abs() * 2**-7 + 1e-6 * want16.abs().max()).all()  # one bf16 rounding (the interpreter truncates)
+    assert _within_accumulation(bf16, want16, xq16, xs16, q, s, offs, rounding=2**-7)  # one bf16 rounding (the interpreter truncates)
 
 
 def test_e4m3_scratch_reference_is_exact_within_2_14() -> None:
@@ -127,7 +139,7 @@ def test_e4m3_scratch_kernel_is_the_reference_bytes(rows, k_blocks) -> None:
 def test_scratch_path_matches_the_reference(tiles) -> None:
     """The e4m3 scratch and ``fp8_grouped_mm`` against ``fp4_fp8_grouped_linear_reference`` (groups of
     0, 1, a row tile and several; scales within 2^14 a block, so the scratch is exact): only the
-    accumulation's rounding differs (the bound of ``test_grouped_linear_matches_the_reference``);
+    accumulation's rounding differs (``_within_accumulation``: 4.6e-4 of the largest output on an H100, run 85);
     ``fp4_fp8_scratch_linear`` with a scratch of one expert at a time gives the same bits as one
     of all of them."""
     _needs_kernel()
@@ -137,11 +149,10 @@ def test_scratch_path_matches_the_reference(tiles) -> None:
     bm, bn, warps, stages = tiles
     out = torch.empty(x.shape[0], n, device=DEV)
     got = moe_fp4_fp8.fp8_grouped_mm(xq.to(DEV), xs.to(DEV), w8, sw, offs.to(DEV), out, block_m=bm, block_n=bn, warps=warps, stages=stages)
-    err = ((got.cpu() - want).abs().max() / want.abs().max()).item()
-    assert err <= 2e-4, err
+    assert _within_accumulation(got, want, xq, xs, q, s, offs)
     whole = moe_fp4_fp8.fp4_fp8_scratch_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV))
     one_by_one = moe_fp4_fp8.fp4_fp8_scratch_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV), scratch_bytes=n * k)
-    assert torch.equal(whole, one_by_one) and ((whole.cpu() - want).abs().max() / want.abs().max()).item() <= 2e-4
+    assert torch.equal(whole, one_by_one) and _within_accumulation(whole, want, xq, xs, q, s, offs)
 
 
 @pytest.mark.parametrize("chain", [True, False])

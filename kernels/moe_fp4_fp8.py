@@ -153,7 +153,7 @@ def fp8_grouped_mm(
 
 def fp4_fp8_scratch_linear(
     x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor, scratch_bytes: int = 2 << 30,
-    tiles: tuple[int, int, int, int] = (128, 128, 8, 3),
+    tiles: tuple[int, int, int, int] = (64, 128, 4, 3),
 ) -> torch.Tensor:  # fmt: skip
     """``fp4_fp8_grouped_linear``'s function through an e4m3 scratch (module docstring): the inputs
     quantised once, ``scratch_bytes`` of e4m3 experts decoded at a time (``fp4_to_e4m3``), their rows

@@ -67,7 +67,7 @@ class Fp4PrefillTuning:
     ``kernels.moe_fp4_fp8``'s e4m3 scratch and block-scaled FP8 grouped GEMM, else with
     ``fp8_products`` through its in-register decode (both round the inputs to e4m3 as DeepSeek's
     inference does; both off by default: the products were slower than the bf16 scratch at 8K on an
-    H100, run 79, the e4m3 scratch is not yet measured), else decoded once into a bf16 scratch;
+    H100, run 79, the e4m3 scratch tied it in run 84), else decoded once into a bf16 scratch;
     ``scratch_bytes`` of decoded weights at a time."""
 
     min_rows_per_expert: int = 96

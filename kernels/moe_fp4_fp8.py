@@ -41,7 +41,9 @@ e4m3's subnormals round the smaller groups) and run a block-scaled FP8 grouped G
 (``fp8_grouped_mm``: one ``K = 128`` product per block, the input's and the weight row's scales
 applied in fp32 registers, programs as ``kernels.moe_grouped``'s: an expert's row tiles beside each
 other, so they read each weight tile from L2). Half the bf16 scratch's bytes, FP8 products, and no
-decode inside the product loop. Not yet run on a GPU.
+decode inside the product loop. Runs 84-85 (H100, 8K): the GEMM 3.81 / 1.82 ms (gate_up / down,
+64×128 tiles, 4 warps), the conversion 4.0-5.4 / 1.7-2.3 ms — about half the copy rate — so the
+whole path tied the bf16 scratch (13.79 against 13.68 ms a layer) and stays opt-in.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefill attention on Hopper as a warp-specialised Gluon kernel (64 heads × 512 channels per program).
+"""Prefill attention on Hopper as a warp-specialised Gluon kernel (64 heads × 512 channels per work item, persistent programs).
 
 ``kernels.prefill.prefill_attention``'s Triton kernel (``kernels.decode_attention``, one program
 per query) holds the 64 × 512 fp32 output and the score tile in one 8-warp program and runs its

@@ -115,11 +115,13 @@ def fp4_to_e4m3_reference(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Ten
     return w8, torch.pow(2.0, (top - 133).float())
 
 
-def fp4_to_e4m3(wq: torch.Tensor, ws: torch.Tensor, rows: int = 64, k_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def fp4_to_e4m3(wq: torch.Tensor, ws: torch.Tensor, rows: int = 32, k_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp4_to_e4m3_reference`` in one Triton pass (the same bytes), a program per ``rows`` weight
-    rows × ``k_blocks`` 128-input blocks; N a multiple of ``rows``, K of 128 · ``k_blocks``."""
+    rows × ``k_blocks`` 128-input blocks (by default the most of 16 that divides K: run 85's
+    fastest shape, 32 × 16); N a multiple of ``rows``, K of 128 · ``k_blocks``."""
     e, n, half = wq.shape
     k = 2 * half
+    k_blocks = k_blocks or math.gcd(16, k // BLOCK)
     assert n % rows == 0 and k % (BLOCK * k_blocks) == 0 and ws.shape == (e, n, k // GROUP), "fp4_to_e4m3: shapes"
     if not use_triton(wq):
         return fp4_to_e4m3_reference(wq, ws)
@@ -174,7 +176,7 @@ def fp4_fp8_scratch_linear(
     xq, xs = quantize_act(x.contiguous())
     bm, bn, warps, stages = tiles
     for a, b, r0, r1 in scratch_chunks(offs, max(1, scratch_bytes // (n * k))):
-        w8, sw = fp4_to_e4m3(wq[a:b], ws[a:b], rows=32, k_blocks=math.gcd(16, k // BLOCK))  # run 85's fastest: 32 rows × 16 blocks
+        w8, sw = fp4_to_e4m3(wq[a:b], ws[a:b])
         fp8_grouped_mm(xq[r0:r1], xs[r0:r1], w8, sw, offs[a:b] - r0, out[r0:r1], block_m=bm, block_n=bn, warps=warps, stages=stages)
     return out
 

@@ -21,13 +21,13 @@ import torch
 from bench.fp8_gemm_bench import copy_rate
 from bench.kernel_helpers import graph_time_ms
 from kernels.moe_fp4 import GROUP, Fp4GroupedTiles, Fp4PrefillTuning, fp4_grouped_linear, moe_experts_fp4
-from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear, fp4_fp8_scratch_linear
+from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear, fp4_fp8_scratch_linear, fp4_fp8_swapped_linear
 from kernels.moe_fp4_gemv import moe_fp4_gemv
 
 EXPERTS, HIDDEN, INTER, TOP = 256, 4096, 2048, 6
 ROUTINGS = 8  # cycled, so that no call finds its experts in L2
 IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=1 << 30)
-SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1, fp8_products=False)
+SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1)
 
 
 def _fp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,13 +54,14 @@ def eager_ms(fn: Callable[[int], object], reps: int, iters: int) -> float:
 
 def grouped_rows(
     tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, baseline: Callable | None = None, fp8: list[tuple] = (),
-    scratch_tiles: list[tuple] = (),
+    scratch_tiles: list[tuple] = (), swapped_tiles: list[tuple] = (),
 ) -> list[dict]:  # fmt: skip
     """One row per (tokens, GEMM, tiles): ms per call, × the byte floor, TFLOP/s, error against the
     first case; ``baseline`` (``fp4_grouped_linear``'s signature without keywords) joins as a case.
     From 32 rows per expert on average the bf16 scratch path, the FP8 products (``fp8``: their
-    block_m, block_n, warps, stages, chain) and the e4m3 scratch (``scratch_tiles``: its GEMM's
-    block_m, block_n, warps, stages) join too, and every case is timed eagerly."""
+    block_m, block_n, warps, stages, chain), the e4m3 scratch (``scratch_tiles``: its GEMM's
+    block_m, block_n, warps, stages) and the swapped kernel (``swapped_tiles``, the same fields)
+    join too, and every case is timed eagerly."""
     torch.manual_seed(0)
     shapes = {"gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
     weights = {name: _fp4(n, k) for name, (n, k) in shapes.items()}
@@ -82,6 +83,8 @@ def grouped_rows(
                 cases["bf16 scratch"] = lambda o: fp4_grouped_linear(xs, wq, ws, o, prefill=SCRATCH)
                 for bm, bn, w, st in scratch_tiles:
                     cases[f"e4m3 scratch {bm}/{bn}/{w}/{st}"] = lambda o, c=(bm, bn, w, st): fp4_fp8_scratch_linear(xs, wq, ws, o, tiles=c)
+                for bm, bn, w, st in swapped_tiles:
+                    cases[f"e4m3 swapped {bm}/{bn}/{w}/{st}"] = lambda o, c=(bm, bn, w, st): fp4_fp8_swapped_linear(xs, wq, ws, o, tiles=c)
                 for bm, bn, w, st, ch in fp8:
                     cases[f"fp8 {bm}/{bn}/{w}/{st}/{ch}"] = lambda o, c=(bm, bn, w, st, ch): fp4_fp8_grouped_linear(
                         xs, wq, ws, o, block_m=c[0], block_n=c[1], warps=c[2], stages=c[3], chain=bool(c[4]))
@@ -131,12 +134,15 @@ def main() -> None:
                     help="values to cross of Fp4GroupedTiles' fields in order (bn/bk/warps/stages)")  # fmt: skip
     ap.add_argument("--fp8-grid", default="", help="values to cross of fp4_fp8_grouped_linear's block_m/block_n/warps/stages/chain")
     ap.add_argument("--scratch-grid", default="", help="values to cross of fp4_fp8_scratch_linear's GEMM tiles: block_m/block_n/warps/stages")
+    ap.add_argument("--swapped-grid", default="", help="values to cross of fp4_fp8_swapped_linear's tiles: block_m/block_n/warps/stages")
     ap.add_argument("--out", help="JSON of every row")
     args = ap.parse_args()
     axes = [[int(v) for v in part.split(",")] for part in args.grid.split("/")]
-    fp8 = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.fp8_grid.split("/")])) if args.fp8_grid else []
-    scratch = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.scratch_grid.split("/")])) if args.scratch_grid else []
-    rows = grouped_rows(args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters, fp8=fp8, scratch_tiles=scratch)
+    fp8, scratch, swapped = (list(itertools.product(*[[int(v) for v in part.split(",")] for part in grid.split("/")])) if grid else []
+                             for grid in (args.fp8_grid, args.scratch_grid, args.swapped_grid))  # fmt: skip
+    rows = grouped_rows(
+        args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters, fp8=fp8, scratch_tiles=scratch, swapped_tiles=swapped,
+    )  # fmt: skip
     rows += moe_rows([t for t in args.tokens if t <= 16], args.iters)
     if args.out:
         with open(args.out, "w") as f:

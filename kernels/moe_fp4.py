@@ -28,10 +28,10 @@ That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillT
 average ``min_rows_per_expert`` rows or more per expert), in bf16 where ``torch._grouped_mm``
 exists, the experts are decoded once per call into a bf16 scratch, a chunk of experts at a time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and
 multiplied by ``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another
-summation order. ``Fp4PrefillTuning.fp8_products`` / ``fp8_scratch`` instead run them on FP8
-tensor cores (``kernels.moe_fp4_fp8``: DeepSeek's ``act_quant`` + ``fp4_gemm``, inputs rounded to
-e4m3; the weights decoded in the product loop / once into an e4m3 scratch), the first not yet
-faster (run 79), the second not yet measured. The choice is made from shapes alone, so a
+summation order. ``Fp4PrefillTuning.fp8`` instead runs them on FP8 tensor cores
+(``kernels.moe_fp4_fp8``: DeepSeek's ``act_quant`` + ``fp4_gemm``, inputs rounded to e4m3; the
+weights decoded in the product loop, once into an e4m3 scratch, or in registers as the product's
+first operand), none yet faster on a GPU (runs 79, 84). The choice is made from shapes alone, so a
 captured decode step never takes any of them (the scratch paths read the group ends on the host).
 """
 
@@ -63,17 +63,20 @@ def dequantize_fp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 @dataclass(frozen=True)
 class Fp4PrefillTuning:
     """``fp4_grouped_linear`` at prefill sizes (module docstring): from ``min_rows_per_expert`` rows
-    per expert on average; on a GPU with FP8 tensor cores (Hopper on), with ``fp8_scratch`` through
-    ``kernels.moe_fp4_fp8``'s e4m3 scratch and block-scaled FP8 grouped GEMM, else with
-    ``fp8_products`` through its in-register decode (both round the inputs to e4m3 as DeepSeek's
-    inference does; both off by default: the products were slower than the bf16 scratch at 8K on an
-    H100, run 79, the e4m3 scratch tied it in run 84), else decoded once into a bf16 scratch;
-    ``scratch_bytes`` of decoded weights at a time."""
+    per expert on average; on a GPU with FP8 tensor cores (Hopper on) ``fp8`` picks one of
+    ``kernels.moe_fp4_fp8``'s FP8 forms (all round the inputs to e4m3 as DeepSeek's inference
+    does): ``"products"`` (the weights decoded per 32-input group in the product loop; slower than
+    the bf16 scratch at 8K on an H100, run 79), ``"scratch"`` (an e4m3 scratch and a block-scaled
+    FP8 grouped GEMM; tied it in run 84) or ``"swapped"`` (the weights decoded in registers as the
+    product's first operand); ``""`` (the default) decodes into a bf16 scratch, ``scratch_bytes`` of
+    decoded weights at a time."""
 
     min_rows_per_expert: int = 96
     scratch_bytes: int = 2 << 30
-    fp8_products: bool = False
-    fp8_scratch: bool = False
+    fp8: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.fp8 in ("", "products", "scratch", "swapped"), f"Fp4PrefillTuning.fp8: unknown form {self.fp8!r}"
 
 
 FP4_PREFILL = Fp4PrefillTuning()
@@ -138,12 +141,14 @@ def fp4_grouped_linear(
     if m == 0:
         return out
     if xs.is_cuda and m >= prefill.min_rows_per_expert * e:
-        if (prefill.fp8_scratch or prefill.fp8_products) and torch.cuda.get_device_capability(xs.device)[0] >= 9:
-            from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear, fp4_fp8_scratch_linear  # (it imports this module)
+        if prefill.fp8 and torch.cuda.get_device_capability(xs.device)[0] >= 9:
+            from kernels import moe_fp4_fp8  # (it imports this module)
 
-            if prefill.fp8_scratch:
-                return fp4_fp8_scratch_linear(xs, wq, ws, offs, prefill.scratch_bytes)
-            return fp4_fp8_grouped_linear(xs, wq, ws, offs)
+            if prefill.fp8 == "scratch":
+                return moe_fp4_fp8.fp4_fp8_scratch_linear(xs, wq, ws, offs, prefill.scratch_bytes)
+            if prefill.fp8 == "swapped":
+                return moe_fp4_fp8.fp4_fp8_swapped_linear(xs, wq, ws, offs)
+            return moe_fp4_fp8.fp4_fp8_grouped_linear(xs, wq, ws, offs)
         if has_grouped_mm(xs.dtype):
             return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))
     if block_m is None:
@@ -191,13 +196,17 @@ def moe_experts_fp4(
     down_s: torch.Tensor,
     limit: float,
     add: torch.Tensor | None = None,
+    prefill: Fp4PrefillTuning = FP4_PREFILL,
 ) -> torch.Tensor:
     """``kernels.moe.moe_experts`` with the checkpoint's FP4 expert weights (module docstring):
     ``gate_up_q (E, 2I, H/2)`` (gate rows, then up rows), ``down_q (E, H, I/2)``, scales ``/32``;
-    ``add`` (e.g. the shared expert's output) joins the sum."""
-    return quantized_moe_experts(
-        x, weights, indices, gate_up_q, gate_up_s, down_q, down_s, limit, dequantize_fp4, fp4_grouped_linear, add=add,
-    )  # fmt: skip
+    ``add`` (e.g. the shared expert's output) joins the sum; ``prefill``: the grouped products'
+    path at prefill sizes."""
+
+    def linear(xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return fp4_grouped_linear(xs, wq, ws, offs, prefill=prefill)
+
+    return quantized_moe_experts(x, weights, indices, gate_up_q, gate_up_s, down_q, down_s, limit, dequantize_fp4, linear, add=add)
 
 
 _PAIR_ASM = """{{ .reg .b32 p, s, m, c;

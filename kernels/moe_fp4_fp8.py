@@ -181,6 +181,35 @@ def fp4_fp8_scratch_linear(
     return out
 
 
+
+def fp4_fp8_swapped_linear(
+    x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor,
+    tiles: tuple[int, int, int, int] = (128, 128, 8, 3),
+) -> torch.Tensor:  # fmt: skip
+    """``fp4_fp8_scratch_linear``'s function in one grouped kernel with the product's operands
+    swapped (module docstring): each program decodes a ``(block_n, 128)`` weight tile a step
+    (``fp4_to_e4m3``'s bytes) into the FP8 product's first operand, which stays in registers, and
+    multiplies the ``block_m`` rows' e4m3 inputs transposed; ``tiles`` (block_m, block_n, warps,
+    stages), ``block_n`` dividing N → ``(M, N)`` in ``x.dtype``."""
+    m, k = x.shape
+    e, n, half = wq.shape
+    bm, bn, warps, stages = tiles
+    assert 2 * half == k and k % BLOCK == 0 and n % bn == 0 and ws.shape == (e, n, k // GROUP), "fp4_fp8_swapped_linear: shapes"
+    if not use_triton(x):
+        return fp4_fp8_grouped_linear_reference(*quantize_act_reference(x), wq, ws, offs, x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    xq, xs = quantize_act(x.contiguous())
+    n_tiles = n // bn
+    starts, pstart = tile_schedule(offs, bm, n_tiles)
+    _fp4_fp8_swapped_kernel[((triton.cdiv(m, bm) + e) * n_tiles,)](
+        xq, xs.contiguous(), wq.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8), starts, offs, pstart, out, e, m, n, k,
+        BM=bm, BN=bn, LOG_E=max(1, (e - 1).bit_length()) + 1, S_MIN=SCALE_MIN, ASM=not INTERPRET,
+        PRECISION="interpret" if INTERPRET else "tf32", num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
 if HAS_TRITON:
     from kernels.moe_fp4 import _e8m0
     from kernels.moe_grouped import group_of
@@ -206,21 +235,28 @@ if HAS_TRITON:
         """``KB`` ``(BN, 128)`` blocks of expert ``program_id(0)``'s rows → e4m3 and their scales."""
         e = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        w_rows = w_ptr + e * N * (K // 2) + cols[:, None] * (K // 2) + tl.arange(0, 64)[None, :]  # (BN, 64) packed
+        s_rows = s_ptr + e * N * (K // 32) + cols[:, None] * (K // 32) + tl.arange(0, 4)[None, :]  # (BN, 4) e8m0
         for j in range(KB):
-            _fp4_e4m3_block(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, e, cols, tl.program_id(2) * KB + j, BN, S_MIN, ASM)
+            kb = tl.program_id(2) * KB + j
+            w8, scale = _e4m3_block(tl.load(w_rows + kb * 64), tl.load(s_rows + kb * 4), BN, S_MIN, ASM)
+            kk = kb * 128 + tl.arange(0, 128)
+            tl.store(w8_ptr + e * N * K + cols[:, None] * K + kk[None, :], w8)
+            tl.store(sw_ptr + e * N * (K // 128) + cols * (K // 128) + kb, scale)
 
     @triton.jit
-    def _fp4_e4m3_block(w_ptr, s_ptr, w8_ptr, sw_ptr, N, K, e, cols, kb, BN: tl.constexpr, S_MIN: tl.constexpr, ASM: tl.constexpr):
-        """Rows ``cols`` of expert ``e``, 128-input block ``kb`` → e4m3 and the rows' scales of that block."""
-        lo, hi = _e4m3_pair(tl.load(w_ptr + e * N * (K // 2) + cols[:, None] * (K // 2) + kb * 64 + tl.arange(0, 64)[None, :]), ASM)
-        v = tl.reshape(tl.join(lo, hi), (BN, 128)).to(tl.float32)  # the e2m1 values · 2^-6, input order
-        code = tl.load(s_ptr + e * N * (K // 32) + cols[:, None] * (K // 32) + kb * 4 + tl.arange(0, 4)[None, :]).to(tl.int32)  # (BN, 4)
+    def _e4m3_block(packed, code, BN: tl.constexpr, S_MIN: tl.constexpr, ASM: tl.constexpr):
+        """One 128-input block of ``BN`` weight rows: packed codes ``(BN, 64)`` and their group
+        scales' e8m0 codes ``(BN, 4)`` → e4m3 ``(BN, 128)`` in input order and the rows' fp32 block
+        scales ``2^(S − 133)`` (module docstring). The group factors multiply in fp16, exact: a
+        product that fp16 rounds is far below e4m3's least subnormal."""
+        lo, hi = _e4m3_pair(packed, ASM)
+        v = tl.reshape(tl.join(lo, hi), (BN, 128)).to(tl.float16)  # the e2m1 values · 2^-6, input order
+        code = code.to(tl.int32)
         top = tl.maximum(tl.max(code, axis=1), S_MIN)
-        unit = (tl.maximum(139 - (top[:, None] - code), 1) << 23).to(tl.float32, bitcast=True)  # 2^(12 - (S - s)), (BN, 4)
+        unit = (tl.maximum(139 - (top[:, None] - code), 1) << 23).to(tl.float32, bitcast=True).to(tl.float16)  # 2^(12 - (S - s)), (BN, 4)
         unit = tl.reshape(tl.broadcast_to(unit[:, :, None], (BN, 4, 32)), (BN, 128))
-        kk = kb * 128 + tl.arange(0, 128)
-        tl.store(w8_ptr + e * N * K + cols[:, None] * K + kk[None, :], (v * unit).to(tl.float8e4nv))
-        tl.store(sw_ptr + e * N * (K // 128) + cols * (K // 128) + kb, ((top - 6) << 23).to(tl.float32, bitcast=True))  # 2^(S - 133)
+        return (v * unit).to(tl.float8e4nv), ((top - 6) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _fp8_grouped_kernel(
@@ -252,6 +288,37 @@ if HAS_TRITON:
                 acc += (mma(a, b, PRECISION) * sa[:, None]) * sb[None, :]  # the row scale first, as kernels.fp8_gemm
             o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None])
+
+    @triton.jit
+    def _fp4_fp8_swapped_kernel(
+        xq_ptr, xs_ptr, w_ptr, s_ptr, start_ptr, end_ptr, pstart_ptr, out_ptr, E, M, N, K,
+        BM: tl.constexpr, BN: tl.constexpr, LOG_E: tl.constexpr, S_MIN: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """``fp4_fp8_swapped_linear``: a ``(BN, BM)`` tile of ``outᵀ`` = the decoded weights (the
+        product's first operand, left in registers) times the rows' e4m3 inputs transposed."""
+        pid = tl.program_id(0)
+        if pid < tl.load(pstart_ptr + E):
+            g = group_of(pstart_ptr, pid, E, LOG_E)
+            row0 = tl.load(start_ptr + g)
+            row1 = tl.load(end_ptr + g)
+            m_tiles = (row1 - row0 + BM - 1) // BM
+            local = pid - tl.load(pstart_ptr + g)
+            rows = row0 + (local % m_tiles) * BM + tl.arange(0, BM)
+            r_ok = rows < row1
+            rows_c = tl.minimum(rows, M - 1).to(tl.int64)
+            cols = (local // m_tiles) * BN + tl.arange(0, BN)
+            kb_n = K // 128
+            w_rows = w_ptr + g.to(tl.int64) * N * (K // 2) + cols.to(tl.int64)[:, None] * (K // 2) + tl.arange(0, 64)[None, :]  # (BN, 64)
+            s_rows = s_ptr + g.to(tl.int64) * N * (K // 32) + cols.to(tl.int64)[:, None] * (K // 32) + tl.arange(0, 4)[None, :]  # (BN, 4)
+            x_cols = xq_ptr + rows_c[None, :] * K + tl.arange(0, 128)[:, None]  # (128, BM): the inputs transposed
+            acc = tl.zeros((BN, BM), tl.float32)
+            for kb in range(0, kb_n):
+                w8, sw = _e4m3_block(tl.load(w_rows + kb * 64), tl.load(s_rows + kb * 4), BN, S_MIN, ASM)
+                xt = tl.load(x_cols + kb * 128)
+                sx = tl.load(xs_ptr + rows_c * kb_n + kb)
+                acc += (mma(w8, xt, PRECISION) * sx[None, :]) * sw[:, None]  # the row scale first, as the scratch GEMM
+            o_ptrs = out_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[None, :])
 
     @triton.jit
     def _group_operands(x_tile, x_offs, r_ok, w_tile, w_offs, g, G: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
@@ -322,5 +389,5 @@ if HAS_TRITON:
 
 __all__ = [
     "fp4_fp8_grouped_linear", "fp4_fp8_grouped_linear_reference", "fp4_fp8_scratch_linear", "fp4_to_e4m3", "fp4_to_e4m3_reference",
-    "fp8_grouped_mm",
+    "fp4_fp8_swapped_linear", "fp8_grouped_mm",
 ]  # fmt: skip

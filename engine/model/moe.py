@@ -18,6 +18,7 @@ from torch import nn
 from engine.model import cpu_fused
 from engine.model.config import ModelConfig
 from engine.model.layers import SharedMLP, swiglu
+from kernels.moe_fp4 import Fp4PrefillTuning
 from kernels.moe_grouped import GroupedMoETuning
 from kernels.reference import score
 
@@ -27,12 +28,14 @@ class MoETuning:
     """Which experts path runs a batch. CPU: all experts densely while that costs at most
     ``dense_macs`` MACs; at most ``fused_tokens`` tokens through the compiled experts loop when
     the experts' weights (read in place, as numpy views) fit in ``fused_bytes``. CUDA half
-    precision: ``grouped``, when prefill sizes take ``kernels.moe_grouped`` and its launches."""
+    precision: ``grouped``, when prefill sizes take ``kernels.moe_grouped`` and its launches;
+    ``fp4_prefill``, the path of checkpoint-FP4 experts at prefill sizes."""
 
     dense_macs: int = 1 << 23
     fused_tokens: int = 64
     fused_bytes: int = 64 << 20
     grouped: GroupedMoETuning = field(default_factory=GroupedMoETuning)
+    fp4_prefill: Fp4PrefillTuning = field(default_factory=Fp4PrefillTuning)
 
 
 MOE = MoETuning()  # the default
@@ -113,7 +116,7 @@ class Experts(nn.Module):
         if self.fp4 is not None:
             from kernels.moe_fp4 import moe_experts_fp4
 
-            return moe_experts_fp4(x, weights, indices, *self.fp4, self.limit, add)
+            return moe_experts_fp4(x, weights, indices, *self.fp4, self.limit, add, self.tuning.fp4_prefill)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             from kernels.moe import (
                 moe_experts,  # grouped GEMM + fused SwiGLU/combine (Triton)

@@ -155,6 +155,23 @@ def test_scratch_path_matches_the_reference(tiles) -> None:
     assert torch.equal(whole, one_by_one) and _within_accumulation(whole, want, xq, xs, q, s, offs)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(16, 64, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3)], ids=["bm16", "bm64", "bm128"])
+def test_swapped_kernel_matches_the_reference(tiles) -> None:
+    """``fp4_fp8_swapped_linear`` (the weights decoded in registers as the product's first operand)
+    against the reference (groups of 0, 1, a row tile and several; scales within 2^14 a block):
+    only the accumulation's rounding differs, and it multiplies the same e4m3 operands with the
+    same scales as the scratch path (``fp4_to_e4m3``'s bytes), so the two agree as closely."""
+    _needs_kernel()
+    q, s, offs, x, xq, xs, want = _grouped_case(6, 127 - 12, 127 + 2, [1, 0, 128, 300, 17, 0])
+    got = moe_fp4_fp8.fp4_fp8_swapped_linear(x.to(DEV), q.to(DEV), s.to(DEV), offs.to(DEV), tiles=tiles)
+    assert got.shape == want.shape and _within_accumulation(got, want, xq, xs, q, s, offs)
+    bf16 = moe_fp4_fp8.fp4_fp8_swapped_linear(x.to(DEV, torch.bfloat16), q.to(DEV), s.to(DEV), offs.to(DEV), tiles=tiles).float().cpu()
+    xq16, xs16 = quantize_act_reference(x.bfloat16())
+    want16 = fp4_fp8_grouped_linear_reference(xq16, xs16, q, s, offs, torch.float32)
+    assert _within_accumulation(bf16, want16, xq16, xs16, q, s, offs, rounding=2**-7)
+
+
 @pytest.mark.parametrize("chain", [True, False])
 def test_the_kernel_builds_for_sm90(chain) -> None:
     """With its inline PTX decode and one ``K = 32`` e4m3 wgmma per scale group (Triton's own ptxas,
@@ -199,6 +216,26 @@ def test_the_scratch_kernels_build_for_sm90() -> None:
     kernel = triton.compile(ASTSource(moe_fp4_fp8._fp4_e4m3_kernel, signature=signature, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
                                       constexprs={"BN": 64, "KB": 2, "S_MIN": moe_fp4_fp8.SCALE_MIN, "ASM": True}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # fmt: skip
     assert "0x08080808" in kernel.asm["ptx"] and "e4m3x2" in kernel.asm["ptx"]
+
+
+def test_the_swapped_kernel_builds_for_sm90() -> None:
+    """The swapped kernel keeps the decoded weights in registers as the wgmma's first operand
+    (``m64nBMk32`` e4m3 products whose A is a register list, not a shared-memory descriptor)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {
+        "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "start_ptr": "*i32", "end_ptr": "*i32", "pstart_ptr": "*i32",
+        "out_ptr": "*bf16", **dict.fromkeys(["E", "M", "N", "K"], "i32"), **dict.fromkeys(["BM", "BN", "LOG_E", "S_MIN", "ASM", "PRECISION"], "constexpr"),
+    }  # fmt: skip
+    assert list(signature) == moe_fp4_fp8._fp4_fp8_swapped_kernel.arg_names
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (*range(8), 10, 11)}
+    consts = {"BM": 128, "BN": 128, "LOG_E": 9, "S_MIN": moe_fp4_fp8.SCALE_MIN, "ASM": True, "PRECISION": "tf32"}
+    kernel = triton.compile(ASTSource(moe_fp4_fp8._fp4_fp8_swapped_kernel, signature=signature, attrs=aligned, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})  # fmt: skip
+    products = [line.split("}, ", 1)[1] for line in kernel.asm["ptx"].splitlines() if "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in line]
+    assert len(products) == 4 and all(p.startswith("{%r") for p in products)  # A: four registers, not a descriptor
 
 
 @pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively

@@ -184,7 +184,7 @@ def fp4_fp8_scratch_linear(
 
 def fp4_fp8_swapped_linear(
     x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, offs: torch.Tensor,
-    tiles: tuple[int, int, int, int] = (128, 64, 8, 3),
+    tiles: tuple[int, int, int, int] = (128, 64, 4, 3),
 ) -> torch.Tensor:  # fmt: skip
     """``fp4_fp8_scratch_linear``'s function in one grouped kernel with the product's operands
     swapped (module docstring): each program decodes a ``(block_n, 128)`` weight tile a step

@@ -26,8 +26,8 @@ from kernels.moe_fp4_gemv import moe_fp4_gemv
 
 EXPERTS, HIDDEN, INTER, TOP = 256, 4096, 2048, 6
 ROUTINGS = 8  # cycled, so that no call finds its experts in L2
-IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=1 << 30)
-SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1)
+IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=1 << 30, fp8="")
+SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1, fp8="")
 
 
 def _fp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -583,8 +583,8 @@ def fp4_prefill_rows(model, tokens: int, mm: float, rows: list) -> None:
         flops = 2.0 * m * wq.shape[1] * xs.shape[1]
         row = {"what": f"fp4 experts {name} at prefill {tokens}", "rows_per_expert": m / e}
         for label, tuning in (
-            ("kernel", Fp4PrefillTuning(min_rows_per_expert=10**9)), ("scratch", Fp4PrefillTuning(min_rows_per_expert=0)),
-            *((f"fp8_{form}", Fp4PrefillTuning(min_rows_per_expert=0, fp8=form)) for form in ("products", "scratch", "swapped")),
+            ("kernel", Fp4PrefillTuning(min_rows_per_expert=10**9, fp8="")), ("scratch", Fp4PrefillTuning(min_rows_per_expert=0, fp8="")),
+            *((f"fp8_{form}", Fp4PrefillTuning(fp8=form, fp8_min_rows_per_expert=0)) for form in ("products", "scratch", "swapped")),
         ):  # fmt: skip
             t = _sync_time(lambda tuning=tuning: fp4_grouped_linear(xs, wq, ws, offs, prefill=tuning), 2, 5)
             row[f"{label}_ms"], row[f"{label}_of_bf16_rate"] = t * 1e3, flops / t / mm
@@ -681,15 +681,16 @@ def native_rows(args, bw: float, mm: float, rows: list) -> None:
 
 def native_prefill_form(model, ids: list[int], form: str, flops: float, fp8_mm: float, rows: list) -> None:
     """The native prefill of ``ids`` again with the FP4 experts' prefill products in
-    ``kernels.moe_fp4_fp8``'s FP8 ``form`` (``Fp4PrefillTuning.fp8``; median of 3 after a warm-up),
-    its logits against the default path's; the model's tuning is restored after."""
+    ``kernels.moe_fp4_fp8``'s FP8 ``form`` (``Fp4PrefillTuning.fp8``; ``bf16``: none, the bf16
+    scratch or kernels; median of 3 after a warm-up), its logits against the default path's; the
+    model's tuning is restored after."""
     from dataclasses import replace
 
     from kernels.moe_fp4 import Fp4PrefillTuning
 
     saved = model.tuning
     want = model([(model.new_state(), ids)]).float()
-    model.set_tuning(replace(saved, moe=replace(saved.moe, fp4_prefill=Fp4PrefillTuning(fp8=form))))
+    model.set_tuning(replace(saved, moe=replace(saved.moe, fp4_prefill=Fp4PrefillTuning(fp8="" if form == "bf16" else form))))
     try:
         got = model([(model.new_state(), ids)]).float()
         each = sorted(_sync_time(lambda: model([(model.new_state(), ids)]), 1 if i == 0 else 0, 1) for i in range(3))

@@ -17,6 +17,7 @@ from kernels.moe_fp4 import Fp4GroupedTiles, Fp4PrefillTuning, dequantize_fp4, d
 
 DEV = "cuda" if ON_GPU else "cpu"
 SMALL = not ON_GPU
+IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=10**9, fp8="")  # this module's kernels at any size
 
 
 def _fp4(e: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +73,7 @@ def test_words_kernel_decodes_every_code_exactly(dtype) -> None:
     eye = torch.eye(k, dtype=dtype, device=DEV)
     for bk in (128, 256):
         offs = torch.tensor([k], dtype=torch.int32, device=DEV)
-        got = fp4_grouped_linear(eye, q[None].to(DEV), s[None].to(DEV), offs, block_m=16, tiles=Fp4GroupedTiles(bk=bk))
+        got = fp4_grouped_linear(eye, q[None].to(DEV), s[None].to(DEV), offs, block_m=16, prefill=IN_REGISTERS, tiles=Fp4GroupedTiles(bk=bk))
         assert torch.equal(got.cpu(), want.to(dtype)), bk
 
 
@@ -90,9 +91,9 @@ def test_prefill_sizes_through_the_bf16_scratch() -> None:
     offs = torch.cumsum(counts, 0).to(torch.int32).to(DEV)
     xs = torch.randn(int(counts.sum()), k, generator=g).to(DEV, torch.bfloat16)
     q, s = q.to(DEV), s.to(DEV)
-    kernel = fp4_grouped_linear(xs, q, s, offs, prefill=Fp4PrefillTuning(min_rows_per_expert=10**9)).float()
+    kernel = fp4_grouped_linear(xs, q, s, offs, prefill=IN_REGISTERS).float()
     for per in (1, 3, e):
-        got = fp4_grouped_linear(xs, q, s, offs, prefill=Fp4PrefillTuning(min_rows_per_expert=1, scratch_bytes=per * n * k * 2)).float()
+        got = fp4_grouped_linear(xs, q, s, offs, prefill=Fp4PrefillTuning(min_rows_per_expert=1, scratch_bytes=per * n * k * 2, fp8="")).float()
         err = ((got - kernel).norm() / kernel.norm()).item()
         assert err <= 1e-2, (per, err)
 
@@ -109,7 +110,7 @@ def test_grouped_linear(dtype, block_m) -> None:
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = torch.randn(int(counts.sum()), k, generator=g)
     want = torch.cat([xs[o - c : o] @ dequantize_fp4(q[i], s[i]).t() for i, (c, o) in enumerate(zip(counts.tolist(), offs.tolist()))])
-    got = fp4_grouped_linear(xs.to(DEV, dtype), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=block_m).float().cpu()
+    got = fp4_grouped_linear(xs.to(DEV, dtype), q.to(DEV), s.to(DEV), offs.to(DEV), block_m=block_m, prefill=IN_REGISTERS).float().cpu()
     err = ((got - want).norm() / want.norm()).item()
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2), err
 

@@ -58,7 +58,7 @@ def grouped_rows(
 ) -> list[dict]:  # fmt: skip
     """One row per (tokens, GEMM, tiles): ms per call, × the byte floor, TFLOP/s, error against the
     first case; ``baseline`` (``fp4_grouped_linear``'s signature without keywords) joins as a case.
-    From 32 rows per expert on average the bf16 scratch path, the FP8 products (``fp8``: their
+    From 16 rows per expert on average the bf16 scratch path, the FP8 products (``fp8``: their
     block_m, block_n, warps, stages, chain), the e4m3 scratch (``scratch_tiles``: its GEMM's
     block_m, block_n, warps, stages) and the swapped kernel (``swapped_tiles``, the same fields)
     join too, and every case is timed eagerly."""
@@ -71,7 +71,7 @@ def grouped_rows(
         routings = [torch.rand(t, EXPERTS, device="cuda").argsort(dim=-1)[:, :TOP].reshape(-1) for _ in range(ROUTINGS)]
         offs = [torch.cumsum(torch.bincount(r, minlength=EXPERTS), 0).to(torch.int32) for r in routings]
         touched = sum(int((torch.bincount(r, minlength=EXPERTS) > 0).sum()) for r in routings) / ROUTINGS
-        prefill = t * TOP >= 32 * EXPERTS
+        prefill = t * TOP >= 16 * EXPERTS
         for name, (n, k) in shapes.items():
             wq, ws = weights[name]
             xs = torch.randn(t * TOP, k, device="cuda", dtype=torch.bfloat16)

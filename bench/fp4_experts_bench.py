@@ -1,12 +1,13 @@
 """The checkpoint's FP4 routed experts on CUDA at V4-Flash's shapes (256 experts, hidden 4096,
 intermediate 2048, uniform random top-6): ``kernels.moe_fp4.fp4_grouped_linear``'s tiles beside
 the bytes of the experts the routing touches at the copy rate measured in the same run (bytes
-read + written per second, as every floor in docs/PERFORMANCE.md), the bf16
-scratch path and ``kernels.moe_fp4_fp8``'s FP8 products (``--fp8-grid``) at prefill sizes, and the whole routed MoE through the GEMV kernels beside the grouped
-kernel at a few tokens (where ``MoEGemvTuning.fp4_max_slots`` switches).
+read + written per second, as every floor in docs/PERFORMANCE.md), at prefill sizes the bf16
+scratch path and ``kernels.moe_fp4_fp8``'s FP8 kernel (its tiles: ``--fp8-grid``), and the whole
+routed MoE through the GEMV kernels beside the grouped kernel at a few tokens (where
+``MoEGemvTuning.fp4_max_slots`` switches).
 
     python -m bench.fp4_experts_bench --out OUT.json [--tokens 1 4 16 64 128] [--grid 64,128/128,256/4,8/2,3,4]
-        [--fp8-grid 64,128/64,128/4,8/3,4/1]
+        [--fp8-grid 64,128/64/4,8/2,3,4]
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import torch
 from bench.fp8_gemm_bench import copy_rate
 from bench.kernel_helpers import graph_time_ms
 from kernels.moe_fp4 import GROUP, Fp4GroupedTiles, Fp4PrefillTuning, fp4_grouped_linear, moe_experts_fp4
-from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear, fp4_fp8_scratch_linear, fp4_fp8_swapped_linear
+from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear
 from kernels.moe_fp4_gemv import moe_fp4_gemv
 
 EXPERTS, HIDDEN, INTER, TOP = 256, 4096, 2048, 6
 ROUTINGS = 8  # cycled, so that no call finds its experts in L2
-IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=1 << 30, fp8="")
-SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1, fp8="")
+IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=1 << 30, fp8=False)
+SCRATCH = Fp4PrefillTuning(min_rows_per_expert=1, fp8=False)
 
 
 def _fp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,14 +55,12 @@ def eager_ms(fn: Callable[[int], object], reps: int, iters: int) -> float:
 
 def grouped_rows(
     tokens: list[int], configs: list[Fp4GroupedTiles], iters: int, baseline: Callable | None = None, fp8: list[tuple] = (),
-    scratch_tiles: list[tuple] = (), swapped_tiles: list[tuple] = (),
 ) -> list[dict]:  # fmt: skip
     """One row per (tokens, GEMM, tiles): ms per call, × the byte floor, TFLOP/s, error against the
     first case; ``baseline`` (``fp4_grouped_linear``'s signature without keywords) joins as a case.
-    From 16 rows per expert on average the bf16 scratch path, the FP8 products (``fp8``: their
-    block_m, block_n, warps, stages, chain), the e4m3 scratch (``scratch_tiles``: its GEMM's
-    block_m, block_n, warps, stages) and the swapped kernel (``swapped_tiles``, the same fields)
-    join too, and every case is timed eagerly."""
+    From 16 rows per expert on average the bf16 scratch path and the FP8 kernel (its default
+    tiles, and each of ``fp8``: block_m, block_n, warps, stages) join too, and every case is
+    timed eagerly."""
     torch.manual_seed(0)
     shapes = {"gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
     weights = {name: _fp4(n, k) for name, (n, k) in shapes.items()}
@@ -81,13 +80,9 @@ def grouped_rows(
                 cases["baseline"] = lambda o: baseline(xs, wq, ws, o)
             if prefill:
                 cases["bf16 scratch"] = lambda o: fp4_grouped_linear(xs, wq, ws, o, prefill=SCRATCH)
-                for bm, bn, w, st in scratch_tiles:
-                    cases[f"e4m3 scratch {bm}/{bn}/{w}/{st}"] = lambda o, c=(bm, bn, w, st): fp4_fp8_scratch_linear(xs, wq, ws, o, tiles=c)
-                for bm, bn, w, st in swapped_tiles:
-                    cases[f"e4m3 swapped {bm}/{bn}/{w}/{st}"] = lambda o, c=(bm, bn, w, st): fp4_fp8_swapped_linear(xs, wq, ws, o, tiles=c)
-                for bm, bn, w, st, ch in fp8:
-                    cases[f"fp8 {bm}/{bn}/{w}/{st}/{ch}"] = lambda o, c=(bm, bn, w, st, ch): fp4_fp8_grouped_linear(
-                        xs, wq, ws, o, block_m=c[0], block_n=c[1], warps=c[2], stages=c[3], chain=bool(c[4]))
+                cases["fp8"] = lambda o: fp4_fp8_grouped_linear(xs, wq, ws, o)
+                for c in fp8:
+                    cases[f"fp8 {'/'.join(map(str, c))}"] = lambda o, c=c: fp4_fp8_grouped_linear(xs, wq, ws, o, tiles=c)
             want = None
             for label, fn in cases.items():
                 try:
@@ -132,17 +127,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--grid", default="64,128/128,256/4,8/2,3,4",
                     help="values to cross of Fp4GroupedTiles' fields in order (bn/bk/warps/stages)")  # fmt: skip
-    ap.add_argument("--fp8-grid", default="", help="values to cross of fp4_fp8_grouped_linear's block_m/block_n/warps/stages/chain")
-    ap.add_argument("--scratch-grid", default="", help="values to cross of fp4_fp8_scratch_linear's GEMM tiles: block_m/block_n/warps/stages")
-    ap.add_argument("--swapped-grid", default="", help="values to cross of fp4_fp8_swapped_linear's tiles: block_m/block_n/warps/stages")
+    ap.add_argument("--fp8-grid", default="", help="values to cross of fp4_fp8_grouped_linear's tiles: block_m/block_n/warps/stages")
     ap.add_argument("--out", help="JSON of every row")
     args = ap.parse_args()
     axes = [[int(v) for v in part.split(",")] for part in args.grid.split("/")]
-    fp8, scratch, swapped = (list(itertools.product(*[[int(v) for v in part.split(",")] for part in grid.split("/")])) if grid else []
-                             for grid in (args.fp8_grid, args.scratch_grid, args.swapped_grid))  # fmt: skip
-    rows = grouped_rows(
-        args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters, fp8=fp8, scratch_tiles=scratch, swapped_tiles=swapped,
-    )  # fmt: skip
+    fp8 = list(itertools.product(*[[int(v) for v in part.split(",")] for part in args.fp8_grid.split("/")])) if args.fp8_grid else []
+    rows = grouped_rows(args.tokens, [Fp4GroupedTiles(*c) for c in itertools.product(*axes)], args.iters, fp8=fp8)
     rows += moe_rows([t for t in args.tokens if t <= 16], args.iters)
     if args.out:
         with open(args.out, "w") as f:

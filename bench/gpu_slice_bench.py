@@ -568,8 +568,8 @@ def fp8_matmul_rate() -> float:
 def fp4_prefill_rows(model, tokens: int, mm: float, rows: list) -> None:
     """The first layer's FP4 routed experts at a ``tokens``-token prefill's sizes (every token's
     top-k, random and balanced): ``fp4_grouped_linear`` with the in-register kernel beside the bf16
-    scratch + ``torch._grouped_mm`` path and ``kernels.moe_fp4_fp8``'s three FP8 forms
-    (``Fp4PrefillTuning.fp8``), each projection, against the bf16 matmul rate."""
+    scratch + ``torch._grouped_mm`` path and ``kernels.moe_fp4_fp8``'s FP8 kernel (the default,
+    ``Fp4PrefillTuning``), each projection, against the bf16 matmul rate."""
     from kernels.moe_fp4 import Fp4PrefillTuning, fp4_grouped_linear
 
     gate_up_q, gate_up_s, down_q, down_s = next(layer.mlp.experts.fp4 for layer in model.model.layers if layer.mlp.experts.fp4 is not None)
@@ -583,8 +583,8 @@ def fp4_prefill_rows(model, tokens: int, mm: float, rows: list) -> None:
         flops = 2.0 * m * wq.shape[1] * xs.shape[1]
         row = {"what": f"fp4 experts {name} at prefill {tokens}", "rows_per_expert": m / e}
         for label, tuning in (
-            ("kernel", Fp4PrefillTuning(min_rows_per_expert=10**9, fp8="")), ("scratch", Fp4PrefillTuning(min_rows_per_expert=0, fp8="")),
-            *((f"fp8_{form}", Fp4PrefillTuning(fp8=form, fp8_min_rows_per_expert=0)) for form in ("products", "scratch", "swapped")),
+            ("kernel", Fp4PrefillTuning(min_rows_per_expert=10**9, fp8=False)), ("scratch", Fp4PrefillTuning(min_rows_per_expert=0, fp8=False)),
+            ("fp8", Fp4PrefillTuning(fp8_min_rows_per_expert=0)),
         ):  # fmt: skip
             t = _sync_time(lambda tuning=tuning: fp4_grouped_linear(xs, wq, ws, offs, prefill=tuning), 2, 5)
             row[f"{label}_ms"], row[f"{label}_of_bf16_rate"] = t * 1e3, flops / t / mm
@@ -672,37 +672,34 @@ def native_rows(args, bw: float, mm: float, rows: list) -> None:
         }  # fmt: skip
         print(row, flush=True)
         rows.append(row)
-        for form in [f for f in args.native_fp8_forms.split(",") if f]:
-            native_prefill_form(model, ids, form, flops, fp8_mm, rows)
+        if args.native_bf16_experts:
+            native_prefill_bf16(model, ids, flops, fp8_mm, rows)
         if args.profile:
             profile_prefill(model, n, cfg.vocab_size, args.profile + "_native")
     rows.append({"what": "native weights", "dense_and_head_bytes": dense, "expert_bytes": expert, "fp8_matmul_tflops": fp8_mm / 1e12})
 
 
-def native_prefill_form(model, ids: list[int], form: str, flops: float, fp8_mm: float, rows: list) -> None:
-    """The native prefill of ``ids`` again with the FP4 experts' prefill products in
-    ``kernels.moe_fp4_fp8``'s FP8 ``form`` (``Fp4PrefillTuning.fp8``; ``bf16``: none, the bf16
-    scratch or kernels; median of 3 after a warm-up), its logits against the default path's; the
-    model's tuning is restored after."""
+def native_prefill_bf16(model, ids: list[int], flops: float, fp8_mm: float, rows: list) -> None:
+    """The native prefill of ``ids`` again with the FP4 experts' products in bf16 (the bf16
+    scratch or kernels, ``Fp4PrefillTuning(fp8=False)``; median of 3 after a warm-up), its logits
+    against the default (FP8) path's; the model's tuning is restored after."""
     from dataclasses import replace
 
     from kernels.moe_fp4 import Fp4PrefillTuning
 
     saved = model.tuning
     want = model([(model.new_state(), ids)]).float()
-    model.set_tuning(replace(saved, moe=replace(saved.moe, fp4_prefill=Fp4PrefillTuning(fp8="" if form == "bf16" else form))))
+    model.set_tuning(replace(saved, moe=replace(saved.moe, fp4_prefill=Fp4PrefillTuning(fp8=False))))
     try:
         got = model([(model.new_state(), ids)]).float()
         each = sorted(_sync_time(lambda: model([(model.new_state(), ids)]), 1 if i == 0 else 0, 1) for i in range(3))
         row = {
-            "what": f"prefill native {len(ids)} fp8 {form}", "prefill_ms": each[1] * 1e3, "tflops": flops / each[1] / 1e12,
+            "what": f"prefill native {len(ids)} bf16 experts", "prefill_ms": each[1] * 1e3, "tflops": flops / each[1] / 1e12,
             "share_of_fp8_rate": flops / each[1] / fp8_mm, "rel_err_vs_default": ((got - want).norm() / want.norm()).item(),
             "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
         }  # fmt: skip
         print(row, flush=True)
         rows.append(row)
-    except Exception:  # noqa: BLE001 - a form that does not compile or fit here
-        traceback.print_exc()
     finally:
         model.set_tuning(saved)
 
@@ -787,7 +784,7 @@ def main() -> None:
                     help="only the native FP8/FP4 rows: a v4-flash random checkpoint (--native-layers) loaded with its formats kept; "
                     "static step per --batches (first context) beside its floor, --prefill against the FP8 matmul rate")  # fmt: skip
     ap.add_argument("--native-layers", type=int, default=4)
-    ap.add_argument("--native-fp8-forms", default="", help="also time the native prefill with these Fp4PrefillTuning.fp8 forms (comma list)")
+    ap.add_argument("--native-bf16-experts", action="store_true", help="also time the native prefill with the FP4 experts' products in bf16")
     ap.add_argument("--native-dir", default="", help="where the native checkpoint is written (a temporary directory under it)")
     ap.add_argument("--decode-variants", default="", help="static-step variants 'name:side=0|1,gemv=SLOTS,undo=0|1,dgemv=0|1,pdl=0|1,b=1.16;...' (first context)")
     ap.add_argument("--verify-tuning", default="", help="the verify decoders' DecodeTuning, --decode-variants' options (e.g. 'gemv=32')")

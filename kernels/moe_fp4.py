@@ -24,15 +24,18 @@ scales). Two kernels, by row tile (run 74, H100, V4-Flash experts, ``bench.fp4_e
   products cost more than the decode saves (run 74, before the paired decode and the reordered
   inputs: 2048 tokens, 48 rows an expert, gate_up 3.28 against 9.25 ms).
 
-That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``: on
-average ``min_rows_per_expert`` rows or more per expert), in bf16 where ``torch._grouped_mm``
-exists, the experts are decoded once per call into a bf16 scratch, a chunk of experts at a time (``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and
-multiplied by ``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another
-summation order. ``Fp4PrefillTuning.fp8`` instead runs them on FP8 tensor cores
-(``kernels.moe_fp4_fp8``: DeepSeek's ``act_quant`` + ``fp4_gemm``, inputs rounded to e4m3; the
-weights decoded in the product loop, once into an e4m3 scratch, or in registers as the product's
-first operand), none yet faster on a GPU (runs 79, 84). The choice is made from shapes alone, so a
-captured decode step never takes any of them (the scratch paths read the group ends on the host).
+That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``) the
+products go elsewhere: half-precision rows on Hopper, from 32 rows an expert on average, to
+``kernels.moe_fp4_fp8`` (DeepSeek's ``act_quant`` + ``fp4_gemm``: inputs rounded to e4m3, the
+weights decoded in registers as an FP8 product's first operand; run 87, H100: 8K tokens gate_up
+6.01 ms against 8.85 for the bf16 scratch, 2K 2.48 against 3.27 for the tile kernel); elsewhere,
+in bf16 where ``torch._grouped_mm`` exists, from ``min_rows_per_expert`` rows an expert, the
+experts are decoded once per call into a bf16 scratch, a chunk of experts at a time
+(``dequantize_fp4_kernel``, the tile kernel's decoder ``_fp4_tile``), and multiplied by
+``torch._grouped_mm``: the same bf16 weights and fp32 accumulation, another summation order.
+fp32 rows (the parity path) always take this module's kernels. The choice is made from shapes
+alone; a captured decode step's few rows an expert never reach either (the bf16 scratch reads
+the group ends on the host).
 """
 
 from __future__ import annotations
@@ -62,23 +65,18 @@ def dequantize_fp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 
 @dataclass(frozen=True)
 class Fp4PrefillTuning:
-    """``fp4_grouped_linear`` at prefill sizes (module docstring). Half-precision rows on a GPU with
-    FP8 tensor cores (Hopper on), from ``fp8_min_rows_per_expert`` rows per expert on average, take
-    ``kernels.moe_fp4_fp8``'s FP8 form ``fp8`` (all round the inputs to e4m3 as DeepSeek's
-    inference does): ``"swapped"``, the default (the weights decoded in registers as the product's
-    first operand; at 2K / 8K tokens on an H100 −24% / −32% against the kernels before, run 87),
-    ``"scratch"`` (an e4m3 scratch and a block-scaled FP8 grouped GEMM) or ``"products"`` (decoded
-    per 32-input group in the product loop), ``""`` none. Otherwise bf16 rows from
+    """``fp4_grouped_linear`` at prefill sizes (module docstring). With ``fp8`` (the default),
+    half-precision rows on a GPU with FP8 tensor cores (Hopper on), from
+    ``fp8_min_rows_per_expert`` rows per expert on average, take ``kernels.moe_fp4_fp8``'s FP8
+    kernel (the inputs rounded to e4m3 as DeepSeek's inference does; at 2K / 8K tokens on an H100
+    −24% / −32% against the kernels before it, run 87). Otherwise bf16 rows from
     ``min_rows_per_expert`` are decoded once into a bf16 scratch, ``scratch_bytes`` of weights at a
     time; fp32 rows (the parity path) keep the in-register kernels."""
 
     min_rows_per_expert: int = 96
     scratch_bytes: int = 2 << 30
-    fp8: str = "swapped"
+    fp8: bool = True
     fp8_min_rows_per_expert: int = 32
-
-    def __post_init__(self) -> None:
-        assert self.fp8 in ("", "products", "scratch", "swapped"), f"Fp4PrefillTuning.fp8: unknown form {self.fp8!r}"
 
 
 FP4_PREFILL = Fp4PrefillTuning()
@@ -144,13 +142,9 @@ def fp4_grouped_linear(
         return out
     half_precision = xs.dtype in (torch.bfloat16, torch.float16)
     if xs.is_cuda and half_precision and prefill.fp8 and m >= prefill.fp8_min_rows_per_expert * e and torch.cuda.get_device_capability(xs.device)[0] >= 9:
-        from kernels import moe_fp4_fp8  # (it imports this module)
+        from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear  # (it imports this module)
 
-        if prefill.fp8 == "swapped":
-            return moe_fp4_fp8.fp4_fp8_swapped_linear(xs, wq, ws, offs)
-        if prefill.fp8 == "scratch":
-            return moe_fp4_fp8.fp4_fp8_scratch_linear(xs, wq, ws, offs, prefill.scratch_bytes)
-        return moe_fp4_fp8.fp4_fp8_grouped_linear(xs, wq, ws, offs)
+        return fp4_fp8_grouped_linear(xs, wq, ws, offs)
     if xs.is_cuda and m >= prefill.min_rows_per_expert * e and has_grouped_mm(xs.dtype):
         return _through_scratch(xs, wq, ws, offs, out, max(1, prefill.scratch_bytes // (n * k * xs.element_size())))
     if block_m is None:

@@ -17,7 +17,7 @@ from kernels.moe_fp4 import Fp4GroupedTiles, Fp4PrefillTuning, dequantize_fp4, d
 
 DEV = "cuda" if ON_GPU else "cpu"
 SMALL = not ON_GPU
-IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=10**9, fp8="")  # this module's kernels at any size
+IN_REGISTERS = Fp4PrefillTuning(min_rows_per_expert=10**9, fp8=False)  # this module's kernels at any size
 
 
 def _fp4(e: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +93,7 @@ def test_prefill_sizes_through_the_bf16_scratch() -> None:
     q, s = q.to(DEV), s.to(DEV)
     kernel = fp4_grouped_linear(xs, q, s, offs, prefill=IN_REGISTERS).float()
     for per in (1, 3, e):
-        got = fp4_grouped_linear(xs, q, s, offs, prefill=Fp4PrefillTuning(min_rows_per_expert=1, scratch_bytes=per * n * k * 2, fp8="")).float()
+        got = fp4_grouped_linear(xs, q, s, offs, prefill=Fp4PrefillTuning(min_rows_per_expert=1, scratch_bytes=per * n * k * 2, fp8=False)).float()
         err = ((got - kernel).norm() / kernel.norm()).item()
         assert err <= 1e-2, (per, err)
 

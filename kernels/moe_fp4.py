@@ -25,7 +25,7 @@ scales). Two kernels, by row tile (run 74, H100, V4-Flash experts, ``bench.fp4_e
   inputs: 2048 tokens, 48 rows an expert, gate_up 3.28 against 9.25 ms).
 
 That decode is paid again for every row tile, so at prefill sizes (``Fp4PrefillTuning``) the
-products go elsewhere: half-precision rows on Hopper, from 32 rows an expert on average, to
+products go elsewhere: half-precision rows on Hopper, from 24 rows an expert on average, to
 ``kernels.moe_fp4_fp8`` (DeepSeek's ``act_quant`` + ``fp4_gemm``: inputs rounded to e4m3, the
 weights decoded in registers as an FP8 product's first operand; run 87, H100: 8K tokens gate_up
 6.01 ms against 8.85 for the bf16 scratch, 2K 2.48 against 3.27 for the tile kernel); elsewhere,
@@ -68,15 +68,16 @@ class Fp4PrefillTuning:
     """``fp4_grouped_linear`` at prefill sizes (module docstring). With ``fp8`` (the default),
     half-precision rows on a GPU with FP8 tensor cores (Hopper on), from
     ``fp8_min_rows_per_expert`` rows per expert on average, take ``kernels.moe_fp4_fp8``'s FP8
-    kernel (the inputs rounded to e4m3 as DeepSeek's inference does; at 2K / 8K tokens on an H100
-    −24% / −32% against the kernels before it, run 87). Otherwise bf16 rows from
+    kernel (the inputs rounded to e4m3 as DeepSeek's inference does; on an H100, runs 87-88, −8% /
+    −24% / −25% / −32% at 1K / 2K / 4K / 8K tokens against the kernels before it, 24 / 48 / 96 /
+    192 rows an expert of V4-Flash; at decode sizes, 0.4-1.5 rows, 25-30% slower). Otherwise bf16 rows from
     ``min_rows_per_expert`` are decoded once into a bf16 scratch, ``scratch_bytes`` of weights at a
     time; fp32 rows (the parity path) keep the in-register kernels."""
 
     min_rows_per_expert: int = 96
     scratch_bytes: int = 2 << 30
     fp8: bool = True
-    fp8_min_rows_per_expert: int = 32
+    fp8_min_rows_per_expert: int = 24
 
 
 FP4_PREFILL = Fp4PrefillTuning()

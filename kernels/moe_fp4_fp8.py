@@ -76,8 +76,9 @@ def fp4_to_e4m3_reference(wq: torch.Tensor, ws: torch.Tensor) -> tuple[torch.Ten
 
 def fp8_tiles(rows_per_expert: float) -> tuple[int, int, int, int]:
     """``fp4_fp8_grouped_linear``'s tiles for a mean of ``rows_per_expert`` rows an expert: 128 rows
-    × 64 weight rows, 4 warps, from 128 rows an expert, else 64 × 64 (run 87, H100, V4-Flash's
-    experts: at 192 rows gate_up 6.01 against 8.00 ms for 64 × 64, at 48 rows 2.48 against 3.03)."""
+    × 64 weight rows, 4 warps, from 128 rows an expert, else 64 × 64 (H100, V4-Flash's experts: at
+    192 rows gate_up 6.01 against 8.00 ms for 64 × 64, at 48 rows 2.48 against 3.03, run 87; 16 ×
+    64 lost to 64 × 64 at 24 and 96 rows, run 88)."""
     return (128, 64, 4, 3) if rows_per_expert >= 128 else (64, 64, 4, 3)
 
 

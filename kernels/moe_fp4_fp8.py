@@ -173,9 +173,9 @@ if HAS_TRITON:
             code = tl.load(s_rows)  # the block's scales, loaded a block ahead (the pipeliner leaves these small loads in the loop)
             sx = tl.load(x_scales)
             for kb in range(0, kb_n):
-                ahead = kb + 1 < kb_n
-                code_next = tl.load(s_rows + (kb + 1) * 4, mask=ahead, other=0)
-                sx_next = tl.load(x_scales + kb + 1, mask=ahead, other=0.0)
+                ahead = tl.minimum(kb + 1, kb_n - 1)  # (the last block loads its own again)
+                code_next = tl.load(s_rows + ahead * 4)
+                sx_next = tl.load(x_scales + ahead)
                 w8, sw = _e4m3_block(tl.load(w_rows + kb * 64), code, BN, S_MIN, ASM)
                 xt = tl.load(x_cols + kb * 128)
                 acc += (mma(w8, xt, PRECISION) * sx[None, :]) * sw[:, None]  # powers of two: exact in either order

@@ -169,17 +169,11 @@ if HAS_TRITON:
             s_rows = s_ptr + g.to(tl.int64) * N * (K // 32) + cols.to(tl.int64)[:, None] * (K // 32) + tl.arange(0, 4)[None, :]  # (BN, 4)
             x_cols = xq_ptr + rows_c[None, :] * K + tl.arange(0, 128)[:, None]  # (128, BM): the inputs transposed
             acc = tl.zeros((BN, BM), tl.float32)
-            x_scales = xs_ptr + rows_c * kb_n
-            code = tl.load(s_rows)  # the block's scales, loaded a block ahead (the pipeliner leaves these small loads in the loop)
-            sx = tl.load(x_scales)
             for kb in range(0, kb_n):
-                ahead = tl.minimum(kb + 1, kb_n - 1)  # (the last block loads its own again)
-                code_next = tl.load(s_rows + ahead * 4)
-                sx_next = tl.load(x_scales + ahead)
-                w8, sw = _e4m3_block(tl.load(w_rows + kb * 64), code, BN, S_MIN, ASM)
+                w8, sw = _e4m3_block(tl.load(w_rows + kb * 64), tl.load(s_rows + kb * 4), BN, S_MIN, ASM)
                 xt = tl.load(x_cols + kb * 128)
+                sx = tl.load(xs_ptr + rows_c * kb_n + kb)
                 acc += (mma(w8, xt, PRECISION) * sx[None, :]) * sw[:, None]  # powers of two: exact in either order
-                code, sx = code_next, sx_next
             o_ptrs = out_ptr + rows.to(tl.int64)[None, :] * N + cols[:, None]
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[None, :])
 

@@ -70,9 +70,9 @@ class Fp4PrefillTuning:
     ``fp8_min_rows_per_expert`` rows per expert on average, take ``kernels.moe_fp4_fp8``'s FP8
     kernel (the inputs rounded to e4m3 as DeepSeek's inference does; on an H100, runs 87-88, −8% /
     −24% / −25% / −32% at 1K / 2K / 4K / 8K tokens against the kernels before it, 24 / 48 / 96 /
-    192 rows an expert of V4-Flash; at decode sizes, 0.4-1.5 rows, 25-30% slower). Otherwise bf16 rows from
-    ``min_rows_per_expert`` are decoded once into a bf16 scratch, ``scratch_bytes`` of weights at a
-    time; fp32 rows (the parity path) keep the in-register kernels."""
+    192 rows an expert of V4-Flash; at decode sizes, 0.4-1.5 rows, 25-30% slower). Otherwise bf16
+    rows from ``min_rows_per_expert`` are decoded once into a bf16 scratch, ``scratch_bytes`` of
+    weights at a time; fp32 rows (the parity path) keep the in-register kernels."""
 
     min_rows_per_expert: int = 96
     scratch_bytes: int = 2 << 30
@@ -141,8 +141,8 @@ def fp4_grouped_linear(
         return grouped_linear_reference(xs, wq, ws, offs, dequantize_fp4, out)
     if m == 0:
         return out
-    half_precision = xs.dtype in (torch.bfloat16, torch.float16)
-    if xs.is_cuda and half_precision and prefill.fp8 and m >= prefill.fp8_min_rows_per_expert * e and torch.cuda.get_device_capability(xs.device)[0] >= 9:
+    fp8_cores = xs.is_cuda and xs.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(xs.device)[0] >= 9
+    if fp8_cores and prefill.fp8 and m >= prefill.fp8_min_rows_per_expert * e:
         from kernels.moe_fp4_fp8 import fp4_fp8_grouped_linear  # (it imports this module)
 
         return fp4_fp8_grouped_linear(xs, wq, ws, offs)

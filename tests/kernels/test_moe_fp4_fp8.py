@@ -100,7 +100,7 @@ def test_e4m3_fold_is_exact_within_2_14() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [None, (16, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)], ids=["default", "bm16", "bm64", "bm128", "bn128"])
 def test_kernel_matches_the_reference(tiles) -> None:
-    """Groups of 0, 1, a row tile and several rows tiles; scale codes 2^-12..2^1 (within 2^14 a
+    """Groups of 0, 1, a row tile and several row tiles; scale codes 2^-12..2^1 (within 2^14 a
     block): the kernel's product of the quantised inputs equals the reference's up to the FP8
     tensor cores' accumulation (``_within_accumulation``; 4.6e-4 of the largest output seen on an
     H100 for such products, run 85; the interpreter's fp32 math ~1e-7), in fp32 and in bf16."""
@@ -147,11 +147,14 @@ def test_the_kernel_builds_for_sm90() -> None:
     }  # fmt: skip
     assert list(signature) == moe_fp4_fp8._fp4_fp8_kernel.arg_names
     aligned = {(i,): [["tt.divisibility", 16]] for i in (*range(8), 10, 11)}
-    consts = {"BM": 128, "BN": 128, "LOG_E": 9, "S_MIN": moe_fp4_fp8.SCALE_MIN, "ASM": True, "PRECISION": "tf32"}
+    bm, bn, warps, stages = moe_fp4_fp8.fp8_tiles(192)  # the 8K prefill's tiles: 128 rows x 64 weight rows
+    consts = {"BM": bm, "BN": bn, "LOG_E": 9, "S_MIN": moe_fp4_fp8.SCALE_MIN, "ASM": True, "PRECISION": "tf32"}
     kernel = triton.compile(ASTSource(moe_fp4_fp8._fp4_fp8_kernel, signature=signature, attrs=aligned, constexprs=consts),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})  # fmt: skip
-    products = [line.split("}, ", 1)[1] for line in kernel.asm["ptx"].splitlines() if "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in line]
-    assert len(products) == 4 and all(p.startswith("{%r") for p in products)  # A: four registers, not a descriptor
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+    ptx = kernel.asm["ptx"]
+    products = [line.split("}, ", 1)[1] for line in ptx.splitlines() if "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in line]
+    assert len(products) == 4 and all(p.startswith("{%r") for p in products)  # K = 128 a block; A: four registers, not a descriptor
+    assert "0x08080808" in ptx  # the inline-PTX decode
 
 
 @pytest.mark.slow  # the Triton interpreter: minutes on a 2-core box; the GPU suite runs these kernels natively

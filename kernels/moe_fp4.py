@@ -69,8 +69,9 @@ class Fp4PrefillTuning:
     half-precision rows on a GPU with FP8 tensor cores (Hopper on), from
     ``fp8_min_rows_per_expert`` rows per expert on average, take ``kernels.moe_fp4_fp8``'s FP8
     kernel (the inputs rounded to e4m3 as DeepSeek's inference does; on an H100, runs 87-88, −8% /
-    −24% / −25% / −32% at 1K / 2K / 4K / 8K tokens against the kernels before it, 24 / 48 / 96 /
-    192 rows an expert of V4-Flash; at decode sizes, 0.4-1.5 rows, 25-30% slower). Otherwise bf16
+    −24% / −46% / −32% at 1K / 2K / 4K / 8K tokens, 24 / 48 / 96 / 192 rows an expert of
+    V4-Flash, against the path before it: the in-register kernel, from 96 rows the bf16 scratch;
+    at decode sizes, 0.4-1.5 rows, 25-30% slower). Otherwise bf16
     rows from ``min_rows_per_expert`` are decoded once into a bf16 scratch, ``scratch_bytes`` of
     weights at a time; fp32 rows (the parity path) keep the in-register kernels."""
 
